@@ -1,0 +1,88 @@
+"""Sweep launch configs of each kernel on the GPU and print the best per head dim.
+
+    PYTHONPATH=src python benchmarks/tune.py [--head-dims 64,128] [--seqlen 4096] [--causal]
+
+Times each kernel alone (forward; backward with atomic dQ = preprocess + dK/dV;
+deterministic backward = the same + the dQ pass) with configs pinned, on the SPEC 5
+shape for that head dim. The winners feed ``tuning/configs.py``'s heuristic; the
+results are a table, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+import torch
+import triton.testing
+
+from fusedattn.kernels.bwd import attention_backward
+from fusedattn.kernels.fwd import attention_forward
+from fusedattn.spec import resolve_spec
+from fusedattn.tuning.configs import AttentionConfigs, KernelConfig, select_configs
+
+FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4),
+       (64, 128, 4, 3), (128, 32, 4, 4), (128, 128, 4, 2)]
+DKDV = [(32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3),
+        (32, 128, 4, 3), (16, 128, 4, 3), (64, 64, 8, 2)]
+DQ = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2),
+      (64, 64, 4, 2)]
+
+
+def bench(fn):
+    try:
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    except Exception as e:  # out of shared memory / registers: not a candidate
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    results = {}
+    for d in map(int, args.head_dims.split(",")):
+        s, h = args.seqlen, 2048 // d
+        b = max(1, 16384 // s)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+        spec = resolve_spec(d, layout="bhsd", causal=args.causal, window=None, scale=None, softcap=None,
+                            deterministic=False)
+        flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
+        base = select_configs(q.device, q.dtype, d, d)
+        out, lse = attention_forward(q, k, v, spec, base.forward)
+        rows = []
+        for cfg in FWD:
+            t = bench(lambda: attention_forward(q, k, v, spec, KernelConfig(*cfg)))
+            rows.append(("fwd", cfg, t, flops / t * 1e-9 if isinstance(t, float) else None))
+        for cfg in DKDV:
+            configs = replace(base, dkdv=KernelConfig(*cfg))
+            t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
+            rows.append(("bwd-atomic", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
+        det = replace(spec, deterministic=True)
+        for cfg in DQ:
+            configs = replace(base, dq=KernelConfig(*cfg))
+            t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, det, configs))
+            rows.append(("bwd-deterministic", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
+        print(f"\n== D={d} S={s} B={b} H={h} causal={args.causal}  (default {base})")
+        for kind, cfg, t, tf in rows:
+            shown = f"{t:8.3f} ms {tf:6.1f} TFLOP/s" if tf else str(t)
+            print(f"  {kind:<18} BM={cfg[0]:<4} BN={cfg[1]:<4} warps={cfg[2]} stages={cfg[3]}  {shown}")
+        for kind in ("fwd", "bwd-atomic", "bwd-deterministic"):
+            timed = [(t, cfg) for k_, cfg, t, _ in rows if k_ == kind and isinstance(t, float)]
+            if timed:
+                print(f"  best {kind}: {min(timed)[1]} {min(timed)[0]:.3f} ms")
+        results[d] = [dict(kind=k_, config=cfg, ms=t if isinstance(t, float) else None, error=None if isinstance(t, float) else t)
+                      for k_, cfg, t, _ in rows]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

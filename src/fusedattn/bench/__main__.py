@@ -1,0 +1,226 @@
+"""Benchmark fusedattn against its peers, side by side in one process.
+
+    python -m fusedattn.bench                 # SPEC 5 standard shapes, all installed peers
+    python -m fusedattn.bench --quick         # D=128, S in {1k, 4k}
+    python -m fusedattn.bench --systems fusedattn,sdpa-cudnn,flex
+
+Writes ``benchmarks/results/<gpu>-<date>.json`` (and a PNG plot when matplotlib is
+there) and prints a table. Times are medians of ``triton.testing.do_bench`` on CUDA.
+On a CPU-only machine it runs a tiny float32 comparison instead, for a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+import fusedattn
+
+from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable
+
+TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
+
+
+def standard_shapes(quick: bool = False) -> list[Shape]:
+    head_dims = (128,) if quick else (64, 128)
+    seqlens = (1024, 4096) if quick else (1024, 4096, 16384)
+    return [Shape(TOKENS // s, HIDDEN // d, s, d, causal) for d in head_dims for s in seqlens for causal in (False, True)]
+
+
+def cpu_shapes() -> list[Shape]:
+    return [Shape(1, 4, s, 64, causal, torch.float32) for s in (256, 1024) for causal in (False, True)]
+
+
+def _progress(items, desc):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, unit="run", dynamic_ncols=True)
+    except ImportError:
+        return items
+
+
+def _median_ms(fn, grad_to_none=None) -> float:
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+    fn()  # warm up
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+    return sorted(times)[len(times) // 2]
+
+
+def _inputs(shape: Shape, device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    size = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    q, k, v, dout = (torch.randn(size, device=device, dtype=shape.dtype, generator=gen) for _ in range(4))
+    return q, k, v, dout
+
+
+def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torch.Tensor | None]:
+    """One system on one shape: (row, its forward output for checking the others)."""
+    row = dict(system=system.name, case=shape.name, B=shape.batch, H=shape.heads, Sq=shape.seqlen,
+               Sk=shape.seqlen, D=shape.head_dim, causal=shape.causal, dtype=str(shape.dtype).replace("torch.", ""))
+    out = None
+    try:
+        fn = system.make(shape)
+        q, k, v, dout = _inputs(shape, device)
+        with torch.no_grad():
+            out = fn(q, k, v)
+            fwd_ms = _median_ms(lambda: fn(q, k, v))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+
+        def step():
+            fn(*leaves).backward(dout)
+
+        fwdbwd_ms = _median_ms(step, grad_to_none=leaves)
+    except Unavailable as e:
+        row["note"] = f"skipped: {e}"
+        return row, None
+    except Exception as e:  # a peer failing on a shape is a result, not a crash
+        first_line = str(e).splitlines()[0][:160] if str(e) else ""
+        row["note"] = f"fails: {type(e).__name__}: {first_line}"
+        return row, None
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if baseline_out is not None:  # never report a time for a wrong answer without saying so
+        diff = (out.float() - baseline_out.float()).abs().max().item()
+        row.update(max_diff_vs_fusedattn=diff, output_agrees=diff <= (0.05 if shape.dtype != torch.float32 else 1e-3))
+    row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, bwd_ms=fwdbwd_ms - fwd_ms,
+               fwd_tflops=shape.flops("fwd") / fwd_ms * 1e-9, fwdbwd_tflops=shape.flops("fwdbwd") / fwdbwd_ms * 1e-9,
+               bwd_tflops=shape.flops("bwd") / max(fwdbwd_ms - fwd_ms, 1e-6) * 1e-9)
+    return row, out
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu-{platform.machine()}"
+
+
+def environment() -> dict:
+    env = dict(device=device_name(), torch=torch.__version__, fusedattn=fusedattn.__version__,
+               date=datetime.date.today().isoformat())
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["cudnn"] = torch.backends.cudnn.version()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def run(shapes, systems, device) -> list[dict]:
+    rows = []
+    work = [(shape, system) for shape in shapes for system in systems]
+    baseline = {}
+    for shape, system in _progress(work, "benchmark"):
+        row, out = measure(system, shape, device, baseline.get(shape.name))
+        if system.name == "fusedattn" and out is not None:
+            baseline[shape.name] = out
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    ours = {r["case"]: r for r in rows if r["system"] == "fusedattn" and "fwd_ms" in r}
+    lines = [f"{'case':<24}{'system':<20}{'fwd ms':>9}{'fwd TF/s':>10}{'f+b ms':>9}{'f+b TF/s':>10}"
+             f"{'bwd TF/s':>10}{'ours/peer f+b':>15}"]
+    for r in rows:
+        if "fwd_ms" not in r:
+            lines.append(f"{r['case']:<24}{r['system']:<20}  {r.get('note', '')}")
+            continue
+        ratio = ""
+        if r["system"] != "fusedattn" and r["case"] in ours:
+            ratio = f"{ours[r['case']]['fwdbwd_tflops'] / r['fwdbwd_tflops']:.2f}x"
+        lines.append(f"{r['case']:<24}{r['system']:<20}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}"
+                     f"{r['fwdbwd_ms']:>9.3f}{r['fwdbwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}{ratio:>15}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = sorted({(r["D"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (d, causal) in zip(axes[0], panels):
+        for system in dict.fromkeys(r["system"] for r in rows):
+            pts = sorted((r["Sq"], r["fwdbwd_tflops"]) for r in rows
+                         if r["system"] == system and r["D"] == d and r["causal"] == causal and "fwdbwd_tflops" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=system, linewidth=2.5 if system == "fusedattn" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={d}, {'causal' if causal else 'non-causal'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("fwd+bwd TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fusedattn.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="D=128, S in {1k, 4k} only")
+    parser.add_argument("--systems", default=None, help="comma-separated subset of system names")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
+    parser.add_argument("--no-save", action="store_true", help="print the table only")
+    args = parser.parse_args(argv)
+
+    on_gpu = torch.cuda.is_available()
+    device = "cuda" if on_gpu else "cpu"
+    systems = SYSTEMS if on_gpu else CPU_SYSTEMS
+    if args.systems:
+        wanted = args.systems.split(",")
+        unknown = set(wanted) - {s.name for s in systems}
+        if unknown:
+            parser.error(f"unknown systems {sorted(unknown)}; choose from {[s.name for s in systems]}")
+        systems = [s for s in systems if s.name in wanted or s.name == "fusedattn"]
+    shapes = standard_shapes(args.quick) if on_gpu else cpu_shapes()
+    env = environment()
+    print(f"fusedattn benchmark on {env['device']} (torch {env['torch']}, triton {env.get('triton', '-')})")
+    for s in systems:
+        print(f"  {s.name:<20}{s.detail}")
+    rows = run(shapes, systems, device)
+    print(table(rows))
+    if args.no_save:
+        return
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(dict(environment=env, systems={s.name: s.detail for s in systems}, rows=rows),
+                                    indent=1))
+    print(f"wrote {json_path}")
+    if plot(rows, out_dir / f"{stem}.png", f"{env['device']}: forward+backward, bf16, 16k tokens"):
+        print(f"wrote {out_dir / f'{stem}.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The systems the benchmark compares, each as ``make(shape) -> fn(q, k, v) -> out``.
+
+Inputs are (B, H, S, D) tensors (SDPA's layout). Every peer runs in its best
+configuration for the shape (FlexAttention with a block mask, SDPA with is_causal,
+never a dense float mask); a peer that is not installed, or fails on a shape, is
+reported with a note instead of a time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import fusedattn
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def name(self) -> str:
+        return f"D{self.head_dim}-S{self.seqlen}-{'causal' if self.causal else 'full'}"
+
+    def flops(self, mode: str) -> float:
+        """SPEC 5: forward 4*B*H*S*S*D, halved for causal; backward 2.5x forward."""
+        fwd = 4 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        fwd = fwd / 2 if self.causal else fwd
+        return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[mode]
+
+
+class Unavailable(Exception):
+    """The system is not installed or does not support the shape."""
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    make: Callable[[Shape], Callable]
+    detail: str
+
+
+def _fusedattn(shape: Shape):
+    return lambda q, k, v: fusedattn.attention(q, k, v, layout="bhsd", causal=shape.causal)
+
+
+def _sdpa(backend_name: str):
+    def make(shape: Shape):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if backend_name != "MATH" and not torch.cuda.is_available():
+            raise Unavailable("needs CUDA")
+        backend = getattr(SDPBackend, backend_name)
+
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+
+        return fn
+
+    return make
+
+
+def _flex(shape: Shape):
+    if not torch.cuda.is_available():
+        raise Unavailable("needs CUDA (torch.compile)")
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # One compile per shape: keep dynamo from giving up and falling back to the unfused path.
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 4096)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if shape.causal:
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                       shape.seqlen, shape.seqlen, device="cuda")
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def _flaggems(shape: Shape):
+    if importlib.util.find_spec("flag_gems") is None:
+        raise Unavailable("flag_gems not installed")
+    if not torch.cuda.is_available():
+        raise Unavailable("needs CUDA")
+    from flag_gems.ops.attention import scaled_dot_product_attention
+
+    return lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+
+
+def _flash_sparse_dense(shape: Shape):
+    if importlib.util.find_spec("flash_sparse_attn") is None:
+        raise Unavailable("flash_sparse_attn not installed")
+    if not torch.cuda.is_available():
+        raise Unavailable("needs CUDA")
+    from flash_sparse_attn import flash_dense_attn_func
+
+    # Its layout is (B, S, H, D): hand it transposed views of the same data.
+    return lambda q, k, v: flash_dense_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=shape.causal).transpose(1, 2)
+
+
+SYSTEMS = [
+    System("fusedattn", _fusedattn, "fusedattn.attention, layout='bhsd'"),
+    System("sdpa-cudnn", _sdpa("CUDNN_ATTENTION"), "torch SDPA, cuDNN backend, is_causal"),
+    System("sdpa-flash", _sdpa("FLASH_ATTENTION"), "torch SDPA, FlashAttention-2 backend, is_causal"),
+    System("sdpa-efficient", _sdpa("EFFICIENT_ATTENTION"), "torch SDPA, memory-efficient backend, is_causal"),
+    System("flex", _flex, "FlexAttention under torch.compile, causal block mask"),
+    System("flaggems", _flaggems, "flag_gems.ops.attention.scaled_dot_product_attention"),
+    System("flash-sparse-attn", _flash_sparse_dense, "flash_sparse_attn.flash_dense_attn_func (Triton)"),
+]
+CPU_SYSTEMS = [
+    System("fusedattn", _fusedattn, "fusedattn.attention on CPU (chunked PyTorch path)"),
+    System("sdpa-math", _sdpa("MATH"), "torch SDPA, math backend"),
+]

@@ -1,0 +1,118 @@
+"""Input validation (SPEC 3.7): every bad input becomes a ValueError or TypeError that
+names the argument, what was given and what was expected -- never a Triton compile
+error, an illegal memory access or a silently wrong result."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .spec import LAYOUTS
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
+
+
+@dataclass(frozen=True)
+class Shapes:
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+
+
+def _layout_names(layout: str) -> str:
+    return "(B, S, H, D)" if layout == "bshd" else "(B, H, S, D)"
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"fusedattn.attention: `{name}` must be a bool, got {type(value).__name__} {value!r}")
+
+
+def check_options(*, layout, causal, window, scale, softcap, deterministic, return_lse) -> None:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"fusedattn.attention: `layout` must be one of {LAYOUTS}, got {layout!r}")
+    for name, value in (("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)):
+        _check_bool(name, value)
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise ValueError(f"fusedattn.attention: `window` must be a (left, right) pair or None, got {window!r}")
+        for side, w in zip(("left", "right"), window):
+            if isinstance(w, bool) or not isinstance(w, int):
+                raise TypeError(f"fusedattn.attention: `window` {side} must be an int, got {type(w).__name__} {w!r}")
+            if w < -1:
+                raise ValueError(
+                    f"fusedattn.attention: `window` {side} must be >= 0, or -1 for unbounded, got {w}"
+                )
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"fusedattn.attention: `scale` must be a float or None, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"fusedattn.attention: `scale` must be finite, got {scale}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"fusedattn.attention: `softcap` must be a float > 0 or None, got {type(softcap).__name__}")
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"fusedattn.attention: `softcap` must be a finite float > 0 (None = off), got {softcap}")
+
+
+def check_qkv(q, k, v, layout: str) -> Shapes:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fusedattn.attention: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"fusedattn.attention: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, float32"
+            )
+        if t.dim() != 4:
+            raise ValueError(
+                f"fusedattn.attention: `{name}` must be 4-D {_layout_names(layout)} for layout={layout!r}, "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"fusedattn.attention: `{name}` is on {t.device}; expected a CUDA or CPU tensor")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"fusedattn.attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"fusedattn.attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+    def bhsd(t):
+        b, x1, x2, d = t.shape
+        return (b, x2, x1, d) if layout == "bshd" else (b, x1, x2, d)
+
+    (bq, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = bhsd(q), bhsd(k), bhsd(v)
+    where = f"(layout={layout!r}, dims {_layout_names(layout)})"
+    if not (bq == bk == bv):
+        raise ValueError(f"fusedattn.attention: batch sizes differ: q {bq}, k {bk}, v {bv} {where}")
+    if sk != sv:
+        raise ValueError(f"fusedattn.attention: `k` has {sk} keys but `v` has {sv} {where}")
+    if hk != hv:
+        raise ValueError(f"fusedattn.attention: `k` has {hk} heads but `v` has {hv} {where}")
+    if dk != d:
+        raise ValueError(f"fusedattn.attention: `k` head dim {dk} must equal `q` head dim {d} {where}")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(
+            f"fusedattn.attention: q heads ({hq}) must be a multiple of k/v heads ({hk}) {where}"
+        )
+    for name, dim in (("q/k", d), ("v", dv)):
+        if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"fusedattn.attention: {name} head dim {dim} is not supported: expected "
+                f"{MIN_HEAD_DIM} <= head dim <= {MAX_HEAD_DIM}"
+            )
+    return Shapes(bq, hq, hk, sq, sk, d, dv)
+
+
+def check_unsupported(bias, mask, sinks) -> None:
+    for name, value in (("bias", bias), ("mask", mask), ("sinks", sinks)):
+        if value is not None:
+            raise NotImplementedError(
+                f"fusedattn.attention: `{name}` is not supported in this release; "
+                "bias, mask and sinks arrive together with their gradients in the next feature release"
+            )

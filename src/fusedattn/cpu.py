@@ -1,0 +1,104 @@
+"""Chunked pure-PyTorch attention for CPU tensors (SPEC 3.8).
+
+Same semantics and the same forward/backward split as the Triton kernels: the
+forward walks key chunks with an online softmax and returns (out, lse); the
+backward recomputes probabilities from lse chunk by chunk. Memory is
+O(B * H * Sq * chunk), never (Sq, Sk). Computes in float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import AttentionSpec, from_bhsd, keep_mask, to_bhsd
+
+KEY_CHUNK = 256
+
+
+def _grouped(t: torch.Tensor, layout: str, heads_kv: int) -> torch.Tensor:
+    """(B, Hq, S, D) float32 view grouped as (B, Hkv, G, S, D) so K/V broadcast over G."""
+    t = to_bhsd(t, layout).float()
+    b, h, s, d = t.shape
+    return t.reshape(b, heads_kv, h // heads_kv, s, d)
+
+
+def _kv(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return to_bhsd(t, layout).float().unsqueeze(2)  # (B, Hkv, 1, Sk, D)
+
+
+def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seqlen_k: int):
+    """Scores of one key chunk after softcap and masking; also tanh for the softcap gradient."""
+    s = torch.matmul(q, k_chunk.transpose(-1, -2)) * spec.scale
+    t = None
+    if spec.has_softcap:
+        t = torch.tanh(s / spec.softcap)
+        s = spec.softcap * t
+    keep = keep_mask(
+        seqlen_q, seqlen_k, spec.window_left, spec.window_right, q.device, key_start, key_start + k_chunk.shape[-2]
+    )
+    return s.masked_fill(~keep, float("-inf")), t
+
+
+def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    b, hkv, g, s, d = t_grouped.shape
+    return from_bhsd(t_grouped.reshape(b, hkv * g, s, d), layout).to(dtype).contiguous()
+
+
+def forward(q, k, v, spec: AttentionSpec):
+    heads_kv = to_bhsd(k, spec.layout).shape[1]
+    qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
+    b, hkv, g, seqlen_q, _ = qg.shape
+    seqlen_k, head_dim_v = kg.shape[-2], vg.shape[-1]
+    row_max = qg.new_full((b, hkv, g, seqlen_q, 1), float("-inf"))
+    row_sum = qg.new_zeros((b, hkv, g, seqlen_q, 1))
+    acc = qg.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
+    for start in range(0, seqlen_k, KEY_CHUNK):
+        end = min(start + KEY_CHUNK, seqlen_k)
+        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k)
+        new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+        shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        p = torch.exp(s - shift)
+        alpha = torch.exp(row_max - shift)
+        row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, vg[..., start:end, :])
+        row_max = new_max
+    empty = row_sum == 0
+    out = acc / torch.where(empty, torch.ones_like(row_sum), row_sum)
+    lse = torch.where(empty, torch.full_like(row_sum, float("-inf")), row_max + torch.log(row_sum))
+    lse = lse.reshape(b, hkv * g, seqlen_q)
+    return _user_layout(out, spec.layout, q.dtype), lse
+
+
+def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec):
+    heads_kv = to_bhsd(k, spec.layout).shape[1]
+    qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
+    dog, og = _grouped(dout, spec.layout, heads_kv), _grouped(out, spec.layout, heads_kv)
+    b, hkv, g, seqlen_q, _ = qg.shape
+    seqlen_k = kg.shape[-2]
+    # d lse / d s = p, so a gradient on lse folds into delta: ds = p * (dp - (delta - dlse)).
+    delta = (dog * og).sum(dim=-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.float().reshape(b, hkv, g, seqlen_q, 1)
+    lse_g = lse.reshape(b, hkv, g, seqlen_q, 1)
+    # Rows with no key have lse = -inf and only masked (-inf) scores: exp(-inf - inf) = 0, not NaN.
+    lse_g = torch.where(torch.isneginf(lse_g), torch.full_like(lse_g, float("inf")), lse_g)
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros_like(kg.squeeze(2))
+    dv = torch.zeros_like(vg.squeeze(2))
+    for start in range(0, seqlen_k, KEY_CHUNK):
+        end = min(start + KEY_CHUNK, seqlen_k)
+        k_chunk, v_chunk = kg[..., start:end, :], vg[..., start:end, :]
+        s, tanh_s = _scores(qg, k_chunk, spec, start, seqlen_q, seqlen_k)
+        p = torch.exp(s - lse_g)
+        dv[..., start:end, :] = torch.matmul(p.transpose(-1, -2), dog).sum(dim=2)
+        dp = torch.matmul(dog, v_chunk.transpose(-1, -2))
+        ds = p * (dp - delta)
+        if tanh_s is not None:
+            ds = ds * (1.0 - tanh_s * tanh_s)
+        dq += torch.matmul(ds, k_chunk) * spec.scale
+        dk[..., start:end, :] = torch.matmul(ds.transpose(-1, -2), qg).sum(dim=2) * spec.scale
+    return (
+        _user_layout(dq, spec.layout, q.dtype),
+        from_bhsd(dk, spec.layout).to(k.dtype).contiguous(),
+        from_bhsd(dv, spec.layout).to(v.dtype).contiguous(),
+    )

@@ -1,0 +1,169 @@
+"""``fusedattn.attention`` and its autograd glue; no kernel logic lives here.
+
+The forward and backward are ``torch.library`` custom ops with fake (meta)
+implementations, so ``torch.compile`` traces a model that calls ``attention``
+without graph breaks. Each op dispatches to one of two backends that compute the
+same thing (SPEC 3): ``"triton"`` (the fused kernels: CUDA tensors, or CPU tensors
+under ``TRITON_INTERPRET=1``) and ``"torch"`` (the chunked PyTorch path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import torch
+
+from . import cpu
+from .checks import check_options, check_qkv, check_unsupported
+from .kernels.bwd import attention_backward
+from .kernels.fwd import attention_forward, _forward_kernel
+from .spec import AttentionSpec, resolve_spec, to_bhsd
+from .tuning.configs import select_configs
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = os.environ.get("FUSEDATTN_BACKEND", "auto")
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Choose the backend inside the block: ``"auto"`` (Triton on CUDA, PyTorch on CPU),
+    ``"triton"`` (also CPU tensors, when the process was started with ``TRITON_INTERPRET=1``)
+    or ``"torch"``. The environment variable ``FUSEDATTN_BACKEND`` sets the default."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"fusedattn.use_backend: expected one of {BACKENDS}, got {name!r}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def _kernels_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_forward_kernel, InterpretedFunction)
+
+
+def _resolve_backend(device: torch.device) -> str:
+    if _backend not in BACKENDS:
+        raise ValueError(f"FUSEDATTN_BACKEND must be one of {BACKENDS}, got {_backend!r}")
+    if _backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if _backend == "triton" and device.type == "cpu" and not _kernels_interpreted():
+        raise RuntimeError(
+            "fusedattn: the Triton kernels run on CPU tensors only under Triton's interpreter; "
+            "set TRITON_INTERPRET=1 before importing fusedattn"
+        )
+    return _backend
+
+
+def _unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """Any strides are honoured except on the head dim, which needs unit stride: copy once."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
+    if backend == "torch":
+        return cpu.forward(q, k, v, spec)
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    return attention_forward(q, k, v, spec, select_configs(q.device, q.dtype, head_dim, head_dim_v).forward)
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, layout, window_left, window_right, scale, softcap, deterministic, backend):
+    batch, heads_q, seqlen_q, _ = to_bhsd(q, layout).shape
+    head_dim_v = v.shape[-1]
+    out_shape = (batch, seqlen_q, heads_q, head_dim_v) if layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
+    return q.new_empty(out_shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
+def _backward_op(
+    dout: torch.Tensor, dlse: Optional[torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
+    if backend == "torch":
+        return cpu.backward(dout, dlse, q, k, v, out, lse, spec)
+    configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1])
+    return attention_backward(dout, dlse, q, k, v, out, lse, spec, configs)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, dlse, q, k, v, out, lse, *options):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format), \
+        torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.options = options
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse was used
+        dout = torch.zeros_like(out)
+    dout = _unit_stride_head_dim(dout)  # e.g. the expanded ones of out.sum() have stride 0
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    dq, dk, dv = _backward_op(dout, dlse, q, k, v, out, lse, *ctx.options)
+    return (dq, dk, dv) + (None,) * len(ctx.options)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "bshd",
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Exact softmax attention, forward and backward (semantics: SPEC.md section 3).
+
+    q: (B, Sq, Hq, D), k: (B, Sk, Hkv, D), v: (B, Sk, Hkv, Dv) for ``layout="bshd"``;
+    (B, H, S, D) for ``layout="bhsd"``. Returns ``out`` in the same layout as q (with
+    head dim Dv), and with ``return_lse=True`` also ``lse`` (B, Hq, Sq), float32,
+    natural log, -inf for rows that attend to nothing. ``lse`` is differentiable.
+    """
+    check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
+                  deterministic=deterministic, return_lse=return_lse)
+    check_unsupported(bias, mask, sinks)
+    check_qkv(q, k, v, layout)
+    q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
+    spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
+                        softcap=softcap, deterministic=deterministic)
+    out, lse = _forward_op(q, k, v, *spec.op_args(), _resolve_backend(q.device))
+    return (out, lse) if return_lse else out

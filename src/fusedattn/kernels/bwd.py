@@ -1,0 +1,328 @@
+"""Backward: a delta pre-pass, a dK/dV pass, and dQ either by fp32 atomics from the
+dK/dV pass (default) or by a separate pass (``deterministic=True``).
+
+- ``_preprocess_kernel``: delta = rowsum(dO * O) - dlse, one float per query row.
+  A gradient on lse enters only here: d lse / d s = p, so ds = p * (dp - delta).
+- ``_dkdv_kernel``: one program per (key block, batch * kv head). It keeps dK, dV in
+  registers and walks the query blocks of every query head of its KV group, so the
+  GQA sum over the group is a plain in-register reduction in a fixed order.
+- ``_dq_kernel``: one program per (query block, batch * query head), same key-block
+  walk as the forward; dQ stays in registers, so the result is bitwise reproducible.
+
+Tiles in the dK/dV pass are held transposed (keys along rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..spec import AttentionSpec, to_bhsd
+from ..tuning.configs import AttentionConfigs
+from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
+from .fwd import bhs_strides, dot_precision, padded_dim, score_constants
+from .masking import apply_mask
+from .memory import head_base, load_tile, store_tile, tile_ptrs
+from .softmax import log2_scores, lse_for_backward
+
+
+@triton.jit
+def _probabilities(
+    qk, lse2, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
+    scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
+    if IS_MASKED:
+        scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT, TRANSPOSED)
+    if TRANSPOSED:
+        p = tl.math.exp2(scores - lse2[None, :])
+    else:
+        p = tl.math.exp2(scores - lse2[:, None])
+    return p, tanh_arg
+
+
+@triton.jit
+def _score_grad(p, dp, delta, tanh_arg, HAS_SOFTCAP: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """dL/d(scale * qk): softmax gradient, then the softcap chain rule (SPEC 3.4)."""
+    if TRANSPOSED:
+        ds = p * (dp - delta[None, :])
+    else:
+        ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - tanh_arg * tanh_arg)
+    return ds
+
+
+@triton.jit
+def _preprocess_kernel(
+    Out, DOut, DLse, Delta,
+    stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
+    seqlen_q, heads_q,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    batch_head = tl.program_id(1)
+    batch = batch_head // heads_q
+    head = batch_head % heads_q
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_tile = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tile
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = load_tile(tile_ptrs(head_base(Out, batch, head, stride_ob, stride_oh), start_m, stride_os, offs_tile, offs_dv),
+                  offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    do = load_tile(tile_ptrs(head_base(DOut, batch, head, stride_dob, stride_doh), start_m, stride_dos, offs_tile, offs_dv),
+                   offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    row_offset = batch_head.to(tl.int64) * seqlen_q
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(Delta + row_offset + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr,
+    stride_qs, stride_dos, stride_dqs,
+    block_begin, block_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+    qk_scale, softcap_log2, scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_tile = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for m_block in range(block_begin, block_end):
+        start_m = m_block * BLOCK_M
+        offs_m = start_m + offs_tile
+        q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
+                      offs_d, HEAD_DIM, IS_MASKED, HEAD_DIM != BLOCK_D)
+        do = load_tile(tile_ptrs(do_base, start_m, stride_dos, offs_tile, offs_dv), offs_m, seqlen_q,
+                       offs_dv, HEAD_DIM_V, IS_MASKED, HEAD_DIM_V != BLOCK_DV)
+        if IS_MASKED:  # rows past seqlen_q get lse +inf, hence p = 0
+            lse2 = lse_for_backward(tl.load(lse_ptr + offs_m, mask=offs_m < seqlen_q, other=float("-inf")))
+            delta = tl.load(delta_ptr + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        else:  # interior tiles: every row keeps a key, so lse is finite
+            lse2 = tl.load(lse_ptr + offs_m) * 1.4426950408889634
+            delta = tl.load(delta_ptr + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                                     qk_scale, softcap_log2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, IS_MASKED, True)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = _score_grad(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
+            dq_ptrs = tile_ptrs(dq_base, start_m, stride_dqs, offs_tile, offs_d)
+            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos,
+    stride_dkb, stride_dkh, stride_dks,
+    stride_dvb, stride_dvh, stride_dvs,
+    stride_dqb, stride_dqh, stride_dqs,
+    seqlen_q, seqlen_k, heads_kv, group_size, window_left, window_right,
+    qk_scale, softcap_log2, scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    n_block = tl.program_id(0)
+    batch_head_kv = tl.program_id(1)
+    batch = batch_head_kv // heads_kv
+    head_kv = batch_head_kv % heads_kv
+    heads_q = heads_kv * group_size
+
+    start_n = n_block * BLOCK_N
+    offs_tile = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_tile
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = load_tile(tile_ptrs(head_base(K, batch, head_kv, stride_kb, stride_kh), start_n, stride_ks, offs_tile, offs_d),
+                  offs_n, seqlen_k, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+    v = load_tile(tile_ptrs(head_base(V, batch, head_kv, stride_vb, stride_vh), start_n, stride_vs, offs_tile, offs_dv),
+                  offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    begin, interior_begin, interior_end, end = query_blocks_for_key_block(
+        n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    for member in range(0, group_size):
+        head = head_kv * group_size + member
+        q_base = head_base(Q, batch, head, stride_qb, stride_qh)
+        do_base = head_base(DOut, batch, head, stride_dob, stride_doh)
+        dq_base = head_base(DQAccum, batch, head, stride_dqb, stride_dqh)
+        row_offset = (batch * heads_q + head).to(tl.int64) * seqlen_q
+        lse_ptr = Lse + row_offset
+        delta_ptr = Delta + row_offset
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
+            begin, interior_begin, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+            qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
+            interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+            qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, ATOMIC_DQ, DOT_PRECISION)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
+            interior_end, end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+            qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DOT_PRECISION)
+
+    store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
+               dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
+    store_tile(tile_ptrs(head_base(DV, batch, head_kv, stride_dvb, stride_dvh), start_n, stride_dvs, offs_tile, offs_dv),
+               dv, offs_n, seqlen_k, offs_dv, HEAD_DIM_V)
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
+    block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_tile = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n_block in range(block_begin, block_end):
+        start_n = n_block * BLOCK_N
+        offs_n = start_n + offs_tile
+        k = load_tile(tile_ptrs(k_base, start_n, stride_ks, offs_tile, offs_d), offs_n, seqlen_k,
+                      offs_d, HEAD_DIM, IS_MASKED, HEAD_DIM != BLOCK_D)
+        v = load_tile(tile_ptrs(v_base, start_n, stride_vs, offs_tile, offs_dv), offs_n, seqlen_k,
+                      offs_dv, HEAD_DIM_V, IS_MASKED, HEAD_DIM_V != BLOCK_DV)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                                     qk_scale, softcap_log2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, IS_MASKED, False)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = _score_grad(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos,
+    stride_dqb, stride_dqh, stride_dqs,
+    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
+    qk_scale, softcap_log2, scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    if HAS_RIGHT:  # heaviest query blocks first
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // heads_q
+    head = batch_head % heads_q
+    head_kv = head // group_size
+
+    start_m = m_block * BLOCK_M
+    offs_tile = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tile
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = load_tile(tile_ptrs(head_base(Q, batch, head, stride_qb, stride_qh), start_m, stride_qs, offs_tile, offs_d),
+                  offs_m, seqlen_q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+    do = load_tile(tile_ptrs(head_base(DOut, batch, head, stride_dob, stride_doh), start_m, stride_dos, offs_tile, offs_dv),
+                   offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    row_offset = batch_head.to(tl.int64) * seqlen_q
+    lse2 = lse_for_backward(tl.load(Lse + row_offset + offs_m, mask=offs_m < seqlen_q, other=float("-inf")))
+    delta = tl.load(Delta + row_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    k_base = head_base(K, batch, head_kv, stride_kb, stride_kh)
+    v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    begin, interior_begin, interior_end, end = key_blocks_for_query_block(
+        m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, interior_begin, interior_end,
+                   offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, DOT_PRECISION)
+    if HAS_LEFT:
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, begin, interior_begin,
+                       offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, interior_end, end,
+                   offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION)
+    store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
+               dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs):
+    """Returns (dq, dk, dv), each in the layout and dtype of its input."""
+    layout = spec.layout
+    batch, heads_q, seqlen_q, head_dim = to_bhsd(q, layout).shape
+    heads_kv, seqlen_k, head_dim_v = to_bhsd(v, layout).shape[1:]
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_()
+    group_size = heads_q // heads_kv
+    qk_scale, softcap_log2 = score_constants(spec)
+    flags = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_dim(head_dim), BLOCK_DV=padded_dim(head_dim_v),
+        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+
+    delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    pre_block_m = configs.preprocess_block_m
+    _preprocess_kernel[(triton.cdiv(seqlen_q, pre_block_m), batch * heads_q)](
+        out, dout, dlse if dlse is not None else delta, delta,
+        *bhs_strides(out, layout), *bhs_strides(dout, layout), seqlen_q, heads_q,
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
+    )
+
+    atomic_dq = not spec.deterministic
+    # dQ is summed over key blocks by atomics in fp32, then cast; the deterministic path writes it once.
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else torch.empty_like(q, memory_format=torch.contiguous_format)
+    cfg = configs.dkdv
+    _dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * heads_kv)](
+        q, k, v, dout, lse, delta, dk, dv, dq,
+        *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
+        *bhs_strides(dk, layout), *bhs_strides(dv, layout), *bhs_strides(dq, layout),
+        seqlen_q, seqlen_k, heads_kv, group_size, spec.window_left, spec.window_right,
+        qk_scale, softcap_log2, spec.scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic_dq,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )
+    if atomic_dq:
+        return dq.to(q.dtype), dk, dv
+
+    cfg = configs.dq
+    _dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads_q)](
+        q, k, v, dout, lse, delta, dq,
+        *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
+        *bhs_strides(dq, layout),
+        seqlen_q, seqlen_k, heads_q, group_size, spec.window_left, spec.window_right,
+        qk_scale, softcap_log2, spec.scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )
+    return dq, dk, dv

@@ -1,0 +1,165 @@
+"""Forward kernel: one program per (query block, batch * query head).
+
+The key loop runs in up to three stretches given by ``block_range``: boundary tiles
+left of the interior (sliding window only), interior tiles with no mask math, and
+boundary tiles on the right (causal diagonal, window edge, ragged key tail). All
+three call ``_forward_tiles`` with ``IS_MASKED`` as a constexpr.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..spec import AttentionSpec, to_bhsd
+from ..tuning.configs import KernelConfig
+from .block_range import key_blocks_for_query_block
+from .masking import apply_mask
+from .memory import head_base, load_tile, store_tile, tile_ptrs
+from .softmax import finalize_rows, log2_scores, online_softmax_step
+
+
+@triton.jit
+def _forward_tiles(
+    acc, row_max, row_sum, q, k_base, v_base, stride_ks, stride_vs,
+    block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
+    qk_scale, softcap_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    offs_tile = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n_block in range(block_begin, block_end):
+        start_n = n_block * BLOCK_N
+        offs_n = start_n + offs_tile
+        k = load_tile(tile_ptrs(k_base, start_n, stride_ks, offs_tile, offs_d), offs_n, seqlen_k,
+                      offs_d, HEAD_DIM, IS_MASKED, HEAD_DIM != BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        scores, _ = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
+        if IS_MASKED:
+            scores = apply_mask(scores, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                                HAS_LEFT, HAS_RIGHT, False)
+        p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
+        v = load_tile(tile_ptrs(v_base, start_n, stride_vs, offs_tile, offs_dv), offs_n, seqlen_k,
+                      offs_dv, HEAD_DIM_V, IS_MASKED, HEAD_DIM_V != BLOCK_DV)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, row_max, row_sum
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
+    qk_scale, softcap_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # With a right window bound the last query blocks see the most keys: run them first.
+    if HAS_RIGHT:
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        m_block = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // heads_q
+    head = batch_head % heads_q
+    head_kv = head // group_size
+
+    start_m = m_block * BLOCK_M
+    offs_tile = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tile
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_base = head_base(Q, batch, head, stride_qb, stride_qh)
+    k_base = head_base(K, batch, head_kv, stride_kb, stride_kh)
+    v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
+    q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
+                  offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    begin, interior_begin, interior_end, end = key_blocks_for_query_block(
+        m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    acc, row_max, row_sum = _forward_tiles(
+        acc, row_max, row_sum, q, k_base, v_base, stride_ks, stride_vs, interior_begin, interior_end,
+        offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, DOT_PRECISION)
+    if HAS_LEFT:
+        acc, row_max, row_sum = _forward_tiles(
+            acc, row_max, row_sum, q, k_base, v_base, stride_ks, stride_vs, begin, interior_begin,
+            offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION)
+    acc, row_max, row_sum = _forward_tiles(
+        acc, row_max, row_sum, q, k_base, v_base, stride_ks, stride_vs, interior_end, end,
+        offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION)
+
+    out, lse = finalize_rows(acc, row_max, row_sum)
+    o_base = head_base(Out, batch, head, stride_ob, stride_oh)
+    store_tile(tile_ptrs(o_base, start_m, stride_os, offs_tile, offs_dv), out, offs_m, seqlen_q, offs_dv, HEAD_DIM_V)
+    tl.store(Lse + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+
+
+# ----------------------------------------------------------------------------- launcher
+
+LOG2E = 1.4426950408889634
+
+
+def padded_dim(d: int) -> int:
+    """Tile width for a head dim: a power of two, at least 16 (the smallest tl.dot K)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs are computed at fp32 accuracy: no silent tf32 (SPEC 3.6).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def score_constants(spec: AttentionSpec) -> tuple[float, float]:
+    """(qk_scale, softcap_log2) as ``softmax.log2_scores`` expects them."""
+    if spec.has_softcap:
+        return spec.scale / spec.softcap, spec.softcap * LOG2E
+    return spec.scale * LOG2E, 0.0
+
+
+def bhs_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    sb, sh, ss, sd = to_bhsd(t, layout).stride()
+    assert sd == 1, "head dim must have unit stride (the interface copies otherwise)"
+    return sb, sh, ss
+
+
+def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
+    """Returns (out in the user layout, lse (B, Hq, Sq) float32)."""
+    batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
+    heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
+    out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if seqlen_k == 0:  # every row is empty (SPEC 3.1)
+        return out.zero_(), lse.fill_(float("-inf"))
+    qk_scale, softcap_log2 = score_constants(spec)
+    grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads_q)
+    _forward_kernel[grid](
+        q, k, v, out, lse,
+        *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
+        *bhs_strides(out, spec.layout),
+        seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
+        qk_scale, softcap_log2,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_dim(head_dim), BLOCK_DV=padded_dim(head_dim_v),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, lse

@@ -1,0 +1,75 @@
+"""Scores and softmax pieces in the log2 domain, shared by forward and backward.
+
+The softmax scale (and softcap) is folded with log2(e) on the host, so a score costs
+one multiply and ``exp2`` replaces ``exp``. Row statistics follow the convention of
+SPEC 3.1: a row with no kept key ends with sum 0, output 0 and lse -inf.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def tanh(x):
+    # exp2-based, accurate to a few fp32 ulps on the GPU and under the interpreter alike
+    # (libdevice has no interpreter implementation); near 0 a short odd series avoids the
+    # cancellation in 1 - e^{-2|x|}.
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * (-2.0 * 1.4426950408889634))
+    far = (1.0 - e) / (1.0 + e)
+    x2 = ax * ax
+    near = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    magnitude = tl.where(ax < 0.125, near, far)
+    return tl.where(x < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr):
+    """Scores times log2(e), and tanh of the capped argument (for the softcap gradient).
+
+    With softcap: ``qk_scale = scale / softcap`` and ``softcap_log2 = softcap * log2(e)``,
+    so the result is ``log2(e) * softcap * tanh(scale * qk / softcap)`` (SPEC 3.4).
+    Without: ``qk_scale = scale * log2(e)``.
+    """
+    if HAS_SOFTCAP:
+        t = tanh(qk * qk_scale)
+        return t * softcap_log2, t
+    else:
+        return qk * qk_scale, qk
+
+
+@triton.jit
+def online_softmax_step(scores, row_max, row_sum, IS_MASKED: tl.constexpr):
+    """One key tile of the online softmax: returns (p, alpha, new row_max, new row_sum).
+
+    ``alpha`` rescales what was accumulated so far. Only boundary tiles can leave a row
+    at -inf, so only they pay for shifting such rows by 0 instead (exp2(-inf - -inf) is NaN).
+    """
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    if IS_MASKED:
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    else:
+        shift = new_max
+    p = tl.math.exp2(scores - shift[:, None])
+    alpha = tl.math.exp2(row_max - shift)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    return p, alpha, new_max, row_sum
+
+
+@triton.jit
+def finalize_rows(acc, row_max, row_sum):
+    """Normalised output and natural-log lse; rows with no kept key give 0 and -inf."""
+    empty = row_sum == 0.0
+    safe_sum = tl.where(empty, 1.0, row_sum)
+    out = acc / safe_sum[:, None]
+    lse = tl.where(empty, float("-inf"), (row_max + tl.math.log2(safe_sum)) * LN2)
+    return out, lse
+
+
+@triton.jit
+def lse_for_backward(lse):
+    """lse in the log2 domain; a row with no kept key becomes +inf so p = exp2(-inf - inf) = 0."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)

@@ -1,0 +1,113 @@
+"""User options resolved once, on the host, into a frozen spec.
+
+Everything downstream (kernels, CPU path, reference, autograd context) reads the
+spec instead of re-deriving rules: ``causal`` is folded into the window here, so
+no code path has a separate causal branch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("bshd", "bhsd")
+UNBOUNDED = -1
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Resolved options of one attention call.
+
+    ``window_left`` / ``window_right`` bound the keys a query may see around the
+    bottom-right aligned diagonal (SPEC 3.2); ``UNBOUNDED`` (-1) means no bound.
+    ``softcap`` is 0.0 when off.
+    """
+
+    layout: str
+    window_left: int
+    window_right: int
+    scale: float
+    softcap: float
+    deterministic: bool
+
+    def op_args(self) -> tuple:
+        """The spec as plain values, the way the custom ops carry it."""
+        return (self.layout, self.window_left, self.window_right, self.scale, self.softcap, self.deterministic)
+
+    @property
+    def has_window_left(self) -> bool:
+        return self.window_left != UNBOUNDED
+
+    @property
+    def has_window_right(self) -> bool:
+        return self.window_right != UNBOUNDED
+
+    @property
+    def has_softcap(self) -> bool:
+        return self.softcap != 0.0
+
+
+def fold_window(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
+    """``causal=True`` is ``window=(-1, 0)``; both given means their intersection."""
+    left, right = (UNBOUNDED, UNBOUNDED) if window is None else (int(window[0]), int(window[1]))
+    if causal:
+        right = 0 if right == UNBOUNDED else min(right, 0)
+    return left, right
+
+
+def resolve_spec(
+    head_dim: int,
+    *,
+    layout: str,
+    causal: bool,
+    window: tuple[int, int] | None,
+    scale: float | None,
+    softcap: float | None,
+    deterministic: bool,
+) -> AttentionSpec:
+    left, right = fold_window(causal, window)
+    return AttentionSpec(
+        layout=layout,
+        window_left=left,
+        window_right=right,
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),
+        softcap=float(softcap) if softcap is not None else 0.0,
+        deterministic=bool(deterministic),
+    )
+
+
+def keep_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    window_left: int,
+    window_right: int,
+    device=None,
+    key_start: int = 0,
+    key_end: int | None = None,
+) -> torch.Tensor:
+    """(Sq, key_end - key_start) bool: query i may attend key j (SPEC 3.2, bottom-right aligned).
+
+    The host-side statement of the rule, used by the reference and the CPU path;
+    the kernels' ``masking.apply_mask`` computes the same predicate per tile.
+    """
+    key_end = seqlen_k if key_end is None else key_end
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(key_start, key_end, device=device)[None, :]
+    offset_from_diagonal = cols - rows - (seqlen_k - seqlen_q)
+    keep = torch.ones(seqlen_q, key_end - key_start, dtype=torch.bool, device=device)
+    if window_right != UNBOUNDED:
+        keep &= offset_from_diagonal <= window_right
+    if window_left != UNBOUNDED:
+        keep &= offset_from_diagonal >= -window_left
+    return keep
+
+
+def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A view of ``t`` in (B, H, S, D) order, whatever the user layout."""
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+def from_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t.transpose(1, 2) if layout == "bshd" else t

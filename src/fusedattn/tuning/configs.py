@@ -1,0 +1,84 @@
+"""Launch configurations: frozen dataclasses and a deterministic heuristic default.
+
+One config per kernel. The heuristic depends only on what changes the best tiling
+(device, dtype, head dims); sequence lengths are runtime arguments of the kernels and
+never change which kernel is compiled. Tests pin configs with ``pinned_configs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class AttentionConfigs:
+    forward: KernelConfig
+    dkdv: KernelConfig  # one program per key block; block_m is its query-loop step
+    dq: KernelConfig  # one program per query block (deterministic path)
+    preprocess_block_m: int = 64
+
+
+_pinned: AttentionConfigs | None = None
+
+
+@contextlib.contextmanager
+def pinned_configs(configs: AttentionConfigs):
+    """Use ``configs`` for every launch inside the block (tests, tuning runs)."""
+    global _pinned
+    previous, _pinned = _pinned, configs
+    try:
+        yield configs
+    finally:
+        _pinned = previous
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Under the interpreter tiles are small so that tests of short, odd lengths still cross
+# several blocks, and cheap because every program runs serially on the CPU.
+INTERPRETER_CONFIGS = AttentionConfigs(
+    forward=KernelConfig(16, 16, 1, 1),
+    dkdv=KernelConfig(16, 16, 1, 1),
+    dq=KernelConfig(16, 16, 1, 1),
+    preprocess_block_m=16,
+)
+
+
+def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int) -> AttentionConfigs:
+    width = max(head_dim, head_dim_v)  # padded to a power of two by the kernels
+    wide = dtype == torch.float32  # 4-byte tiles need half the rows to fit shared memory
+    if width <= 64:
+        fwd = KernelConfig(128, 64 if wide else 128, 8 if not wide else 4, 3)
+        dkdv = KernelConfig(32 if wide else 64, 64 if wide else 128, 8, 2)
+        dq = KernelConfig(64 if wide else 128, 32 if wide else 64, 8 if not wide else 4, 2)
+    elif width <= 128:
+        fwd = KernelConfig(64 if wide else 128, 32 if wide else 64, 8 if not wide else 4, 3 if not wide else 2)
+        dkdv = KernelConfig(32, 64 if wide else 128, 8, 2)
+        dq = KernelConfig(64 if wide else 128, 32 if wide else 64, 8, 2)
+    else:
+        fwd = KernelConfig(32 if wide else 64, 32 if wide else 64, 4, 2)
+        dkdv = KernelConfig(16 if wide else 32, 32 if wide else 64, 4 if wide else 8, 1 if wide else 2)
+        dq = KernelConfig(32 if wide else 64, 16 if wide else 32, 4 if wide else 8, 1 if wide else 2)
+    return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
+
+
+def select_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> AttentionConfigs:
+    if _pinned is not None:
+        return _pinned
+    if device.type != "cuda":
+        return INTERPRETER_CONFIGS
+    return _cuda_configs(dtype, head_dim, head_dim_v)

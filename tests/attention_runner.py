@@ -1,0 +1,61 @@
+"""Runs one Case through fusedattn and the references, forward and backward."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+import fusedattn
+from fusedattn.reference import reference_attention
+
+from cases import Case
+from numerics import assert_close_to_reference
+
+
+def make_inputs(case: Case, device, seed: int | None = None):
+    """Fresh random normal q, k, v, dout, dlse (never zeros), seeded by the case id."""
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) if seed is None else seed)
+
+    def shape(seqlen, heads, dim):
+        return (case.batch, seqlen, heads, dim) if case.layout == "bshd" else (case.batch, heads, seqlen, dim)
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen).to(device=device, dtype=case.dtype)
+
+    q = randn(shape(case.seqlen_q, case.heads_q, case.head_dim))
+    k = randn(shape(case.seqlen_k, case.heads_kv, case.head_dim))
+    v = randn(shape(case.seqlen_k, case.heads_kv, case.dv))
+    dout = randn(shape(case.seqlen_q, case.heads_q, case.dv))
+    dlse = torch.randn(case.batch, case.heads_q, case.seqlen_q, generator=gen).to(device)
+    return q, k, v, dout, dlse
+
+
+def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False):
+    """(out, lse, dq, dk, dv) of ``fn(q, k, v) -> (out, lse)``; inputs cast to ``dtype``."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = fn(*leaves)
+    outputs, grads = [out], [dout.to(out.dtype)]
+    if lse_grad:
+        outputs.append(lse)
+        grads.append(dlse.to(lse.dtype))
+    dq, dk, dv = torch.autograd.grad(outputs, leaves, grads)
+    return out, lse, dq, dk, dv
+
+
+def check_case(case: Case, backend: str, device, inputs=None) -> None:
+    q, k, v, dout, dlse = make_inputs(case, device) if inputs is None else inputs
+    opts = case.options()
+
+    def ours(q_, k_, v_):
+        with fusedattn.use_backend(backend):
+            return fusedattn.attention(q_, k_, v_, deterministic=case.deterministic, return_lse=True, **opts)
+
+    def reference(q_, k_, v_):
+        return reference_attention(q_, k_, v_, return_lse=True, **opts)
+
+    got = forward_backward(ours, q, k, v, dout, dlse, lse_grad=case.lse_grad)
+    lowp = forward_backward(reference, q, k, v, dout, dlse, lse_grad=case.lse_grad)
+    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=case.lse_grad)
+    for name, ours_t, lowp_t, ref_t in zip(("out", "lse", "dq", "dk", "dv"), got, lowp, ref64):
+        assert_close_to_reference(f"{case.id} {name}", ours_t, lowp_t, ref_t)

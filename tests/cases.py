@@ -1,0 +1,124 @@
+"""Test cases as data.
+
+QUICK is sized for Triton's interpreter (every program runs serially on the CPU, tiles
+are 16x16): lengths are short but odd and cross several blocks, so ragged tails, the
+diagonal and both window edges land inside tiles. FULL is the GPU grid: the lengths and
+head dims SPEC 4 names, in bf16 and fp16, on the tuned tile sizes.
+
+Each list covers every feature alone and combined with the others: lengths x mask forms,
+head dims (non powers of two, D != Dv), GQA/MQA, softcap, layouts, deterministic mode,
+a gradient through lse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 1
+    heads_q: int = 2
+    heads_kv: int = 2
+    seqlen_q: int = 17
+    seqlen_k: int = 17
+    head_dim: int = 32
+    head_dim_v: int | None = None  # None: same as head_dim
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    scale: float | None = None  # None: 1/sqrt(head_dim)
+    layout: str = "bshd"
+    deterministic: bool = False
+    lse_grad: bool = False  # put lse into the loss as well
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def id(self) -> str:
+        parts = [f"b{self.batch}h{self.heads_q}-{self.heads_kv}", f"s{self.seqlen_q}x{self.seqlen_k}",
+                 f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else ""),
+                 str(self.dtype).replace("torch.", ""), self.layout]
+        if self.causal:
+            parts.append("causal")
+        if self.window is not None:
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
+        if self.softcap is not None:
+            parts.append(f"cap{self.softcap:g}")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale:g}")
+        if self.deterministic:
+            parts.append("det")
+        if self.lse_grad:
+            parts.append("dlse")
+        return "-".join(parts)
+
+    def options(self) -> dict:
+        return dict(layout=self.layout, causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale)
+
+
+MASK_FORMS = [
+    dict(),
+    dict(causal=True),
+    dict(window=(9, 4)),
+    dict(window=(-1, 5)),
+    dict(causal=True, window=(20, -1)),
+]
+QUICK_LENGTHS = [(1, 1), (1, 17), (17, 1), (17, 33), (33, 17), (113, 127), (129, 113)]
+
+QUICK: list[Case] = [
+    # every mask form on ragged lengths, Sq < Sk and Sq > Sk, alternating layout/dtype/mode
+    *[
+        Case(seqlen_q=sq, seqlen_k=sk, layout=("bshd", "bhsd")[i % 2],
+             dtype=(torch.float16, torch.float32)[(i // 2) % 2], deterministic=bool((i // 3) % 2), **form)
+        for i, ((sq, sk), form) in enumerate((lengths, form) for lengths in QUICK_LENGTHS for form in MASK_FORMS)
+    ],
+    # head dims: tiny, non powers of two, the largest, D != Dv both ways
+    *[Case(seqlen_q=33, seqlen_k=47, head_dim=d, head_dim_v=dv, causal=(d % 3 == 0))
+      for d, dv in [(8, None), (40, None), (80, None), (96, 64), (192, None), (256, None), (64, 24), (24, 96)]],
+    # grouped-query and multi-query attention, with every other feature
+    Case(heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=65, causal=True, softcap=5.0, deterministic=True),
+    Case(heads_q=6, heads_kv=1, seqlen_q=65, seqlen_k=47, window=(12, 7), layout="bhsd"),
+    Case(batch=2, heads_q=4, heads_kv=1, seqlen_q=33, seqlen_k=33, causal=True, lse_grad=True, dtype=torch.float32),
+    # softcap alone (large enough to bend scores), with a window, in fp32
+    Case(seqlen_q=47, seqlen_k=47, softcap=2.0, head_dim=64),
+    Case(seqlen_q=47, seqlen_k=80, softcap=3.0, window=(16, 16), dtype=torch.float32, lse_grad=True),
+    # explicit scale (with and without softcap), batch > 1, lse in the loss
+    Case(batch=3, seqlen_q=31, seqlen_k=31, scale=0.3, lse_grad=True, deterministic=True),
+    Case(seqlen_q=31, seqlen_k=45, scale=0.9, softcap=4.0, causal=True, dtype=torch.float32),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=17, seqlen_k=129, window=(3, 0), lse_grad=True, layout="bhsd"),
+]
+
+FULL_LENGTHS = [(1, 1), (17, 17), (113, 255), (255, 113), (127, 129), (1000, 1000), (1, 1000), (1000, 17)]
+FULL_HEAD_DIMS = [(40, None), (64, None), (80, None), (96, None), (128, None), (192, None), (256, None), (128, 64)]
+
+FULL: list[Case] = [
+    *[
+        Case(batch=2, heads_q=4, heads_kv=(4, 2, 1)[i % 3], seqlen_q=sq, seqlen_k=sk,
+             head_dim=(64, 128)[i % 2], dtype=(torch.bfloat16, torch.float16)[(i // 2) % 2],
+             layout=("bshd", "bhsd")[(i // 3) % 2], deterministic=bool((i // 5) % 2), **form)
+        for i, ((sq, sk), form) in enumerate((lengths, form) for lengths in FULL_LENGTHS for form in MASK_FORMS)
+    ],
+    *[
+        Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=255, seqlen_k=257, head_dim=d, head_dim_v=dv,
+             causal=bool(i % 2), softcap=(None, 30.0)[(i // 2) % 2], dtype=dt, deterministic=bool(i % 3 == 0))
+        for i, (d, dv) in enumerate(FULL_HEAD_DIMS) for dt in (torch.bfloat16, torch.float16)
+    ],
+    *[Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=129, seqlen_k=127, head_dim=d, dtype=torch.float32, causal=True)
+      for d in (40, 64, 128, 256)],
+    Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128, causal=True, softcap=30.0,
+         window=(256, -1), lse_grad=True, dtype=torch.bfloat16),
+    Case(batch=1, heads_q=16, heads_kv=1, seqlen_q=777, seqlen_k=2048, head_dim=64, window=(100, 100),
+         softcap=15.0, scale=0.2, deterministic=True, dtype=torch.bfloat16, layout="bhsd"),
+    Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=300, seqlen_k=300, head_dim=96, scale=0.05, dtype=torch.float16),
+]
+
+
+def for_dtypes(cases: list[Case], dtypes: tuple[torch.dtype, ...]) -> list[Case]:
+    """The cases with any dtype outside ``dtypes`` moved to the first of them."""
+    return [c if c.dtype in dtypes else replace(c, dtype=dtypes[0]) for c in cases]

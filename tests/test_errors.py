@@ -1,0 +1,75 @@
+"""Bad input (SPEC 3.7): a ValueError/TypeError naming the argument, what was given and
+what was expected -- raised before any kernel runs."""
+
+import pytest
+import torch
+
+import fusedattn
+
+
+def qkv(b=1, sq=8, sk=8, hq=2, hkv=2, d=16, dv=None, dtype=torch.float16, layout="bshd"):
+    def shape(s, h, dim):
+        return (b, s, h, dim) if layout == "bshd" else (b, h, s, dim)
+    return (torch.randn(shape(sq, hq, d), dtype=dtype), torch.randn(shape(sk, hkv, d), dtype=dtype),
+            torch.randn(shape(sk, hkv, dv or d), dtype=dtype))
+
+
+def with_k(**kw):
+    q, k, v = qkv()
+    k2 = qkv(**kw)[1]
+    return (q, k2, v), {}
+
+
+BAD_INPUTS = [
+    # (description, builder -> (args, kwargs), error type, substrings the message must contain)
+    ("q 3-D", lambda: ((qkv()[0][0], *qkv()[1:]), {}), ValueError, ["`q`", "4-D", "(8, 2, 16)"]),
+    ("k 5-D", lambda: ((qkv()[0], qkv()[1][None], qkv()[2]), {}), ValueError, ["`k`", "4-D"]),
+    ("int dtype", lambda: ((qkv()[0].to(torch.int32), *qkv()[1:]), {}), TypeError, ["`q`", "int32", "float16"]),
+    ("float64", lambda: (qkv(dtype=torch.float64), {}), TypeError, ["float64", "expected"]),
+    ("mixed dtypes", lambda: ((qkv()[0], qkv()[1].float(), qkv()[2]), {}), TypeError, ["share a dtype"]),
+    ("not a tensor", lambda: ((qkv()[0].tolist(), *qkv()[1:]), {}), TypeError, ["`q`", "torch.Tensor", "list"]),
+    ("batch mismatch", lambda: with_k(b=2), ValueError, ["batch", "q 1", "k 2"]),
+    ("k/v length mismatch", lambda: ((qkv()[0], qkv(sk=9)[1], qkv()[2]), {}), ValueError, ["`k` has 9 keys", "`v` has 8"]),
+    ("k/v heads mismatch", lambda: ((qkv()[0], qkv(hkv=1)[1], qkv()[2]), {}), ValueError, ["`k` has 1 heads", "`v` has 2"]),
+    ("head ratio", lambda: (qkv(hq=3, hkv=2), {}), ValueError, ["q heads (3)", "multiple of k/v heads (2)"]),
+    ("q/k head dims differ", lambda: ((qkv(d=16)[0], *qkv(d=32)[1:]), {}), ValueError, ["head dim 32", "head dim 16"]),
+    ("head dim > 256", lambda: (qkv(d=288), {}), ValueError, ["head dim 288", "<= 256"]),
+    ("head dim < 8", lambda: (qkv(d=4), {}), ValueError, ["head dim 4", "8 <="]),
+    ("v head dim > 256", lambda: (qkv(dv=320), {}), ValueError, ["v head dim 320"]),
+    ("unknown layout", lambda: (qkv(), {"layout": "sbhd"}), ValueError, ["`layout`", "'sbhd'", "bshd"]),
+    ("layout mismatch", lambda: (qkv(sq=8, sk=16, hq=4, hkv=2), {"layout": "bhsd"}), ValueError, ["layout='bhsd'"]),
+    ("softcap 0", lambda: (qkv(), {"softcap": 0.0}), ValueError, ["`softcap`", "> 0", "0.0"]),
+    ("softcap negative", lambda: (qkv(), {"softcap": -5.0}), ValueError, ["`softcap`", "-5.0"]),
+    ("softcap str", lambda: (qkv(), {"softcap": "30"}), TypeError, ["`softcap`", "str"]),
+    ("scale nan", lambda: (qkv(), {"scale": float("nan")}), ValueError, ["`scale`", "finite"]),
+    ("window triple", lambda: (qkv(), {"window": (1, 2, 3)}), ValueError, ["`window`", "(1, 2, 3)"]),
+    ("window below -1", lambda: (qkv(), {"window": (-2, 0)}), ValueError, ["`window` left", "-2"]),
+    ("window float", lambda: (qkv(), {"window": (4.5, 0)}), TypeError, ["`window` left", "float"]),
+    ("causal not bool", lambda: (qkv(), {"causal": 1}), TypeError, ["`causal`", "bool", "int"]),
+    ("bias before its release", lambda: (qkv(), {"bias": torch.zeros(1, 2, 8, 8)}), NotImplementedError, ["`bias`"]),
+    ("mask before its release", lambda: (qkv(), {"mask": torch.ones(1, 2, 8, 8, dtype=torch.bool)}),
+     NotImplementedError, ["`mask`"]),
+    ("sinks before their release", lambda: (qkv(), {"sinks": torch.zeros(2)}), NotImplementedError, ["`sinks`"]),
+]
+
+
+@pytest.mark.parametrize("description,build,error,substrings", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_a_clear_error(description, build, error, substrings):
+    args, kwargs = build()
+    with pytest.raises(error) as info:
+        fusedattn.attention(*args, **kwargs)
+    for s in substrings:
+        assert s in str(info.value), f"{description}: {s!r} not in message {str(info.value)!r}"
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="expected one of"):
+        with fusedattn.use_backend("cuda-please"):
+            pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs two devices: CPU and CUDA")
+def test_mixed_devices_raise():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="one device"):
+        fusedattn.attention(q.cuda(), k, v)

@@ -1,0 +1,113 @@
+"""Semantics beyond the case grid: strided inputs, rows with no key, reproducibility,
+empty sequences. Each runs on both backends (Triton: GPU, or the interpreter on CPU)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import fusedattn
+from attention_runner import check_case, forward_backward, make_inputs
+from cases import Case
+
+ON_GPU = torch.cuda.is_available()
+BACKENDS = [("triton", "cuda" if ON_GPU else "cpu"), ("torch", "cpu")]
+BACKEND_IDS = [b for b, _ in BACKENDS]
+
+
+def _dtype(device):
+    return torch.bfloat16 if device == "cuda" else torch.float16
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+def test_fused_qkv_views_and_strided_grad_are_honoured(backend, device):
+    """q, k, v as views of one (B, S, 3, H, D) projection; dout with a transposed layout."""
+    case = Case(batch=2, heads_q=3, heads_kv=3, seqlen_q=37, seqlen_k=37, head_dim=40, causal=True, dtype=_dtype(device))
+    qkv = torch.randn(2, 37, 3, 3, 40, device=device).to(case.dtype)
+    q, k, v = qkv.unbind(dim=2)
+    assert not q.is_contiguous()
+    dout = torch.randn(2, 3, 37, 40, device=device).to(case.dtype).transpose(1, 2)  # bshd view of bhsd storage
+    dlse = torch.randn(2, 3, 37, device=device)
+    check_case(case, backend, device, inputs=(q, k, v, dout, dlse))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+def test_bhsd_transposed_views_and_non_unit_head_stride(backend, device):
+    case = Case(heads_q=4, heads_kv=2, seqlen_q=29, seqlen_k=45, head_dim=24, layout="bhsd", window=(8, 8),
+                dtype=_dtype(device))
+    q = torch.randn(1, 29, 4, 24, device=device).to(case.dtype).transpose(1, 2)  # bhsd view of bshd storage
+    k = torch.randn(1, 2, 45, 48, device=device).to(case.dtype)[..., ::2]  # head dim stride 2: copied once
+    v = torch.randn(1, 45, 2, 24, device=device).to(case.dtype).transpose(1, 2)
+    dout = torch.randn(1, 4, 29, 24, device=device).to(case.dtype)
+    check_case(case, backend, device, inputs=(q, k, v, dout, torch.randn(1, 4, 29, device=device)))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k,options", [
+    (40, 17, dict(causal=True)),  # bottom-right: the first 23 queries see no key
+    (33, 33, dict(window=(0, 0))),  # diagonal only: every row keeps exactly one key
+    (50, 20, dict(window=(2, 1))),  # rows far above the shifted diagonal see nothing
+], ids=["causal-sq>sk", "diagonal", "window-sq>sk"])
+def test_rows_with_no_key_give_zero_output_minus_inf_lse_and_zero_grads(backend, device, seqlen_q, seqlen_k, options):
+    case = Case(heads_q=2, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, dtype=_dtype(device), **options)
+    q, k, v, dout, dlse = make_inputs(case, device)
+    with fusedattn.use_backend(backend):
+        out, lse, dq, dk, dv = forward_backward(
+            lambda a, b, c: fusedattn.attention(a, b, c, return_lse=True, **case.options()),
+            q, k, v, dout, dlse, lse_grad=True)
+    for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"NaN in {name}"
+    diag = seqlen_k - seqlen_q
+    left, right = case.window if case.window else (-1, 0)
+    rows = torch.arange(seqlen_q)
+    lo = (rows + diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(rows)
+    hi = (rows + diag + right).clamp(max=seqlen_k - 1)
+    empty = (hi < lo).to(device)
+    if options.get("window") == (0, 0):
+        assert not empty.any()
+    else:
+        assert empty.any(), "the case must contain rows with no key"
+    assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
+    assert torch.isneginf(lse[:, :, empty]).all() and torch.isfinite(lse[:, :, ~empty]).all()
+    assert torch.equal(dq[:, empty], torch.zeros_like(dq[:, empty]))
+    check_case(case, backend, device, inputs=(q, k, v, dout, dlse))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("case", [
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=64, causal=True),
+    Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=65, seqlen_k=65, head_dim=40, window=(9, 9), softcap=4.0),
+], ids=lambda c: c.id)
+def test_repeated_calls_are_bitwise_identical(backend, device, case):
+    """Forward and dK/dV are always reproducible; with deterministic=True dQ is too.
+    A result that changes between runs on the same input would be a race."""
+    case = replace(case, dtype=_dtype(device))
+    q, k, v, dout, dlse = make_inputs(case, device)
+    for deterministic in (True, False):
+        runs = []
+        for _ in range(2):
+            with fusedattn.use_backend(backend):
+                runs.append(forward_backward(
+                    lambda a, b, c: fusedattn.attention(a, b, c, return_lse=True, deterministic=deterministic,
+                                                        **case.options()), q, k, v, dout, dlse))
+        names = ("out", "lse", "dq", "dk", "dv")
+        for name, first, second in zip(names, *runs):
+            if name == "dq" and not deterministic:
+                continue  # fp32 atomics: reproducible only up to summation order
+            assert torch.equal(first, second), f"{name} differs between runs (deterministic={deterministic})"
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k", [(2, 0, 5), (2, 5, 0), (0, 5, 5)])
+def test_empty_sequences(backend, device, batch, seqlen_q, seqlen_k):
+    """Sq = 0 gives an empty output; Sk = 0 leaves every row without a key (out 0, lse -inf)."""
+    q = torch.randn(batch, seqlen_q, 2, 16, device=device, requires_grad=True)
+    k = torch.randn(batch, seqlen_k, 2, 16, device=device, requires_grad=True)
+    v = torch.randn(batch, seqlen_k, 2, 16, device=device, requires_grad=True)
+    with fusedattn.use_backend(backend):
+        out, lse = fusedattn.attention(q, k, v, return_lse=True)
+        (out.sum() + torch.where(torch.isinf(lse), 0.0, lse).sum()).backward()
+    assert out.shape == (batch, seqlen_q, 2, 16) and lse.shape == (batch, 2, seqlen_q)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    for t in (q, k, v):
+        assert torch.equal(t.grad, torch.zeros_like(t))
