@@ -23,12 +23,12 @@ from fusedattn.kernels.fwd import attention_forward
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import AttentionConfigs, KernelConfig, select_configs
 
-FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4),
-       (64, 128, 4, 3), (128, 32, 4, 4), (128, 128, 4, 2)]
-DKDV = [(32, 128, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3),
-        (32, 128, 4, 3), (16, 128, 4, 3), (64, 64, 8, 2)]
-DQ = [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2),
-      (64, 64, 4, 2)]
+FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
+       (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2)]
+DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 4),
+        (128, 128, 8, 2)]
+DQ = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2),
+      (64, 64, 4, 4)]
 
 
 def bench(fn):
@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--only", default="fwd,bwd-tma,bwd-atomic,bwd-det-dkdv,bwd-det-dq")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     results = {}
@@ -57,23 +58,29 @@ def main() -> None:
         base = select_configs(q.device, q.dtype, d, d)
         out, lse = attention_forward(q, k, v, spec, base.forward)
         rows = []
-        for cfg in FWD:
+        only = args.only.split(",")
+        for cfg in FWD if "fwd" in only else []:
             t = bench(lambda: attention_forward(q, k, v, spec, KernelConfig(*cfg)))
             rows.append(("fwd", cfg, t, flops / t * 1e-9 if isinstance(t, float) else None))
-        for cfg in DKDV:
-            configs = replace(base, dkdv=KernelConfig(*cfg))
-            t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
-            rows.append(("bwd-atomic", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
+        for dq_tma, kind in ((True, "bwd-tma"), (False, "bwd-atomic")):  # dQ by atomics from the dK/dV pass
+            for cfg in DKDV if kind in only else []:
+                configs = replace(base, dkdv=KernelConfig(*cfg), atomic_dq=True, dq_tma=dq_tma)
+                t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
+                rows.append((kind, cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
         det = replace(spec, deterministic=True)
-        for cfg in DQ:
-            configs = replace(base, dq=KernelConfig(*cfg))
+        for cfg in DKDV if "bwd-det-dkdv" in only else []:  # deterministic path: dK/dV without atomics, then the dQ pass (best-known dq config)
+            configs = replace(base, dkdv=KernelConfig(*cfg), dq=KernelConfig(*DQ[0]), atomic_dq=False)
             t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, det, configs))
-            rows.append(("bwd-deterministic", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
+            rows.append(("bwd-det-dkdv", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
+        for cfg in DQ if "bwd-det-dq" in only else []:
+            configs = replace(base, dq=KernelConfig(*cfg), atomic_dq=False)
+            t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, det, configs))
+            rows.append(("bwd-det-dq", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
         print(f"\n== D={d} S={s} B={b} H={h} causal={args.causal}  (default {base})")
         for kind, cfg, t, tf in rows:
             shown = f"{t:8.3f} ms {tf:6.1f} TFLOP/s" if tf else str(t)
             print(f"  {kind:<18} BM={cfg[0]:<4} BN={cfg[1]:<4} warps={cfg[2]} stages={cfg[3]}  {shown}")
-        for kind in ("fwd", "bwd-atomic", "bwd-deterministic"):
+        for kind in ("fwd", "bwd-tma", "bwd-atomic", "bwd-det-dkdv", "bwd-det-dq"):
             timed = [(t, cfg) for k_, cfg, t, _ in rows if k_ == kind and isinstance(t, float)]
             if timed:
                 print(f"  best {kind}: {min(timed)[1]} {min(timed)[0]:.3f} ms")

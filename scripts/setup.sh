@@ -4,7 +4,7 @@
 # version the GPU suite is run with; its interpreter is what the CPU tests use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-python}
 $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 $PY -c "import triton" 2>/dev/null || $PY -m pip install -q "triton==3.6.0"
 $PY -m pip install -q -e ".[test,bench]"

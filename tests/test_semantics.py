@@ -111,3 +111,30 @@ def test_empty_sequences(backend, device, batch, seqlen_q, seqlen_k):
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     for t in (q, k, v):
         assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+SCHEDULES = {
+    # name: the AttentionConfigs fields that select a backward schedule
+    "dq-pass-split": dict(atomic_dq=False, fuse_dq_pass=False),
+    "dq-pass-fused": dict(atomic_dq=False, fuse_dq_pass=True),
+    "dq-atomics": dict(atomic_dq=True, dq_tma=False),
+    "dq-tma-reduce": dict(atomic_dq=True, dq_tma=True),  # Hopper only: the interpreter has no TMA
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=list(SCHEDULES))
+@pytest.mark.parametrize("case", [
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=40, causal=True, lse_grad=True),
+    Case(batch=1, heads_q=3, heads_kv=1, seqlen_q=129, seqlen_k=65, head_dim=64, window=(20, 7), softcap=8.0),
+], ids=lambda c: c.id)
+def test_every_backward_schedule_matches_reference(schedule, case):
+    """The heuristic picks one dQ schedule per head dim; each must stay correct on its own."""
+    from fusedattn.tuning.configs import pinned_configs, select_configs
+
+    if schedule == "dq-tma-reduce" and not (ON_GPU and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("TMA reduce-add needs a Hopper (or newer) GPU")
+    device = "cuda" if ON_GPU else "cpu"
+    case = replace(case, dtype=_dtype(device))
+    base = select_configs(torch.device(device), case.dtype, case.head_dim, case.dv)
+    with pinned_configs(replace(base, **SCHEDULES[schedule])):
+        check_case(case, "triton", device)

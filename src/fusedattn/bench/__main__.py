@@ -28,9 +28,9 @@ from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable
 TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
 
 
-def standard_shapes(quick: bool = False) -> list[Shape]:
-    head_dims = (128,) if quick else (64, 128)
-    seqlens = (1024, 4096) if quick else (1024, 4096, 16384)
+def standard_shapes(quick: bool = False, head_dims=None, seqlens=None) -> list[Shape]:
+    head_dims = head_dims or ((128,) if quick else (64, 128))
+    seqlens = seqlens or ((1024, 4096) if quick else (1024, 4096, 16384))
     return [Shape(TOKENS // s, HIDDEN // d, s, d, causal) for d in head_dims for s in seqlens for causal in (False, True)]
 
 
@@ -189,6 +189,8 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="D=128, S in {1k, 4k} only")
     parser.add_argument("--systems", default=None, help="comma-separated subset of system names")
+    parser.add_argument("--head-dims", default=None, help="e.g. 64,128 (default: SPEC 5's 64 and 128)")
+    parser.add_argument("--seqlens", default=None, help="e.g. 1024,4096 (default: SPEC 5's 1k, 4k, 16k)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     args = parser.parse_args(argv)
@@ -202,7 +204,8 @@ def main(argv=None) -> None:
         if unknown:
             parser.error(f"unknown systems {sorted(unknown)}; choose from {[s.name for s in systems]}")
         systems = [s for s in systems if s.name in wanted or s.name == "fusedattn"]
-    shapes = standard_shapes(args.quick) if on_gpu else cpu_shapes()
+    ints = lambda text: tuple(int(x) for x in text.split(",")) if text else None  # noqa: E731
+    shapes = standard_shapes(args.quick, ints(args.head_dims), ints(args.seqlens)) if on_gpu else cpu_shapes()
     env = environment()
     print(f"fusedattn benchmark on {env['device']} (torch {env['torch']}, triton {env.get('triton', '-')})")
     for s in systems:

@@ -3,11 +3,12 @@ dK/dV pass (default) or by a separate pass (``deterministic=True``).
 
 - ``_preprocess_kernel``: delta = rowsum(dO * O) - dlse, one float per query row.
   A gradient on lse enters only here: d lse / d s = p, so ds = p * (dp - delta).
-- ``_dkdv_kernel``: one program per (key block, batch * kv head). It keeps dK, dV in
-  registers and walks the query blocks of every query head of its KV group, so the
-  GQA sum over the group is a plain in-register reduction in a fixed order.
-- ``_dq_kernel``: one program per (query block, batch * query head), same key-block
-  walk as the forward; dQ stays in registers, so the result is bitwise reproducible.
+- ``_backward_kernel`` runs, in one launch:
+  - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
+    registers and walks the query blocks of every query head of its KV group, so the GQA
+    sum over the group is a plain in-register reduction in a fixed order;
+  - ``_dq_program``s: one per (query block, batch * query head), the same key-block walk
+    as the forward; dQ stays in registers, so the result is bitwise reproducible.
 
 Tiles in the dK/dV pass are held transposed (keys along rows).
 """
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..spec import AttentionSpec, to_bhsd
+from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from .fwd import bhs_strides, dot_precision, padded_dim, score_constants
@@ -84,18 +85,19 @@ def _preprocess_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr,
+    dk, dv, k, v, q_base, do_base, dq_base, dq_desc, dq_row, lse_ptr, delta_ptr,
     stride_qs, stride_dos, stride_dqs,
     block_begin, block_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for m_block in range(block_begin, block_end):
+    for m_block in tl.range(block_begin, block_end, num_stages=STAGES):
         start_m = m_block * BLOCK_M
         offs_m = start_m + offs_tile
         q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
@@ -117,14 +119,19 @@ def _dkdv_tiles(
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
-            dq_ptrs = tile_ptrs(dq_base, start_m, stride_dqs, offs_tile, offs_d)
-            tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+            if DQ_TMA:  # one bulk reduce-add per tile; the descriptor drops rows past seqlen_q
+                dq_desc.atomic_add([dq_row, start_m, 0], dq.reshape(1, BLOCK_M, BLOCK_D))
+            else:
+                dq_ptrs = tile_ptrs(dq_base, start_m, stride_dqs, offs_tile, offs_d)
+                tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
+                              sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum,
+def _dkdv_program(
+    n_block, batch, head_kv,
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -132,19 +139,15 @@ def _dkdv_kernel(
     stride_dkb, stride_dkh, stride_dks,
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
-    seqlen_q, seqlen_k, heads_kv, group_size, window_left, window_right,
+    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
 ):
-    n_block = tl.program_id(0)
-    batch_head_kv = tl.program_id(1)
-    batch = batch_head_kv // heads_kv
-    head_kv = batch_head_kv % heads_kv
-    heads_q = heads_kv * group_size
-
+    """dK, dV of one key block of one KV head, summed over the query heads of its group."""
     start_n = n_block * BLOCK_N
     offs_tile = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_tile
@@ -164,24 +167,25 @@ def _dkdv_kernel(
         q_base = head_base(Q, batch, head, stride_qb, stride_qh)
         do_base = head_base(DOut, batch, head, stride_dob, stride_doh)
         dq_base = head_base(DQAccum, batch, head, stride_dqb, stride_dqh)
-        row_offset = (batch * heads_q + head).to(tl.int64) * seqlen_q
+        dq_row = batch * heads_q + head
+        row_offset = dq_row.to(tl.int64) * seqlen_q
         lse_ptr = Lse + row_offset
         delta_ptr = Delta + row_offset
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
+            dk, dv, k, v, q_base, do_base, dq_base, dq_desc, dq_row, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
             begin, interior_begin, offs_n, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DOT_PRECISION)
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
+            dk, dv, k, v, q_base, do_base, dq_base, dq_desc, dq_row, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
             interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, ATOMIC_DQ, DOT_PRECISION)
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, dq_base, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
+            dk, dv, k, v, q_base, do_base, dq_base, dq_desc, dq_row, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
             interior_end, end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
             qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DOT_PRECISION)
+            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
                dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -217,7 +221,8 @@ def _dq_tiles(
 
 
 @triton.jit
-def _dq_kernel(
+def _dq_program(
+    m_block, batch, head,
     Q, K, V, DOut, Lse, Delta, DQ,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
@@ -230,15 +235,9 @@ def _dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    if HAS_RIGHT:  # heaviest query blocks first
-        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        m_block = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    batch = batch_head // heads_q
-    head = batch_head % heads_q
+    """dQ of one query block of one query head, in registers: a fixed summation order."""
+    batch_head = batch * heads_q + head
     head_kv = head // group_size
-
     start_m = m_block * BLOCK_M
     offs_tile = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tile
@@ -271,6 +270,105 @@ def _dq_kernel(
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 
 
+@triton.jit
+def _dkdv_from_pid(
+    pid, key_blocks, Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+    stride_dqb, stride_dqh, stride_dqs,
+    seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
+):
+    batch_head_kv = pid // key_blocks
+    _dkdv_program(
+        pid % key_blocks, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
+        Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+        stride_dqb, stride_dqh, stride_dqs,
+        seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES)
+
+
+@triton.jit
+def _dq_from_pid(
+    pid, query_blocks, Q, K, V, DOut, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+    seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    batch_head = pid // query_blocks
+    m_block = pid % query_blocks
+    if HAS_RIGHT:  # with a right window bound the last query blocks see the most keys: run them first
+        m_block = query_blocks - 1 - m_block
+    _dq_program(
+        m_block, batch_head // heads_q, batch_head % heads_q,
+        Q, K, V, DOut, Lse, Delta, DQ,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+        stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+        seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION)
+
+
+@triton.jit
+def _backward_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos,
+    stride_dkb, stride_dkh, stride_dks,
+    stride_dvb, stride_dvh, stride_dvs,
+    stride_dqb, stride_dqh, stride_dqs,
+    seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right,
+    qk_scale, softcap_log2, scale, key_blocks, query_blocks, dkdv_programs,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr,
+):
+    """The backward after the pre-pass. Programs ``[0, dkdv_programs)`` compute dK/dV (the heavier
+    work, so it starts first), the rest compute dQ. Launched once with both kinds (they fill each
+    other's tail) or twice, one kind each (each with its own warps and pipelining depth), as the
+    launch config says. Consecutive programs walk the blocks of one head, which stays in L2."""
+    pid = tl.program_id(0)
+    if RUN_DKDV and RUN_DQ:
+        is_dkdv = pid < dkdv_programs
+        # Measured (H200, D=64): the fused launch runs faster with the group loop left a runtime loop,
+        # split launches faster with it specialised away for MHA -- hence the derived group size here.
+        group = heads_q // heads_kv
+    else:
+        # A split launch must compile to one straight-line program: a runtime branch around a
+        # whole pass cost ~9% at D=128 (benchmarks/NOTES.md). Here is_dkdv is a constexpr.
+        is_dkdv = RUN_DKDV
+        group = group_size
+    if is_dkdv:
+        _dkdv_from_pid(pid, key_blocks, Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
+                       stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                       stride_vs, stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks,
+                       stride_dvb, stride_dvh, stride_dvs, stride_dqb, stride_dqh, stride_dqs,
+                       seqlen_q, seqlen_k, heads_q, heads_kv, group, window_left, window_right, qk_scale,
+                       softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N,
+                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES,
+                       MASKED_STAGES)
+    else:
+        _dq_from_pid(pid - dkdv_programs, query_blocks, Q, K, V, DOut, Lse, Delta, DQ,
+                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                     stride_vs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+                     seqlen_q, seqlen_k, heads_q, heads_kv, group, window_left, window_right, qk_scale,
+                     softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N,
+                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION)
+
+
 # ----------------------------------------------------------------------------- launcher
 
 
@@ -283,7 +381,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_()
-    group_size = heads_q // heads_kv
     qk_scale, softcap_log2 = score_constants(spec)
     flags = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_dim(head_dim), BLOCK_DV=padded_dim(head_dim_v),
@@ -299,30 +396,57 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
     )
 
-    atomic_dq = not spec.deterministic
-    # dQ is summed over key blocks by atomics in fp32, then cast; the deterministic path writes it once.
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic_dq else torch.empty_like(q, memory_format=torch.contiguous_format)
-    cfg = configs.dkdv
-    _dkdv_kernel[(triton.cdiv(seqlen_k, cfg.block_n), batch * heads_kv)](
-        q, k, v, dout, lse, delta, dk, dv, dq,
-        *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-        *bhs_strides(dk, layout), *bhs_strides(dv, layout), *bhs_strides(dq, layout),
-        seqlen_q, seqlen_k, heads_kv, group_size, spec.window_left, spec.window_right,
-        qk_scale, softcap_log2, spec.scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic_dq,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
-    )
+    atomic_dq = configs.atomic_dq and not spec.deterministic
+    dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
     if atomic_dq:
-        return dq.to(q.dtype), dk, dv
+        # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
+        padded_d = triton.cdiv(head_dim, 4) * 4
+        dq_buffer = torch.zeros((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
+        dq_strides = dq_buffer.stride()[:3]
+        dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if configs.dq_tma else dq_buffer
+    else:
+        dq_buffer = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dq_target, dq_strides = dq_buffer, bhs_strides(dq_buffer, layout)
+    key_blocks = triton.cdiv(seqlen_k, dkdv_cfg.block_n)
+    query_blocks = triton.cdiv(seqlen_q, dq_cfg.block_m)
+    dkdv_programs = key_blocks * batch * heads_kv
+    dq_programs = 0 if atomic_dq else query_blocks * batch * heads_q
+    args = (q, k, v, dout, lse, delta, dk, dv, dq_buffer, dq_target,
+            *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
+            *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides,
+            # group_size is passed, not derived in the kernel: Triton specialises an int argument equal
+            # to 1, which unrolls the per-group loop for MHA (derived, it cost ~10% at D=128).
+            seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,
+            qk_scale, softcap_log2, spec.scale, key_blocks, query_blocks)
+    constexprs = dict(
+        DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
+        DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and configs.dq_tma,
+        # Boundary stretches of the dK/dV pass run a few tiles per program: pipelining them buys
+        # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
+        INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
+    if configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
+        _backward_kernel[(dkdv_programs + dq_programs,)](
+            *args, dkdv_programs, RUN_DKDV=True, RUN_DQ=not atomic_dq,
+            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **constexprs)
+    else:
+        _backward_kernel[(dkdv_programs,)](
+            *args, dkdv_programs, RUN_DKDV=True, RUN_DQ=False,
+            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **constexprs)
+        _backward_kernel[(dq_programs,)](
+            *args, 0, RUN_DKDV=False, RUN_DQ=True,
+            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **constexprs)
+    if atomic_dq:
+        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv
+    return dq_buffer, dk, dv
 
-    cfg = configs.dq
-    _dq_kernel[(triton.cdiv(seqlen_q, cfg.block_m), batch * heads_q)](
-        q, k, v, dout, lse, delta, dq,
-        *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-        *bhs_strides(dq, layout),
-        seqlen_q, seqlen_k, heads_q, group_size, spec.window_left, spec.window_right,
-        qk_scale, softcap_log2, spec.scale,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
-    )
-    return dq, dk, dv
+
+def _dq_descriptor(dq_accum: torch.Tensor, padded_d: int, block_m: int):
+    """A (B*Hq, Sq, D) TMA descriptor over the dQ accumulator: a reduce-add of a (1, BLOCK_M, BLOCK_D)
+    tile drops the rows past seqlen_q and the columns past D, so no tile spills into the next head."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, heads, seqlen_q, _ = dq_accum.shape
+    flat = dq_accum.view(batch * heads, seqlen_q, padded_d)
+    return TensorDescriptor(flat, shape=[batch * heads, seqlen_q, padded_d], strides=list(flat.stride()),
+                            block_shape=[1, block_m, padded_dim(padded_d)])
+

@@ -4,6 +4,11 @@ Interior tiles (see ``block_range``) never call it. The backward's dK/dV pass ho
 tiles transposed -- keys along rows -- and asks for ``TRANSPOSED=True``.
 Masked scores become -inf, never a large negative number: a finite stand-in leaks
 probability into masked keys on long rows.
+
+The rule is turned into an inclusive key range per query row,
+``[i + diag - window_left, min(i + diag + window_right, seqlen_k - 1)]``, so each
+element costs two compares against per-row bounds rather than index arithmetic on
+the whole tile (boundary tiles are register-bound in the backward).
 """
 
 import triton
@@ -15,16 +20,16 @@ def apply_mask(
     scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
-    if TRANSPOSED:
-        q_idx = offs_q[None, :]
-        k_idx = offs_k[:, None]
-    else:
-        q_idx = offs_q[:, None]
-        k_idx = offs_k[None, :]
-    keep = k_idx < seqlen_k
-    offset_from_diagonal = k_idx - q_idx - (seqlen_k - seqlen_q)
+    diag = seqlen_k - seqlen_q
+    last_key = seqlen_k - 1 + offs_q * 0
     if HAS_RIGHT:
-        keep = keep & (offset_from_diagonal <= window_right)
-    if HAS_LEFT:
-        keep = keep & (offset_from_diagonal >= -window_left)
+        last_key = tl.minimum(last_key, offs_q + (diag + window_right))
+    if TRANSPOSED:
+        keep = offs_k[:, None] <= last_key[None, :]
+        if HAS_LEFT:
+            keep = keep & (offs_k[:, None] >= (offs_q + (diag - window_left))[None, :])
+    else:
+        keep = offs_k[None, :] <= last_key[:, None]
+        if HAS_LEFT:
+            keep = keep & (offs_k[None, :] >= (offs_q + (diag - window_left))[:, None])
     return tl.where(keep, scores, float("-inf"))

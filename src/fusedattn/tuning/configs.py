@@ -26,8 +26,14 @@ class KernelConfig:
 class AttentionConfigs:
     forward: KernelConfig
     dkdv: KernelConfig  # one program per key block; block_m is its query-loop step
-    dq: KernelConfig  # one program per query block (deterministic path)
+    dq: KernelConfig  # one program per query block (the separate dQ pass)
     preprocess_block_m: int = 64
+    # Run the dQ programs in the dK/dV launch (they then use its warps and stages)?
+    fuse_dq_pass: bool = False
+    # Outside deterministic mode, dQ may instead be summed by fp32 atomics from the dK/dV pass
+    # (5 matmuls per tile instead of 7); on Hopper those atomics can be TMA bulk reduce-adds.
+    atomic_dq: bool = False
+    dq_tma: bool = False
 
 
 _pinned: AttentionConfigs | None = None
@@ -55,25 +61,30 @@ INTERPRETER_CONFIGS = AttentionConfigs(
     dkdv=KernelConfig(16, 16, 1, 1),
     dq=KernelConfig(16, 16, 1, 1),
     preprocess_block_m=16,
+    atomic_dq=True,  # the interpreter has no TMA: pointer atomics, so both dQ paths stay tested on CPU
 )
 
 
 def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int) -> AttentionConfigs:
     width = max(head_dim, head_dim_v)  # padded to a power of two by the kernels
     wide = dtype == torch.float32  # 4-byte tiles need half the rows to fit shared memory
+    # 16-bit winners of benchmarks/tune.py on an H200 (S=4k, SPEC 5 shapes; benchmarks/NOTES.md);
+    # fp32 halves the tiles. One launch for dK/dV + dQ paid off at D=64 only.
+    fuse = False
     if width <= 64:
-        fwd = KernelConfig(128, 64 if wide else 128, 8 if not wide else 4, 3)
-        dkdv = KernelConfig(32 if wide else 64, 64 if wide else 128, 8, 2)
-        dq = KernelConfig(64 if wide else 128, 32 if wide else 64, 8 if not wide else 4, 2)
+        fwd = KernelConfig(64, 32, 4, 3) if wide else KernelConfig(64, 64, 4, 3)
+        dkdv = KernelConfig(32, 64, 4, 2) if wide else KernelConfig(64, 64, 4, 3)
+        dq = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 64, 4, 3)
+        fuse = not wide
     elif width <= 128:
-        fwd = KernelConfig(64 if wide else 128, 32 if wide else 64, 8 if not wide else 4, 3 if not wide else 2)
-        dkdv = KernelConfig(32, 64 if wide else 128, 8, 2)
-        dq = KernelConfig(64 if wide else 128, 32 if wide else 64, 8, 2)
+        fwd = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 128, 8, 3)
+        dkdv = KernelConfig(32, 64, 8, 2) if wide else KernelConfig(64, 128, 8, 3)
+        dq = KernelConfig(64, 32, 8, 2) if wide else KernelConfig(128, 64, 8, 3)
     else:
         fwd = KernelConfig(32 if wide else 64, 32 if wide else 64, 4, 2)
         dkdv = KernelConfig(16 if wide else 32, 32 if wide else 64, 4 if wide else 8, 1 if wide else 2)
         dq = KernelConfig(32 if wide else 64, 16 if wide else 32, 4 if wide else 8, 1 if wide else 2)
-    return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
+    return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64, fuse_dq_pass=fuse)
 
 
 def select_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> AttentionConfigs:

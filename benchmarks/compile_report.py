@@ -1,0 +1,116 @@
+"""Compile the kernels for Hopper (sm_90a) ahead of time, without a GPU, and print the
+compiler's resource report: registers per thread, spills, shared memory.
+
+    python benchmarks/compile_report.py [--head-dims 64,128] [--dtype bf16]
+
+Uses the heuristic launch configs of ``tuning/configs.py``. Catches compile errors that
+the interpreter cannot see (e.g. non-constexpr globals) and register spills, at no
+device time. Pointer arguments and strides are declared 16-divisible, as Triton
+specialises them at launch for aligned tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from fusedattn.kernels import bwd, fwd  # noqa: E402
+from fusedattn.tuning.configs import _cuda_configs  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int,
+                   pointer_types: dict | None = None, descriptors: dict | None = None):
+    fn = kernel.fn if hasattr(kernel, "fn") else kernel
+    names = list(inspect.signature(fn).parameters)
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif descriptors and name in descriptors:
+            signature[name] = descriptors[name]
+        elif name[0].isupper():  # tensors are the capitalised arguments
+            signature[name] = "*" + (pointer_types or {}).get(name, dtype)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name.startswith("stride"):
+            signature[name] = "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "softcap_log2", "scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    usage = _resource_usage(compiled.asm["cubin"])
+    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared, asm=compiled.asm)
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers and stack (spill) bytes from ``cuobjdump --dump-resource-usage`` (shipped with Triton)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def report(head_dim: int, dtype: str, flags: dict) -> None:
+    torch_dtype = TYPES[dtype]
+    configs = _cuda_configs(torch_dtype, head_dim, head_dim)
+    block_d = fwd.padded_dim(head_dim)
+    common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
+                  DOT_PRECISION=fwd.dot_precision(torch_dtype), **flags)
+    fp32_ptrs = dict(Lse="fp32", Delta="fp32", DLse="fp32")
+    desc = {"dq_desc": f"tensordesc<fp32[1,{configs.dkdv.block_m},{block_d}]>"}
+    jobs = [
+        ("forward", fwd._forward_kernel, configs.forward, {}),
+        ("bwd (dkdv+dq)", bwd._backward_kernel, configs.dkdv, dict(ATOMIC_DQ=False, DQ_TMA=False)),
+        ("bwd (tma dq)", bwd._backward_kernel, configs.dkdv, dict(ATOMIC_DQ=True, DQ_TMA=True)),
+    ]
+    for name, kernel, cfg, extra in jobs:
+        if kernel is bwd._backward_kernel:
+            constexprs = dict(common, DKDV_BLOCK_M=cfg.block_m, DKDV_BLOCK_N=cfg.block_n, DQ_BLOCK_M=configs.dq.block_m,
+                              DQ_BLOCK_N=configs.dq.block_n, INTERIOR_STAGES=cfg.num_stages, MASKED_STAGES=1, **extra)
+        else:
+            constexprs = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
+        try:
+            r = compile_kernel(kernel, dtype, constexprs, cfg.num_warps, cfg.num_stages, fp32_ptrs,
+                               desc if extra.get("DQ_TMA") else None)
+            sass_hint = "wgmma" if "wgmma" in r["asm"].get("ptx", "") else "mma"
+            print(f"  {name:<16} {cfg}  regs={r['regs']} stack={r['spills']} smem={r['shared']} ({sass_hint})")
+        except Exception as e:
+            print(f"  {name:<16} {cfg}  FAILED: {type(e).__name__}: {str(e)[:400]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--dtype", default="bf16", choices=sorted(TYPES))
+    args = p.parse_args()
+    variants = {
+        "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
+        "causal": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False),
+        "window+softcap": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True),
+    }
+    for d in map(int, args.head_dims.split(",")):
+        for vname, flags in variants.items():
+            print(f"D={d} {args.dtype} {vname}")
+            report(d, args.dtype, flags)
+
+
+if __name__ == "__main__":
+    main()
