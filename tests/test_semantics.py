@@ -122,7 +122,15 @@ SCHEDULES = {
 }
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=list(SCHEDULES))
+HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] >= 9
+SCHEDULE_PARAMS = [
+    pytest.param(name, marks=pytest.mark.skipif(name == "dq-tma-reduce" and not HOPPER,
+                                                reason="TMA reduce-add needs a Hopper (or newer) GPU"))
+    for name in SCHEDULES
+]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_PARAMS, ids=list(SCHEDULES))
 @pytest.mark.parametrize("case", [
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=40, causal=True, lse_grad=True),
     Case(batch=1, heads_q=3, heads_kv=1, seqlen_q=129, seqlen_k=65, head_dim=64, window=(20, 7), softcap=8.0),
@@ -131,8 +139,6 @@ def test_every_backward_schedule_matches_reference(schedule, case):
     """The heuristic picks one dQ schedule per head dim; each must stay correct on its own."""
     from fusedattn.tuning.configs import pinned_configs, select_configs
 
-    if schedule == "dq-tma-reduce" and not (ON_GPU and torch.cuda.get_device_capability()[0] >= 9):
-        pytest.skip("TMA reduce-add needs a Hopper (or newer) GPU")
     device = "cuda" if ON_GPU else "cpu"
     case = replace(case, dtype=_dtype(device))
     base = select_configs(torch.device(device), case.dtype, case.head_dim, case.dv)

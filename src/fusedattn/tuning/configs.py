@@ -8,7 +8,6 @@ never change which kernel is compiled. Tests pin configs with ``pinned_configs``
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +47,6 @@ def pinned_configs(configs: AttentionConfigs):
         yield configs
     finally:
         _pinned = previous
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # Under the interpreter tiles are small so that tests of short, odd lengths still cross
