@@ -68,7 +68,7 @@ def main() -> None:
                 t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
                 rows.append((kind, cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
         det = replace(spec, deterministic=True)
-        for cfg in DKDV if "bwd-det-dkdv" in only else []:  # deterministic path: dK/dV without atomics, then the dQ pass (best-known dq config)
+        for cfg in DKDV if "bwd-det-dkdv" in only else []:  # the default schedule: dK/dV without atomics, then the dQ pass
             configs = replace(base, dkdv=KernelConfig(*cfg), dq=KernelConfig(*DQ[0]), atomic_dq=False)
             t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, det, configs))
             rows.append(("bwd-det-dkdv", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))

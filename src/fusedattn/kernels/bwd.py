@@ -1,5 +1,9 @@
-"""Backward: a delta pre-pass, a dK/dV pass, and dQ either by fp32 atomics from the
-dK/dV pass (default) or by a separate pass (``deterministic=True``).
+"""Backward: a delta pre-pass, then dK/dV and dQ.
+
+By default dQ is computed by a separate pass of programs (7 matmuls per tile pair, no
+atomics, bitwise reproducible -- measured faster than atomics, benchmarks/NOTES.md).
+A launch config may instead sum dQ by fp32 atomics from the dK/dV programs (pointer
+atomics, or TMA bulk reduce-adds on Hopper); ``deterministic=True`` never uses atomics.
 
 - ``_preprocess_kernel``: delta = rowsum(dO * O) - dlse, one float per query row.
   A gradient on lse enters only here: d lse / d s = p, so ds = p * (dp - delta).
@@ -271,53 +275,6 @@ def _dq_program(
 
 
 @triton.jit
-def _dkdv_from_pid(
-    pid, key_blocks, Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    stride_dqb, stride_dqh, stride_dqs,
-    seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
-):
-    batch_head_kv = pid // key_blocks
-    _dkdv_program(
-        pid % key_blocks, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
-        Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
-        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-        stride_dqb, stride_dqh, stride_dqs,
-        seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES)
-
-
-@triton.jit
-def _dq_from_pid(
-    pid, query_blocks, Q, K, V, DOut, Lse, Delta, DQ,
-    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-    seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    batch_head = pid // query_blocks
-    m_block = pid % query_blocks
-    if HAS_RIGHT:  # with a right window bound the last query blocks see the most keys: run them first
-        m_block = query_blocks - 1 - m_block
-    _dq_program(
-        m_block, batch_head // heads_q, batch_head % heads_q,
-        Q, K, V, DOut, Lse, Delta, DQ,
-        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-        seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION)
-
-
-@triton.jit
 def _backward_kernel(
     Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
     stride_qb, stride_qh, stride_qs,
@@ -352,21 +309,30 @@ def _backward_kernel(
         is_dkdv = RUN_DKDV
         group = group_size
     if is_dkdv:
-        _dkdv_from_pid(pid, key_blocks, Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
-                       stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                       stride_vs, stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks,
-                       stride_dvb, stride_dvh, stride_dvs, stride_dqb, stride_dqh, stride_dqs,
-                       seqlen_q, seqlen_k, heads_q, heads_kv, group, window_left, window_right, qk_scale,
-                       softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N,
-                       HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES,
-                       MASKED_STAGES)
+        batch_head_kv = pid // key_blocks
+        _dkdv_program(
+            pid % key_blocks, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
+            Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
+            stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+            stride_dqb, stride_dqh, stride_dqs,
+            seqlen_q, seqlen_k, heads_q, group, window_left, window_right, qk_scale, softcap_log2, scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES)
     else:
-        _dq_from_pid(pid - dkdv_programs, query_blocks, Q, K, V, DOut, Lse, Delta, DQ,
-                     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
-                     stride_vs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-                     seqlen_q, seqlen_k, heads_q, heads_kv, group, window_left, window_right, qk_scale,
-                     softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N,
-                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION)
+        dq_pid = pid - dkdv_programs
+        batch_head = dq_pid // query_blocks
+        m_block = dq_pid % query_blocks
+        if HAS_RIGHT:  # with a right window bound the last query blocks see the most keys: run them first
+            m_block = query_blocks - 1 - m_block
+        _dq_program(
+            m_block, batch_head // heads_q, batch_head % heads_q,
+            Q, K, V, DOut, Lse, Delta, DQ,
+            stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+            stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+            seqlen_q, seqlen_k, heads_q, group, window_left, window_right, qk_scale, softcap_log2, scale,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+            DOT_PRECISION)
 
 
 # ----------------------------------------------------------------------------- launcher
