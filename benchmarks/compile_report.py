@@ -68,48 +68,70 @@ def _resource_usage(cubin: bytes) -> dict:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
-def report(head_dim: int, dtype: str, flags: dict) -> None:
+def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> None:
     torch_dtype = TYPES[dtype]
     configs = _cuda_configs(torch_dtype, head_dim, head_dim)
     block_d = fwd.padded_dim(head_dim)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
                   DOT_PRECISION=fwd.dot_precision(torch_dtype), **flags)
     fp32_ptrs = dict(Lse="fp32", Delta="fp32", DLse="fp32")
-    desc = {"dq_desc": f"tensordesc<fp32[1,{configs.dkdv.block_m},{block_d}]>"}
+
+    def descs(rows: int, *names: str) -> dict:
+        return {n: f"tensordesc<{dtype}[1,1,{rows},{block_d}]>" for n in names} if tma_loads else {}
+
+    dq_atomic = {"dq_desc": f"tensordesc<fp32[1,{configs.dkdv.block_m},{block_d}]>"}
+    dkdv_descs = descs(configs.dkdv.block_m, "q_desc", "do_desc")
+    dq_descs = descs(configs.dq.block_n, "k_desc", "v_desc")
+    # The launches of kernels/bwd.py: split dK/dV and dQ launches (group_size 1 is specialised
+    # to a constant, as Triton does at launch for MHA), the same for GQA (group_size a runtime
+    # value), the fused launch, the TMA-atomic launch.
+    split = dict(ATOMIC_DQ=False, DQ_TMA=False)
     jobs = [
-        ("forward", fwd._forward_kernel, configs.forward, {}),
-        ("bwd (dkdv+dq)", bwd._backward_kernel, configs.dkdv, dict(ATOMIC_DQ=False, DQ_TMA=False)),
-        ("bwd (tma dq)", bwd._backward_kernel, configs.dkdv, dict(ATOMIC_DQ=True, DQ_TMA=True)),
+        ("forward", fwd._forward_kernel, configs.forward, {}, descs(configs.forward.block_n, "k_desc", "v_desc")),
+        ("bwd dkdv", bwd._backward_kernel, configs.dkdv, dict(split, group_size=1, RUN_DKDV=True, RUN_DQ=False),
+         dkdv_descs),
+        ("bwd dkdv gqa", bwd._backward_kernel, configs.dkdv, dict(split, RUN_DKDV=True, RUN_DQ=False), dkdv_descs),
+        ("bwd dq", bwd._backward_kernel, configs.dq, dict(split, group_size=1, RUN_DKDV=False, RUN_DQ=True), dq_descs),
+        ("bwd fused", bwd._backward_kernel, configs.dkdv, dict(split, group_size=1, RUN_DKDV=True, RUN_DQ=True),
+         {**dkdv_descs, **descs(configs.dq.block_n, "k_desc", "v_desc")}),
+        ("bwd tma-dq", bwd._backward_kernel, configs.dkdv, dict(ATOMIC_DQ=True, DQ_TMA=True, group_size=1,
+                                                                 RUN_DKDV=True, RUN_DQ=False),
+         {**dkdv_descs, **dq_atomic}),
     ]
-    for name, kernel, cfg, extra in jobs:
+    for name, kernel, cfg, extra, descriptors in jobs:
         if kernel is bwd._backward_kernel:
-            constexprs = dict(common, DKDV_BLOCK_M=cfg.block_m, DKDV_BLOCK_N=cfg.block_n, DQ_BLOCK_M=configs.dq.block_m,
-                              DQ_BLOCK_N=configs.dq.block_n, INTERIOR_STAGES=cfg.num_stages, MASKED_STAGES=1, **extra)
+            constexprs = dict(common, DKDV_BLOCK_M=configs.dkdv.block_m, DKDV_BLOCK_N=configs.dkdv.block_n,
+                              DQ_BLOCK_M=configs.dq.block_m, DQ_BLOCK_N=configs.dq.block_n,
+                              INTERIOR_STAGES=configs.dkdv.num_stages, MASKED_STAGES=1, **extra)
+            constexprs.update(DKDV_TMA_LOADS=tma_loads and extra["RUN_DKDV"], DQ_TMA_LOADS=tma_loads and extra["RUN_DQ"])
         else:
-            constexprs = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **extra)
+            constexprs = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA_LOADS=tma_loads, **extra)
+        shown = f"{name:<13} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
         try:
-            r = compile_kernel(kernel, dtype, constexprs, cfg.num_warps, cfg.num_stages, fp32_ptrs,
-                               desc if extra.get("DQ_TMA") else None)
+            r = compile_kernel(kernel, dtype, constexprs, cfg.num_warps, cfg.num_stages, fp32_ptrs, descriptors)
             sass_hint = "wgmma" if "wgmma" in r["asm"].get("ptx", "") else "mma"
-            print(f"  {name:<16} {cfg}  regs={r['regs']} stack={r['spills']} smem={r['shared']} ({sass_hint})")
+            print(f"  {shown}  regs={r['regs']} stack={r['spills']} smem={r['shared']} ({sass_hint})")
         except Exception as e:
-            print(f"  {name:<16} {cfg}  FAILED: {type(e).__name__}: {str(e)[:400]}")
+            print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtype", default="bf16", choices=sorted(TYPES))
+    p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
     args = p.parse_args()
     variants = {
         "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
         "causal": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False),
         "window+softcap": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True),
+        "window": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=False),
     }
     for d in map(int, args.head_dims.split(",")):
         for vname, flags in variants.items():
-            print(f"D={d} {args.dtype} {vname}")
-            report(d, args.dtype, flags)
+            for tma in {"on": (True,), "off": (False,), "both": (False, True)}[args.tma_loads]:
+                print(f"D={d} {args.dtype} {vname} tma_loads={tma}")
+                report(d, args.dtype, flags, tma)
 
 
 if __name__ == "__main__":

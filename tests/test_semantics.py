@@ -130,17 +130,51 @@ SCHEDULE_PARAMS = [
 ]
 
 
+def _with_loads(configs, tma_loads: bool):
+    """Every kernel's inner-loop tiles through TMA descriptors, or through pointers."""
+    return replace(configs, **{name: replace(getattr(configs, name), tma_loads=tma_loads)
+                               for name in ("forward", "dkdv", "dq")})
+
+
+@pytest.mark.parametrize("loads", ["pointer-loads", "tma-loads"])
 @pytest.mark.parametrize("schedule", SCHEDULE_PARAMS, ids=list(SCHEDULES))
 @pytest.mark.parametrize("case", [
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=40, causal=True, lse_grad=True),
     Case(batch=1, heads_q=3, heads_kv=1, seqlen_q=129, seqlen_k=65, head_dim=64, window=(20, 7), softcap=8.0),
 ], ids=lambda c: c.id)
-def test_every_backward_schedule_matches_reference(schedule, case):
-    """The heuristic picks one dQ schedule per head dim; each must stay correct on its own."""
+def test_every_backward_schedule_matches_reference(schedule, loads, case):
+    """The heuristic picks one dQ schedule and one way of loading tiles per head dim; each must
+    stay correct on its own (the interpreter runs TMA descriptor loads too)."""
     from fusedattn.tuning.configs import pinned_configs, select_configs
 
     device = "cuda" if ON_GPU else "cpu"
     case = replace(case, dtype=_dtype(device))
     base = select_configs(torch.device(device), case.dtype, case.head_dim, case.dv)
-    with pinned_configs(replace(base, **SCHEDULES[schedule])):
+    with pinned_configs(_with_loads(replace(base, **SCHEDULES[schedule]), loads == "tma-loads")):
         check_case(case, "triton", device)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_tma_loads_fall_back_to_pointers_where_tma_cannot_address(layout):
+    """TMA needs 16-byte aligned bases and strides: a view one element into its storage, and a
+    head dim of 12 (24-byte rows), must still give the right answer with TMA loads switched on."""
+    from fusedattn.kernels.memory import block_descriptor
+    from fusedattn.tuning.configs import pinned_configs, select_configs
+
+    device = "cuda" if ON_GPU else "cpu"
+    dtype = _dtype(device)
+    case = Case(batch=1, heads_q=2, heads_kv=2, seqlen_q=33, seqlen_k=47, head_dim=16, layout=layout, causal=True,
+                dtype=dtype)
+    shape = (1, 33, 2, 16) if layout == "bshd" else (1, 2, 33, 16)
+    q = torch.randn(shape[0] * 33 * 2 * 16 + 1, device=device).to(dtype)[1:].view(shape)  # base off by 2 bytes
+    kv_shape = (1, 47, 2, 16) if layout == "bshd" else (1, 2, 47, 16)
+    k, v = (torch.randn(kv_shape, device=device).to(dtype) for _ in range(2))
+    dout = torch.randn(shape, device=device).to(dtype)
+    assert block_descriptor(q if layout == "bhsd" else q.transpose(1, 2), 16, 16) is None
+    assert block_descriptor(k if layout == "bhsd" else k.transpose(1, 2), 16, 16) is not None
+    base = select_configs(torch.device(device), dtype, 16, 16)
+    with pinned_configs(_with_loads(base, True)):
+        check_case(case, "triton", device, inputs=(q, k, v, dout, torch.randn(1, 2, 33, device=device)))
+    narrow = Case(heads_q=1, heads_kv=1, seqlen_q=21, seqlen_k=30, head_dim=12, layout=layout, dtype=dtype)
+    with pinned_configs(_with_loads(base, True)):
+        check_case(narrow, "triton", device)

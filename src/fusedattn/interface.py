@@ -78,7 +78,8 @@ def _forward_op(
     if backend == "torch":
         return cpu.forward(q, k, v, spec)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    return attention_forward(q, k, v, spec, select_configs(q.device, q.dtype, head_dim, head_dim_v).forward)
+    configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, to_bhsd(k, layout).shape[2])
+    return attention_forward(q, k, v, spec, configs.forward)
 
 
 @_forward_op.register_fake

@@ -28,7 +28,7 @@ from ..tuning.configs import AttentionConfigs
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from .fwd import bhs_strides, dot_precision, padded_dim, score_constants
 from .masking import apply_mask
-from .memory import head_base, load_tile, store_tile, tile_ptrs
+from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
 
 
@@ -89,31 +89,37 @@ def _preprocess_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, q_base, do_base, dq_base, dq_desc, dq_row, lse_ptr, delta_ptr,
-    stride_qs, stride_dos, stride_dqs,
+    dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
+    stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     block_begin, block_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
+    """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
+    loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV."""
     offs_tile = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for m_block in tl.range(block_begin, block_end, num_stages=STAGES):
-        start_m = m_block * BLOCK_M
+    blocks = block_end - block_begin
+    for step in tl.range(0, blocks * group_size, num_stages=STAGES):
+        member = step // blocks
+        head = head_kv * group_size + member
+        start_m = (block_begin + step - member * blocks) * BLOCK_M
         offs_m = start_m + offs_tile
-        q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
-                      offs_d, HEAD_DIM, IS_MASKED, HEAD_DIM != BLOCK_D)
-        do = load_tile(tile_ptrs(do_base, start_m, stride_dos, offs_tile, offs_dv), offs_m, seqlen_q,
-                       offs_dv, HEAD_DIM_V, IS_MASKED, HEAD_DIM_V != BLOCK_DV)
+        q = load_block(q_desc, head_base(Q, batch, head, stride_qb, stride_qh), batch, head, start_m, stride_qs,
+                       seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, IS_MASKED, TMA_LOADS)
+        do = load_block(do_desc, head_base(DOut, batch, head, stride_dob, stride_doh), batch, head, start_m, stride_dos,
+                        seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, IS_MASKED, TMA_LOADS)
+        dq_row = batch * heads_q + head
+        row_offset = dq_row.to(tl.int64) * seqlen_q
         if IS_MASKED:  # rows past seqlen_q get lse +inf, hence p = 0
-            lse2 = lse_for_backward(tl.load(lse_ptr + offs_m, mask=offs_m < seqlen_q, other=float("-inf")))
-            delta = tl.load(delta_ptr + offs_m, mask=offs_m < seqlen_q, other=0.0)
+            lse2 = lse_for_backward(tl.load(Lse + row_offset + offs_m, mask=offs_m < seqlen_q, other=float("-inf")))
+            delta = tl.load(Delta + row_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
         else:  # interior tiles: every row keeps a key, so lse is finite
-            lse2 = tl.load(lse_ptr + offs_m) * 1.4426950408889634
-            delta = tl.load(delta_ptr + offs_m)
+            lse2 = tl.load(Lse + row_offset + offs_m) * 1.4426950408889634
+            delta = tl.load(Delta + row_offset + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                      qk_scale, softcap_log2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, IS_MASKED, True)
@@ -126,7 +132,8 @@ def _dkdv_tiles(
             if DQ_TMA:  # one bulk reduce-add per tile; the descriptor drops rows past seqlen_q
                 dq_desc.atomic_add([dq_row, start_m, 0], dq.reshape(1, BLOCK_M, BLOCK_D))
             else:
-                dq_ptrs = tile_ptrs(dq_base, start_m, stride_dqs, offs_tile, offs_d)
+                dq_ptrs = tile_ptrs(head_base(DQAccum, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs,
+                                    offs_tile, offs_d)
                 tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
                               sem="relaxed")
     return dk, dv
@@ -135,7 +142,7 @@ def _dkdv_tiles(
 @triton.jit
 def _dkdv_program(
     n_block, batch, head_kv,
-    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, dq_desc,
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, q_desc, do_desc, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -149,7 +156,7 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
+    INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head, summed over the query heads of its group."""
     start_n = n_block * BLOCK_N
@@ -165,31 +172,26 @@ def _dkdv_program(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     begin, interior_begin, interior_end, end = query_blocks_for_key_block(
         n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-
-    for member in range(0, group_size):
-        head = head_kv * group_size + member
-        q_base = head_base(Q, batch, head, stride_qb, stride_qh)
-        do_base = head_base(DOut, batch, head, stride_dob, stride_doh)
-        dq_base = head_base(DQAccum, batch, head, stride_dqb, stride_dqh)
-        dq_row = batch * heads_q + head
-        row_offset = dq_row.to(tl.int64) * seqlen_q
-        lse_ptr = Lse + row_offset
-        delta_ptr = Delta + row_offset
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, dq_base, dq_desc, dq_row, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
-            begin, interior_begin, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, dq_base, dq_desc, dq_row, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
-            interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, dq_base, dq_desc, dq_row, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs,
-            interior_end, end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-            qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES)
+    # The three stretches of block_range, each walked over the whole group in a fixed order
+    # (dK, dV are bitwise reproducible).
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
+        stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+        begin, interior_begin, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+        qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
+        stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+        interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+        qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
+    dk, dv = _dkdv_tiles(
+        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
+        stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+        interior_end, end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+        qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
                dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -199,22 +201,20 @@ def _dkdv_program(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
+    dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
     block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for n_block in range(block_begin, block_end):
         start_n = n_block * BLOCK_N
         offs_n = start_n + offs_tile
-        k = load_tile(tile_ptrs(k_base, start_n, stride_ks, offs_tile, offs_d), offs_n, seqlen_k,
-                      offs_d, HEAD_DIM, IS_MASKED, HEAD_DIM != BLOCK_D)
-        v = load_tile(tile_ptrs(v_base, start_n, stride_vs, offs_tile, offs_dv), offs_n, seqlen_k,
-                      offs_dv, HEAD_DIM_V, IS_MASKED, HEAD_DIM_V != BLOCK_DV)
+        k = load_block(k_desc, k_base, batch, head_kv, start_n, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
+                       IS_MASKED, TMA_LOADS)
+        v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
+                       IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                      qk_scale, softcap_log2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, IS_MASKED, False)
@@ -227,7 +227,7 @@ def _dq_tiles(
 @triton.jit
 def _dq_program(
     m_block, batch, head,
-    Q, K, V, DOut, Lse, Delta, DQ,
+    Q, K, V, DOut, Lse, Delta, DQ, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -238,6 +238,7 @@ def _dq_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
 ):
     """dQ of one query block of one query head, in registers: a fixed summation order."""
     batch_head = batch * heads_q + head
@@ -260,23 +261,28 @@ def _dq_program(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     begin, interior_begin, interior_end, end = key_blocks_for_query_block(
         m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, interior_begin, interior_end,
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, interior_begin, interior_end,
                    offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, DOT_PRECISION)
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, DOT_PRECISION,
+                   TMA_LOADS)
     if HAS_LEFT:
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, begin, interior_begin,
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, begin, interior_begin,
                        offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, interior_end, end,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION,
+                   TMA_LOADS)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, interior_end, end,
                    offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION)
+                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION,
+                   TMA_LOADS)
     store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 
 
-@triton.jit
+# Lengths stay runtime values: Triton would otherwise compile a separate kernel for a length of 1
+# (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks"])
 def _backward_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
+    Q, K, V, DOut, Lse, Delta, DK, DV, DQ, q_desc, do_desc, k_desc, v_desc, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -291,48 +297,45 @@ def _backward_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
-    RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr,
+    RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
 ):
     """The backward after the pre-pass. Programs ``[0, dkdv_programs)`` compute dK/dV (the heavier
     work, so it starts first), the rest compute dQ. Launched once with both kinds (they fill each
     other's tail) or twice, one kind each (each with its own warps and pipelining depth), as the
-    launch config says. Consecutive programs walk the blocks of one head, which stays in L2."""
+    launch config says. Consecutive programs walk the blocks of one head, which stays in L2.
+
+    A split launch compiles one pass only: the outer ``if``s test the constexprs themselves and a
+    disabled flag short-circuits the runtime test. (A local assigned from a constexpr is *not*
+    one in Triton, so ``is_dkdv = RUN_DKDV; if is_dkdv:`` would compile both passes.)
+    """
     pid = tl.program_id(0)
-    if RUN_DKDV and RUN_DQ:
-        is_dkdv = pid < dkdv_programs
-        # Measured (H200, D=64): the fused launch runs faster with the group loop left a runtime loop,
-        # split launches faster with it specialised away for MHA -- hence the derived group size here.
-        group = heads_q // heads_kv
-    else:
-        # A split launch must compile to one straight-line program: a runtime branch around a
-        # whole pass cost ~9% at D=128 (benchmarks/NOTES.md). Here is_dkdv is a constexpr.
-        is_dkdv = RUN_DKDV
-        group = group_size
-    if is_dkdv:
-        batch_head_kv = pid // key_blocks
-        _dkdv_program(
-            pid % key_blocks, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
-            Q, K, V, DOut, Lse, Delta, DK, DV, DQ, dq_desc,
-            stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-            stride_dqb, stride_dqh, stride_dqs,
-            seqlen_q, seqlen_k, heads_q, group, window_left, window_right, qk_scale, softcap_log2, scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES)
-    else:
-        dq_pid = pid - dkdv_programs
-        batch_head = dq_pid // query_blocks
-        m_block = dq_pid % query_blocks
-        if HAS_RIGHT:  # with a right window bound the last query blocks see the most keys: run them first
-            m_block = query_blocks - 1 - m_block
-        _dq_program(
-            m_block, batch_head // heads_q, batch_head % heads_q,
-            Q, K, V, DOut, Lse, Delta, DQ,
-            stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-            stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-            seqlen_q, seqlen_k, heads_q, group, window_left, window_right, qk_scale, softcap_log2, scale,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-            DOT_PRECISION)
+    if RUN_DKDV:
+        if not RUN_DQ or pid < dkdv_programs:
+            batch_head_kv = pid // key_blocks
+            _dkdv_program(
+                pid % key_blocks, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
+                Q, K, V, DOut, Lse, Delta, DK, DV, DQ, q_desc, do_desc, dq_desc,
+                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
+                stride_dvs, stride_dqb, stride_dqh, stride_dqs,
+                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
+    if RUN_DQ:
+        if not RUN_DKDV or pid >= dkdv_programs:
+            dq_pid = pid - dkdv_programs
+            batch_head = dq_pid // query_blocks
+            m_block = dq_pid % query_blocks
+            if HAS_RIGHT:  # with a right window bound the last query blocks see the most keys: run them first
+                m_block = query_blocks - 1 - m_block
+            _dq_program(
+                m_block, batch_head // heads_q, batch_head % heads_q,
+                Q, K, V, DOut, Lse, Delta, DQ, k_desc, v_desc,
+                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                DOT_PRECISION, DQ_TMA_LOADS)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -377,30 +380,36 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     query_blocks = triton.cdiv(seqlen_q, dq_cfg.block_m)
     dkdv_programs = key_blocks * batch * heads_kv
     dq_programs = 0 if atomic_dq else query_blocks * batch * heads_q
-    args = (q, k, v, dout, lse, delta, dk, dv, dq_buffer, dq_target,
-            *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-            *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides,
-            # group_size is passed, not derived in the kernel: Triton specialises an int argument equal
-            # to 1, which unrolls the per-group loop for MHA (derived, it cost ~10% at D=128).
-            seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,
-            qk_scale, softcap_log2, spec.scale, key_blocks, query_blocks)
+    block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
+    # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass), K, V (dQ pass).
+    dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m, dkdv_cfg.tma_loads)
+    dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n, dq_cfg.tma_loads)
+    tensors = (q, k, v, dout, lse, delta, dk, dv, dq_buffer)
+    scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
+               *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides,
+               # group_size is passed, not derived in the kernel: Triton specialises an int argument
+               # equal to 1, which removes the group walk's index arithmetic for MHA.
+               seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,
+               qk_scale, softcap_log2, spec.scale, key_blocks, query_blocks)
     constexprs = dict(
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
         DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and configs.dq_tma,
         # Boundary stretches of the dK/dV pass run a few tiles per program: pipelining them buys
         # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
+
+    def launch(programs, first_dq_program, run_dkdv, run_dq, cfg):
+        dkdv_tma, dq_tma = run_dkdv and dkdv_descs is not None, run_dq and dq_descs is not None
+        _backward_kernel[(programs,)](
+            *tensors, *(dkdv_descs if dkdv_tma else (q, dout)), *(dq_descs if dq_tma else (k, v)), dq_target,
+            *scalars, first_dq_program, RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma,
+            DQ_TMA_LOADS=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
+
     if configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
-        _backward_kernel[(dkdv_programs + dq_programs,)](
-            *args, dkdv_programs, RUN_DKDV=True, RUN_DQ=not atomic_dq,
-            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **constexprs)
+        launch(dkdv_programs + dq_programs, dkdv_programs, True, not atomic_dq, dkdv_cfg)
     else:
-        _backward_kernel[(dkdv_programs,)](
-            *args, dkdv_programs, RUN_DKDV=True, RUN_DQ=False,
-            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages, **constexprs)
-        _backward_kernel[(dq_programs,)](
-            *args, 0, RUN_DKDV=False, RUN_DQ=True,
-            num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages, **constexprs)
+        launch(dkdv_programs, dkdv_programs, True, False, dkdv_cfg)
+        launch(dq_programs, 0, False, True, dq_cfg)
     if atomic_dq:
         return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv
     return dq_buffer, dk, dv

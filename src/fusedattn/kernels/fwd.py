@@ -16,43 +16,43 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .masking import apply_mask
-from .memory import head_base, load_tile, store_tile, tile_ptrs
+from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import finalize_rows, log2_scores, online_softmax_step
 
 
 @triton.jit
 def _forward_tiles(
-    acc, row_max, row_sum, q, k_base, v_base, stride_ks, stride_vs,
+    acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
     block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for n_block in range(block_begin, block_end):
         start_n = n_block * BLOCK_N
         offs_n = start_n + offs_tile
-        k = load_tile(tile_ptrs(k_base, start_n, stride_ks, offs_tile, offs_d), offs_n, seqlen_k,
-                      offs_d, HEAD_DIM, IS_MASKED, HEAD_DIM != BLOCK_D)
+        k = load_block(k_desc, k_base, batch, head_kv, start_n, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
+                       IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores, _ = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
         if IS_MASKED:
             scores = apply_mask(scores, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                 HAS_LEFT, HAS_RIGHT, False)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
-        v = load_tile(tile_ptrs(v_base, start_n, stride_vs, offs_tile, offs_dv), offs_n, seqlen_k,
-                      offs_dv, HEAD_DIM_V, IS_MASKED, HEAD_DIM_V != BLOCK_DV)
+        v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
+                       IS_MASKED, TMA_LOADS)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, row_max, row_sum
 
 
-@triton.jit
+# Lengths stay runtime values: Triton would otherwise compile a separate kernel for a length of 1
+# (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _forward_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -62,6 +62,7 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -90,18 +91,18 @@ def _forward_kernel(
     begin, interior_begin, interior_end, end = key_blocks_for_query_block(
         m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, row_max, row_sum = _forward_tiles(
-        acc, row_max, row_sum, q, k_base, v_base, stride_ks, stride_vs, interior_begin, interior_end,
+        acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, interior_begin, interior_end,
         offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, DOT_PRECISION)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         acc, row_max, row_sum = _forward_tiles(
-            acc, row_max, row_sum, q, k_base, v_base, stride_ks, stride_vs, begin, interior_begin,
+            acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, begin, interior_begin,
             offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION)
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, TMA_LOADS)
     acc, row_max, row_sum = _forward_tiles(
-        acc, row_max, row_sum, q, k_base, v_base, stride_ks, stride_vs, interior_end, end,
+        acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, interior_end, end,
         offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION)
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, TMA_LOADS)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     o_base = head_base(Out, batch, head, stride_ob, stride_oh)
@@ -149,15 +150,17 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     if seqlen_k == 0:  # every row is empty (SPEC 3.1)
         return out.zero_(), lse.fill_(float("-inf"))
     qk_scale, softcap_log2 = score_constants(spec)
+    block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
+    descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads_q)
     _forward_kernel[grid](
-        q, k, v, out, lse,
+        q, k, v, out, lse, *(descs or (k, v)),
         *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
         *bhs_strides(out, spec.layout),
         seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
         qk_scale, softcap_log2,
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_dim(head_dim), BLOCK_DV=padded_dim(head_dim_v),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,

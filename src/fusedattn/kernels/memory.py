@@ -3,10 +3,17 @@
 Tensors arrive as (B, H, S, D) strides over the user's layout (the head dim has unit
 stride). Batch/head and row offsets are formed in int64, so a slice larger than 2**31
 elements still addresses correctly; in-tile offsets stay int32. Every store is masked.
+
+The tiles loaded inside the loops can instead come through TMA descriptors over the
+same (B, H, S, D) view (``load_block`` with ``USE_DESC``): the copy engine does the
+addressing and the zero fill past S and D, so the loop holds no pointer tensors.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+from ..spec import to_bhsd
 
 
 @triton.jit
@@ -34,3 +41,41 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_
 @triton.jit
 def store_tile(ptrs, value, rows, n_rows, cols, n_cols):
     tl.store(ptrs, value.to(ptrs.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+
+
+@triton.jit
+def load_block(desc, base, batch, head, start_row, stride_row, n_rows, n_cols: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_DESC: tl.constexpr):
+    """Rows ``[start_row, start_row + BLOCK_ROWS)`` of one head, zero past ``n_rows`` and ``n_cols``.
+
+    ``USE_DESC``: ``desc`` is a TMA descriptor over (B, H, S, D) with block (1, 1, BLOCK_ROWS,
+    BLOCK_COLS); otherwise pointers from ``base``, the head's base pointer.
+    """
+    if USE_DESC:
+        return desc.load([batch, head, start_row, 0]).reshape(BLOCK_ROWS, BLOCK_COLS)
+    else:
+        offs_row = tl.arange(0, BLOCK_ROWS)
+        offs_col = tl.arange(0, BLOCK_COLS)
+        return load_tile(tile_ptrs(base, start_row, stride_row, offs_row, offs_col), start_row + offs_row, n_rows,
+                         offs_col, n_cols, CHECK_ROWS, n_cols != BLOCK_COLS)
+
+
+def block_descriptor(t_bhsd: torch.Tensor, block_rows: int, block_cols: int):
+    """A TMA descriptor over a (B, H, S, D) view with block (1, 1, block_rows, block_cols), or None
+    where the copy engine cannot address it (base or a stride not a multiple of 16 bytes)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    size = t_bhsd.element_size()
+    if t_bhsd.data_ptr() % 16 or t_bhsd.stride(-1) != 1 or any(s * size % 16 for s in t_bhsd.stride()[:-1]):
+        return None
+    return TensorDescriptor(t_bhsd, shape=list(t_bhsd.shape), strides=list(t_bhsd.stride()),
+                            block_shape=[1, 1, block_rows, block_cols])
+
+
+def loop_descriptors(pairs, layout: str, block_rows: int, use: bool):
+    """Descriptors for the tensors a kernel loop walks (``pairs``: (tensor, block_cols)), or None
+    when ``use`` is off or any of them cannot go through TMA (then every load uses pointers)."""
+    if not use:
+        return None
+    descs = [block_descriptor(to_bhsd(t, layout), block_rows, cols) for t, cols in pairs]
+    return None if any(d is None for d in descs) else descs

@@ -1,14 +1,15 @@
 """Launch configurations: frozen dataclasses and a deterministic heuristic default.
 
 One config per kernel. The heuristic depends only on what changes the best tiling
-(device, dtype, head dims); sequence lengths are runtime arguments of the kernels and
-never change which kernel is compiled. Tests pin configs with ``pinned_configs``.
+(device, dtype, head dims, and for the forward whether the key length is short);
+sequence lengths are runtime arguments of the kernels, so a length never compiles a new
+kernel by itself. Tests pin configs with ``pinned_configs``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +20,9 @@ class KernelConfig:
     block_n: int  # key rows per tile
     num_warps: int = 4
     num_stages: int = 2
+    # Load the tiles of the inner loop through TMA descriptors (Hopper and later; the launcher
+    # falls back to pointers where a tensor's alignment rules TMA out).
+    tma_loads: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,40 +55,51 @@ def pinned_configs(configs: AttentionConfigs):
 
 # Under the interpreter tiles are small so that tests of short, odd lengths still cross
 # several blocks, and cheap because every program runs serially on the CPU.
+# Loads go through TMA descriptors as on Hopper (the interpreter emulates them; tests pin
+# pointer loads too).
 INTERPRETER_CONFIGS = AttentionConfigs(
-    forward=KernelConfig(16, 16, 1, 1),
-    dkdv=KernelConfig(16, 16, 1, 1),
-    dq=KernelConfig(16, 16, 1, 1),
+    forward=KernelConfig(16, 16, 1, 1, tma_loads=True),
+    dkdv=KernelConfig(16, 16, 1, 1, tma_loads=True),
+    dq=KernelConfig(16, 16, 1, 1, tma_loads=True),
     preprocess_block_m=16,
-    atomic_dq=True,  # the interpreter has no TMA: pointer atomics, so both dQ paths stay tested on CPU
+    atomic_dq=True,  # no TMA reduce-add in the interpreter: pointer atomics, so both dQ paths stay tested
 )
 
 
-def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int) -> AttentionConfigs:
+def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: int = 4096,
+                  capability: tuple[int, int] = (9, 0)) -> AttentionConfigs:
     width = max(head_dim, head_dim_v)  # padded to a power of two by the kernels
     wide = dtype == torch.float32  # 4-byte tiles need half the rows to fit shared memory
-    # 16-bit winners of benchmarks/tune.py on an H200 (S=4k, SPEC 5 shapes; benchmarks/NOTES.md);
-    # fp32 halves the tiles. One launch for dK/dV + dQ paid off at D=64 only.
-    fuse = False
+    hopper = capability[0] >= 9  # TMA: descriptor loads and bulk reduce-adds
+    # 16-bit winners of benchmarks/tune.py and benchmarks/variants.py on an H200 (SPEC 5 shapes;
+    # benchmarks/NOTES.md v8); fp32 halves the tiles.
+    atomic = False
     if width <= 64:
         fwd = KernelConfig(64, 32, 4, 3) if wide else KernelConfig(64, 64, 4, 3)
         dkdv = KernelConfig(32, 64, 4, 2) if wide else KernelConfig(64, 64, 4, 3)
         dq = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 64, 4, 3)
-        fuse = not wide
+        # dQ by TMA reduce-adds from the dK/dV pass (5 matmuls instead of 7): -10% backward time.
+        # deterministic=True still takes the separate dQ pass.
+        atomic = hopper and not wide
     elif width <= 128:
         fwd = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 128, 8, 3)
+        if not wide and seqlen_k <= 2048:  # few key tiles per program: smaller tiles, shorter prologue
+            fwd = KernelConfig(64, 64, 4, 3)
         dkdv = KernelConfig(32, 64, 8, 2) if wide else KernelConfig(64, 128, 8, 3)
         dq = KernelConfig(64, 32, 8, 2) if wide else KernelConfig(128, 64, 8, 3)
     else:
         fwd = KernelConfig(32 if wide else 64, 32 if wide else 64, 4, 2)
         dkdv = KernelConfig(16 if wide else 32, 32 if wide else 64, 4 if wide else 8, 1 if wide else 2)
         dq = KernelConfig(32 if wide else 64, 16 if wide else 32, 4 if wide else 8, 1 if wide else 2)
-    return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64, fuse_dq_pass=fuse)
+    if hopper:
+        fwd, dkdv, dq = (replace(c, tma_loads=True) for c in (fwd, dkdv, dq))
+    return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64, atomic_dq=atomic, dq_tma=atomic)
 
 
-def select_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> AttentionConfigs:
+def select_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int,
+                   seqlen_k: int = 4096) -> AttentionConfigs:
     if _pinned is not None:
         return _pinned
     if device.type != "cuda":
         return INTERPRETER_CONFIGS
-    return _cuda_configs(dtype, head_dim, head_dim_v)
+    return _cuda_configs(dtype, head_dim, head_dim_v, seqlen_k, torch.cuda.get_device_capability(device))
