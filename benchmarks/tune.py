@@ -25,10 +25,11 @@ from fusedattn.tuning.configs import AttentionConfigs, KernelConfig, select_conf
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
        (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2)]
-DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 4),
-        (128, 128, 8, 2)]
-DQ = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2),
-      (64, 64, 4, 4)]
+# (64, 64, 4, 2) and (32, 64, 4, 2) fit two programs per SM at D=128 (registers and shared memory).
+DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2),
+        (32, 64, 4, 3), (32, 128, 8, 3), (128, 64, 8, 2)]
+DQ = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 4),
+      (128, 128, 8, 2), (64, 128, 4, 2)]
 
 
 def bench(fn):
@@ -45,7 +46,13 @@ def main() -> None:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--only", default="fwd,bwd-tma,bwd-atomic,bwd-det-dkdv,bwd-det-dq")
     p.add_argument("--json", default=None)
+    p.add_argument("--tma-loads", choices=("on", "off"), default="on")
     args = p.parse_args()
+    tma = args.tma_loads == "on"
+
+    def config(cfg):
+        return KernelConfig(*cfg, tma_loads=tma)
+
     results = {}
     for d in map(int, args.head_dims.split(",")):
         s, h = args.seqlen, 2048 // d
@@ -60,20 +67,20 @@ def main() -> None:
         rows = []
         only = args.only.split(",")
         for cfg in FWD if "fwd" in only else []:
-            t = bench(lambda: attention_forward(q, k, v, spec, KernelConfig(*cfg)))
+            t = bench(lambda: attention_forward(q, k, v, spec, config(cfg)))
             rows.append(("fwd", cfg, t, flops / t * 1e-9 if isinstance(t, float) else None))
         for dq_tma, kind in ((True, "bwd-tma"), (False, "bwd-atomic")):  # dQ by atomics from the dK/dV pass
             for cfg in DKDV if kind in only else []:
-                configs = replace(base, dkdv=KernelConfig(*cfg), atomic_dq=True, dq_tma=dq_tma)
+                configs = replace(base, dkdv=config(cfg), atomic_dq=True, dq_tma=dq_tma)
                 t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
                 rows.append((kind, cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
         det = replace(spec, deterministic=True)
         for cfg in DKDV if "bwd-det-dkdv" in only else []:  # the default schedule: dK/dV without atomics, then the dQ pass
-            configs = replace(base, dkdv=KernelConfig(*cfg), dq=KernelConfig(*DQ[0]), atomic_dq=False)
+            configs = replace(base, dkdv=config(cfg), dq=config(DQ[0]), atomic_dq=False)
             t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, det, configs))
             rows.append(("bwd-det-dkdv", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
         for cfg in DQ if "bwd-det-dq" in only else []:
-            configs = replace(base, dq=KernelConfig(*cfg), atomic_dq=False)
+            configs = replace(base, dq=config(cfg), atomic_dq=False)
             t = bench(lambda: attention_backward(dout, None, q, k, v, out, lse, det, configs))
             rows.append(("bwd-det-dq", cfg, t, 2.5 * flops / t * 1e-9 if isinstance(t, float) else None))
         print(f"\n== D={d} S={s} B={b} H={h} causal={args.causal}  (default {base})")

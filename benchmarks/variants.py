@@ -42,6 +42,10 @@ VARIANTS = {
     "tma-split": lambda c: replace(_tma(c), fuse_dq_pass=False, atomic_dq=False),
     "tma-atomic": lambda c: replace(_tma(c), atomic_dq=True, dq_tma=True),
     "deterministic": lambda c: replace(c, atomic_dq=False),  # what deterministic=True runs
+    "dkdv-pointers": lambda c: replace(c, dkdv=replace(c.dkdv, tma_loads=False)),
+    "fused-pointers": lambda c: replace(_no_tma(c), fuse_dq_pass=True, atomic_dq=False),
+    "dkdv-2cta": lambda c: replace(c, dkdv=KernelConfig(64, 64, 4, 2, tma_loads=True)),
+    "dq-pointers": lambda c: replace(c, dq=replace(c.dq, tma_loads=False)),
     "tma-fwd64": lambda c: replace(_tma(c), forward=KernelConfig(64, 64, 4, 3, tma_loads=True)),
     "tma-fwd128x64": lambda c: replace(_tma(c), forward=KernelConfig(128, 64, 8, 3, tma_loads=True)),
 }
@@ -62,7 +66,7 @@ def main() -> None:
     names = args.variants.split(",")
     rows = []
     for shape in shapes:
-        base = select_configs(torch.device("cuda"), shape.dtype, shape.head_dim, shape.head_dim)
+        base = select_configs(torch.device("cuda"), shape.dtype, shape.head_dim, shape.head_dim, shape.seqlen)
         reference = None
         for name in names:
             with pinned_configs(VARIANTS[name](base)):

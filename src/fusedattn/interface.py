@@ -100,7 +100,7 @@ def _backward_op(
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
     if backend == "torch":
         return cpu.backward(dout, dlse, q, k, v, out, lse, spec)
-    configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1])
+    configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2])
     return attention_backward(dout, dlse, q, k, v, out, lse, spec, configs)
 
 
