@@ -261,19 +261,22 @@ def _dq_program(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     begin, interior_begin, interior_end, end = key_blocks_for_query_block(
         m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, interior_begin, interior_end,
-                   offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, DOT_PRECISION,
-                   TMA_LOADS)
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
+        interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False,
+        DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, begin, interior_begin,
-                       offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION,
-                   TMA_LOADS)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, interior_end, end,
-                   offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                   HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION,
-                   TMA_LOADS)
+        dq = _dq_tiles(
+            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
+            begin, interior_begin, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+            DOT_PRECISION, TMA_LOADS)
+    dq = _dq_tiles(
+        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
+        interior_end, end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+        DOT_PRECISION, TMA_LOADS)
     store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 

@@ -91,18 +91,22 @@ def _forward_kernel(
     begin, interior_begin, interior_end, end = key_blocks_for_query_block(
         m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, row_max, row_sum = _forward_tiles(
-        acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, interior_begin, interior_end,
-        offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, DOT_PRECISION, TMA_LOADS)
+        acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
+        interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
+        qk_scale, softcap_log2,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False,
+        DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         acc, row_max, row_sum = _forward_tiles(
-            acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, begin, interior_begin,
-            offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, TMA_LOADS)
+            acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
+            begin, interior_begin, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+            DOT_PRECISION, TMA_LOADS)
     acc, row_max, row_sum = _forward_tiles(
-        acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs, interior_end, end,
-        offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, TMA_LOADS)
+        acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
+        interior_end, end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+        DOT_PRECISION, TMA_LOADS)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     o_base = head_base(Out, batch, head, stride_ob, stride_oh)
