@@ -21,7 +21,7 @@ import triton.testing
 from fusedattn.kernels.bwd import attention_backward
 from fusedattn.kernels.fwd import attention_forward
 from fusedattn.spec import resolve_spec
-from fusedattn.tuning.configs import AttentionConfigs, KernelConfig, select_configs
+from fusedattn.tuning.configs import KernelConfig, select_configs
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
        (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2)]

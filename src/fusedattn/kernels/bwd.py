@@ -1,20 +1,23 @@
 """Backward: a delta pre-pass, then dK/dV and dQ.
 
-By default dQ is computed by a separate pass of programs (7 matmuls per tile pair, no
-atomics, bitwise reproducible -- measured faster than atomics, benchmarks/NOTES.md).
-A launch config may instead sum dQ by fp32 atomics from the dK/dV programs (pointer
-atomics, or TMA bulk reduce-adds on Hopper); ``deterministic=True`` never uses atomics.
+dQ is summed one of two ways, as the launch config says (tuning/configs.py):
+- a separate pass of dQ programs (7 matmuls per tile pair, no atomics, bitwise
+  reproducible); the default at D=128, and what ``deterministic=True`` always runs;
+- fp32 atomics from the dK/dV programs (5 matmuls): TMA bulk reduce-adds on Hopper, the
+  default at D<=64 there (benchmarks/NOTES.md v8), or pointer atomics.
 
 - ``_preprocess_kernel``: delta = rowsum(dO * O) - dlse, one float per query row.
   A gradient on lse enters only here: d lse / d s = p, so ds = p * (dp - delta).
-- ``_backward_kernel`` runs, in one launch:
+- ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
   - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
-    registers and walks the query blocks of every query head of its KV group, so the GQA
-    sum over the group is a plain in-register reduction in a fixed order;
+    registers and walks the query blocks of every query head of its KV group (one flat
+    loop), so the GQA sum over the group is a plain in-register reduction in a fixed order;
   - ``_dq_program``s: one per (query block, batch * query head), the same key-block walk
     as the forward; dQ stays in registers, so the result is bitwise reproducible.
 
-Tiles in the dK/dV pass are held transposed (keys along rows).
+Tiles in the dK/dV pass are held transposed (keys along rows). Inside the loops, Q/dO
+(dK/dV pass) and K/V (dQ pass) come through TMA descriptors where the config and the
+tensors' alignment allow (``memory.load_block``).
 """
 
 from __future__ import annotations
