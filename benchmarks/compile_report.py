@@ -1,12 +1,13 @@
 """Compile the kernels for Hopper (sm_90a) ahead of time, without a GPU, and print the
 compiler's resource report: registers per thread, spills, shared memory.
 
-    python benchmarks/compile_report.py [--head-dims 64,128] [--dtype bf16]
+    python benchmarks/compile_report.py [--head-dims 64,128] [--dtype bf16] [--check]
 
 Uses the heuristic launch configs of ``tuning/configs.py``. Catches compile errors that
 the interpreter cannot see (e.g. non-constexpr globals) and register spills, at no
-device time. Pointer arguments and strides are declared 16-divisible, as Triton
-specialises them at launch for aligned tensors.
+device time; flags kernels whose wgmmas ptxas serialised (``--check``: exit 1 on that or on
+a compile failure; tests/test_hopper_codegen.py runs it). Pointer arguments and strides are
+declared 16-divisible, as Triton specialises them at launch for aligned tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import inspect
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
@@ -55,7 +57,26 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_sta
     src = ASTSource(kernel, signature, constexprs, attrs)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
     usage = _resource_usage(compiled.asm["cubin"])
-    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared, asm=compiled.asm)
+    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared, asm=compiled.asm,
+                serialized=wgmma_serialization(compiled.asm["ptx"]))
+
+
+def wgmma_serialization(ptx: str) -> str | None:
+    """ptxas's reason for serialising every wgmma of the kernel (info C7515), or None.
+
+    When ptxas cannot keep a wgmma pipeline stage intact anywhere in a function, it waits after
+    *each* wgmma in the whole function: the tensor cores then idle most of the time (our dK/dV
+    pass ran at 45% tensor-pipe activity for that reason; benchmarks/NOTES.md v10)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        arch = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M).group(1)
+        text = subprocess.run([tool, "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True).stderr
+    found = re.search(r"wgmma\.mma_async instructions are serialized due to (.*?) in the function", text)
+    return found.group(1) if found else None
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -68,7 +89,8 @@ def _resource_usage(cubin: bytes) -> dict:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
-def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> None:
+def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
+    """Prints one line per kernel; returns how many failed to compile or had their wgmmas serialised."""
     torch_dtype = TYPES[dtype]
     configs = _cuda_configs(torch_dtype, head_dim, head_dim)
     block_d = fwd.padded_dim(head_dim)
@@ -98,6 +120,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> None:
                                                                  RUN_DKDV=True, RUN_DQ=False),
          {**dkdv_descs, **dq_atomic}),
     ]
+    problems = 0
     for name, kernel, cfg, extra, descriptors in jobs:
         if kernel is bwd._backward_kernel:
             constexprs = dict(common, DKDV_BLOCK_M=configs.dkdv.block_m, DKDV_BLOCK_N=configs.dkdv.block_n,
@@ -110,9 +133,13 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> None:
         try:
             r = compile_kernel(kernel, dtype, constexprs, cfg.num_warps, cfg.num_stages, fp32_ptrs, descriptors)
             sass_hint = "wgmma" if "wgmma" in r["asm"].get("ptx", "") else "mma"
-            print(f"  {shown}  regs={r['regs']} stack={r['spills']} smem={r['shared']} ({sass_hint})")
+            serial = f"  WGMMA SERIALIZED: {r['serialized']}" if r["serialized"] else ""
+            problems += bool(r["serialized"])
+            print(f"  {shown}  regs={r['regs']} stack={r['spills']} smem={r['shared']} ({sass_hint}){serial}")
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
+            problems += 1
+    return problems
 
 
 def main() -> None:
@@ -120,6 +147,8 @@ def main() -> None:
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtype", default="bf16", choices=sorted(TYPES))
     p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
+    p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,window")
+    p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     args = p.parse_args()
     variants = {
         "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
@@ -127,12 +156,19 @@ def main() -> None:
         "window+softcap": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True),
         "window": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=False),
     }
+    problems = 0
     for d in map(int, args.head_dims.split(",")):
         for vname, flags in variants.items():
+            if args.variants and vname not in args.variants.split(","):
+                continue
             for tma in {"on": (True,), "off": (False,), "both": (False, True)}[args.tma_loads]:
                 print(f"D={d} {args.dtype} {vname} tma_loads={tma}")
-                report(d, args.dtype, flags, tma)
+                problems += report(d, args.dtype, flags, tma)
+    if args.check and problems:
+        print(f"{problems} kernel(s) failed to compile or had their wgmmas serialised")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,9 +2,9 @@
 
 dQ is summed one of two ways, as the launch config says (tuning/configs.py):
 - a separate pass of dQ programs (7 matmuls per tile pair, no atomics, bitwise
-  reproducible); the default at D=128, and what ``deterministic=True`` always runs;
-- fp32 atomics from the dK/dV programs (5 matmuls): TMA bulk reduce-adds on Hopper, the
-  default at D<=64 there (benchmarks/NOTES.md v8), or pointer atomics.
+  reproducible): every default, and what ``deterministic=True`` always runs;
+- fp32 atomics from the dK/dV programs (5 matmuls): TMA bulk reduce-adds on Hopper, or
+  pointer atomics; an option (benchmarks/NOTES.md v8, v11).
 
 - ``_preprocess_kernel``: delta = rowsum(dO * O) - dlse, one float per query row.
   A gradient on lse enters only here: d lse / d s = p, so ds = p * (dp - delta).
@@ -94,7 +94,7 @@ def _preprocess_kernel(
 def _dkdv_tiles(
     dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
     stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-    block_begin, block_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+    block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -102,14 +102,20 @@ def _dkdv_tiles(
     STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
-    loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV."""
+    loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV.
+    A masked walk skips the blocks ``[skip_begin, skip_end)`` (the interior, walked separately), so
+    both boundary stretches share one loop."""
     offs_tile = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    blocks = block_end - block_begin
+    skipped = skip_end - skip_begin
+    blocks = block_end - block_begin - skipped
     for step in tl.range(0, blocks * group_size, num_stages=STAGES):
         member = step // blocks
         head = head_kv * group_size + member
-        start_m = (block_begin + step - member * blocks) * BLOCK_M
+        block = block_begin + step - member * blocks
+        if IS_MASKED:
+            block = tl.where(block >= skip_begin, block + skipped, block)
+        start_m = block * BLOCK_M
         offs_m = start_m + offs_tile
         q = load_block(q_desc, head_base(Q, batch, head, stride_qb, stride_qh), batch, head, start_m, stride_qs,
                        seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, IS_MASKED, TMA_LOADS)
@@ -175,24 +181,20 @@ def _dkdv_program(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     begin, interior_begin, interior_end, end = query_blocks_for_key_block(
         n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # The three stretches of block_range, each walked over the whole group in a fixed order
-    # (dK, dV are bitwise reproducible).
+    # The interior stretch of block_range first, then both boundary stretches in one masked walk,
+    # each over the whole group in a fixed order (dK, dV are bitwise reproducible). A masked loop
+    # *before* the pipelined interior loop made ptxas serialise every wgmma of the kernel (C7515,
+    # "non wgmma instructions defining accumulator registers"; benchmarks/NOTES.md v10).
     dk, dv = _dkdv_tiles(
         dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-        begin, interior_begin, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
-    dk, dv = _dkdv_tiles(
-        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
-        stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-        interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+        interior_begin, interior_end, interior_end, interior_end, offs_n, seqlen_q, seqlen_k, window_left,
+        window_right, qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
     dk, dv = _dkdv_tiles(
         dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-        interior_end, end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+        begin, end, interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
         qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
 

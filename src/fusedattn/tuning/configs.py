@@ -72,22 +72,20 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
     wide = dtype == torch.float32  # 4-byte tiles need half the rows to fit shared memory
     hopper = capability[0] >= 9  # TMA: descriptor loads and bulk reduce-adds
     # 16-bit winners of benchmarks/tune.py and benchmarks/variants.py on an H200 (SPEC 5 shapes;
-    # benchmarks/NOTES.md v8); fp32 halves the tiles.
-    atomic = False
+    # benchmarks/NOTES.md v8-v11); fp32 halves the tiles. Every default sums dQ in a separate pass
+    # (bitwise reproducible): once ptxas pipelined the dK/dV pass's wgmmas (v11), dQ by TMA
+    # reduce-adds stopped paying at D<=64 (it still is an option: AttentionConfigs.atomic_dq).
     if width <= 64:
         fwd = KernelConfig(64, 32, 4, 3) if wide else KernelConfig(64, 64, 4, 3)
         dkdv = KernelConfig(32, 64, 4, 2) if wide else KernelConfig(64, 64, 4, 3)
         dq = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 64, 4, 3)
-        # dQ by TMA reduce-adds from the dK/dV pass (5 matmuls instead of 7): -10% backward time.
-        # deterministic=True still takes the separate dQ pass.
-        atomic = hopper and not wide
     elif width <= 128:
         fwd = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 128, 8, 3)
         if not wide and seqlen_k <= 2048:  # few key tiles per program: smaller tiles, shorter prologue
             fwd = KernelConfig(64, 64, 4, 3)  # -8% (full) to -18% (causal) forward time at S=1k
-        dkdv = KernelConfig(32, 64, 8, 2) if wide else KernelConfig(64, 128, 8, 3)
-        if not wide and seqlen_k <= 2048:  # two 4-warp programs per SM: -11% backward at S=1k causal
-            dkdv = KernelConfig(64, 64, 4, 2)
+        # Two 4-warp dK/dV programs per SM: with the wgmmas pipelined (NOTES.md v11) the fastest at
+        # every length (benchmarks/tune.py, S=4k and 16k; variants.py, S=1k).
+        dkdv = KernelConfig(32, 64, 8, 2) if wide else KernelConfig(64, 64, 4, 2)
         dq = KernelConfig(64, 32, 8, 2) if wide else KernelConfig(128, 64, 8, 3)
     else:
         fwd = KernelConfig(32 if wide else 64, 32 if wide else 64, 4, 2)
@@ -95,7 +93,7 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         dq = KernelConfig(32 if wide else 64, 16 if wide else 32, 4 if wide else 8, 1 if wide else 2)
     if hopper:
         fwd, dkdv, dq = (replace(c, tma_loads=True) for c in (fwd, dkdv, dq))
-    return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64, atomic_dq=atomic, dq_tma=atomic)
+    return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
 
 
 def select_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int,
