@@ -96,7 +96,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     block_d = fwd.padded_dim(head_dim)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
                   DOT_PRECISION=fwd.dot_precision(torch_dtype), **flags)
-    fp32_ptrs = dict(Lse="fp32", Delta="fp32", DLse="fp32")
+    fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32")
 
     def descs(rows: int, *names: str) -> dict:
         return {n: f"tensordesc<{dtype}[1,1,{rows},{block_d}]>" for n in names} if tma_loads else {}

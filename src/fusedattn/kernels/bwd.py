@@ -6,8 +6,11 @@ dQ is summed one of two ways, as the launch config says (tuning/configs.py):
 - fp32 atomics from the dK/dV programs (5 matmuls): TMA bulk reduce-adds on Hopper, or
   pointer atomics; an option (benchmarks/NOTES.md v8, v11).
 
-- ``_preprocess_kernel``: delta = rowsum(dO * O) - dlse, one float per query row.
-  A gradient on lse enters only here: d lse / d s = p, so ds = p * (dp - delta).
+- ``_preprocess_kernel``: the two row statistics the passes read, one float per query row
+  each, in buffers whose rows are padded to a multiple of every tile height (so the loops load
+  them without masks, in vectors): ``lse2`` = lse * log2(e), +inf for a row with no key and for
+  padding (so p = 0 there), and delta = rowsum(dO * O) - dlse (0 in padding). A gradient on lse
+  enters only here: d lse / d s = p, so ds = p * (dp - delta).
 - ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
   - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
     registers and walks the query blocks of every query head of its KV group (one flat
@@ -67,9 +70,9 @@ def _score_grad(p, dp, delta, tanh_arg, HAS_SOFTCAP: tl.constexpr, TRANSPOSED: t
 
 @triton.jit
 def _preprocess_kernel(
-    Out, DOut, DLse, Delta,
+    Out, DOut, Lse, DLse, Lse2, Delta,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
-    seqlen_q, heads_q,
+    seqlen_q, heads_q, stride_stats,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     batch_head = tl.program_id(1)
@@ -87,14 +90,17 @@ def _preprocess_kernel(
     row_offset = batch_head.to(tl.int64) * seqlen_q
     if HAS_DLSE:
         delta -= tl.load(DLse + row_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    tl.store(Delta + row_offset + offs_m, delta, mask=offs_m < seqlen_q)
+    lse2 = lse_for_backward(tl.load(Lse + row_offset + offs_m, mask=offs_m < seqlen_q, other=float("-inf")))
+    stats_offset = batch_head.to(tl.int64) * stride_stats
+    tl.store(Lse2 + stats_offset + offs_m, lse2, mask=offs_m < stride_stats)
+    tl.store(Delta + stats_offset + offs_m, delta, mask=offs_m < stride_stats)
 
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
+    dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
     stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-    block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+    stride_stats, block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -110,7 +116,8 @@ def _dkdv_tiles(
     skipped = skip_end - skip_begin
     blocks = block_end - block_begin - skipped
     for step in tl.range(0, blocks * group_size, num_stages=STAGES):
-        member = step // blocks
+        # A group of one (MHA) is specialised to the constant 1 at launch: no division per step then.
+        member = tl.where(group_size == 1, 0, step // blocks)
         head = head_kv * group_size + member
         block = block_begin + step - member * blocks
         if IS_MASKED:
@@ -122,13 +129,9 @@ def _dkdv_tiles(
         do = load_block(do_desc, head_base(DOut, batch, head, stride_dob, stride_doh), batch, head, start_m, stride_dos,
                         seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, IS_MASKED, TMA_LOADS)
         dq_row = batch * heads_q + head
-        row_offset = dq_row.to(tl.int64) * seqlen_q
-        if IS_MASKED:  # rows past seqlen_q get lse +inf, hence p = 0
-            lse2 = lse_for_backward(tl.load(Lse + row_offset + offs_m, mask=offs_m < seqlen_q, other=float("-inf")))
-            delta = tl.load(Delta + row_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
-        else:  # interior tiles: every row keeps a key, so lse is finite
-            lse2 = tl.load(Lse + row_offset + offs_m) * 1.4426950408889634
-            delta = tl.load(Delta + row_offset + offs_m)
+        stats_offset = dq_row.to(tl.int64) * stride_stats  # padded rows: no mask (rows past seqlen_q give p = 0)
+        lse2 = tl.load(Lse2 + stats_offset + offs_m)
+        delta = tl.load(Delta + stats_offset + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                      qk_scale, softcap_log2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, IS_MASKED, True)
@@ -151,7 +154,7 @@ def _dkdv_tiles(
 @triton.jit
 def _dkdv_program(
     n_block, batch, head_kv,
-    Q, K, V, DOut, Lse, Delta, DK, DV, DQAccum, q_desc, do_desc, dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, q_desc, do_desc, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -159,7 +162,7 @@ def _dkdv_program(
     stride_dkb, stride_dkh, stride_dks,
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
-    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
+    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -186,14 +189,16 @@ def _dkdv_program(
     # *before* the pipelined interior loop made ptxas serialise every wgmma of the kernel (C7515,
     # "non wgmma instructions defining accumulator registers"; benchmarks/NOTES.md v10).
     dk, dv = _dkdv_tiles(
-        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
+        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+        stride_stats,
         interior_begin, interior_end, interior_end, interior_end, offs_n, seqlen_q, seqlen_k, window_left,
         window_right, qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
     dk, dv = _dkdv_tiles(
-        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse, Delta, batch, head_kv, group_size, heads_q,
+        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+        stride_stats,
         begin, end, interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
         qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
         HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
@@ -232,13 +237,13 @@ def _dq_tiles(
 @triton.jit
 def _dq_program(
     m_block, batch, head,
-    Q, K, V, DOut, Lse, Delta, DQ, k_desc, v_desc,
+    Q, K, V, DOut, Lse2, Delta, DQ, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos,
     stride_dqb, stride_dqh, stride_dqs,
-    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
+    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -257,9 +262,9 @@ def _dq_program(
                   offs_m, seqlen_q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
     do = load_tile(tile_ptrs(head_base(DOut, batch, head, stride_dob, stride_doh), start_m, stride_dos, offs_tile, offs_dv),
                    offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
-    row_offset = batch_head.to(tl.int64) * seqlen_q
-    lse2 = lse_for_backward(tl.load(Lse + row_offset + offs_m, mask=offs_m < seqlen_q, other=float("-inf")))
-    delta = tl.load(Delta + row_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
+    stats_offset = batch_head.to(tl.int64) * stride_stats
+    lse2 = tl.load(Lse2 + stats_offset + offs_m)
+    delta = tl.load(Delta + stats_offset + offs_m)
     k_base = head_base(K, batch, head_kv, stride_kb, stride_kh)
     v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
 
@@ -290,7 +295,7 @@ def _dq_program(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks"])
 def _backward_kernel(
-    Q, K, V, DOut, Lse, Delta, DK, DV, DQ, q_desc, do_desc, k_desc, v_desc, dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, q_desc, do_desc, k_desc, v_desc, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -298,7 +303,7 @@ def _backward_kernel(
     stride_dkb, stride_dkh, stride_dks,
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
-    seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right,
+    seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale, key_blocks, query_blocks, dkdv_programs,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
@@ -322,11 +327,11 @@ def _backward_kernel(
             batch_head_kv = pid // key_blocks
             _dkdv_program(
                 pid % key_blocks, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
-                Q, K, V, DOut, Lse, Delta, DK, DV, DQ, q_desc, do_desc, dq_desc,
+                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, q_desc, do_desc, dq_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
                 stride_dvs, stride_dqb, stride_dqh, stride_dqs,
-                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
+                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats, qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                 ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
     if RUN_DQ:
@@ -338,10 +343,10 @@ def _backward_kernel(
                 m_block = query_blocks - 1 - m_block
             _dq_program(
                 m_block, batch_head // heads_q, batch_head % heads_q,
-                Q, K, V, DOut, Lse, Delta, DQ, k_desc, v_desc,
+                Q, K, V, DOut, Lse2, Delta, DQ, k_desc, v_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, qk_scale, softcap_log2, scale,
+                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats, qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                 DOT_PRECISION, DQ_TMA_LOADS)
 
@@ -365,11 +370,15 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         DOT_PRECISION=dot_precision(q.dtype),
     )
 
-    delta = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
     pre_block_m = configs.preprocess_block_m
-    _preprocess_kernel[(triton.cdiv(seqlen_q, pre_block_m), batch * heads_q)](
-        out, dout, dlse if dlse is not None else delta, delta,
-        *bhs_strides(out, layout), *bhs_strides(dout, layout), seqlen_q, heads_q,
+    row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, 16)
+    padded_rows = triton.cdiv(seqlen_q, row_multiple) * row_multiple
+    lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
+    delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
+    _preprocess_kernel[(padded_rows // pre_block_m, batch * heads_q)](
+        out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
+        *bhs_strides(out, layout), *bhs_strides(dout, layout), seqlen_q, heads_q, padded_rows,
         HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
     )
 
@@ -392,12 +401,13 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass), K, V (dQ pass).
     dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m, dkdv_cfg.tma_loads)
     dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n, dq_cfg.tma_loads)
-    tensors = (q, k, v, dout, lse, delta, dk, dv, dq_buffer)
+    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer)
     scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
                *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides,
                # group_size is passed, not derived in the kernel: Triton specialises an int argument
                # equal to 1, which removes the group walk's index arithmetic for MHA.
                seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,
+               padded_rows,
                qk_scale, softcap_log2, spec.scale, key_blocks, query_blocks)
     constexprs = dict(
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
