@@ -28,9 +28,11 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if "fwd_ms" in r:
             by_case.setdefault(r["case"], {})[r["system"]] = r
-    header = ["D", "S", "causal"] + [title for _, title in COLUMNS] + ["f+b vs Flex", "f+b vs cuDNN", "fwd vs FlagGems*"]
+    header = (["D", "S", "causal"] + [title for _, title in COLUMNS]
+              + ["f+b vs Flex", "f+b vs cuDNN", "fwd vs FlagGems*"])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    cases = sorted(by_case.values(), key=lambda c: (c["fusedattn"]["D"], c["fusedattn"]["Sq"], c["fusedattn"]["causal"]))
+    cases = sorted(by_case.values(),
+                   key=lambda c: (c["fusedattn"]["D"], c["fusedattn"]["Sq"], c["fusedattn"]["causal"]))
     for case in cases:
         ours = case["fusedattn"]
         cells = [str(ours["D"]), str(ours["Sq"]), "yes" if ours["causal"] else "no"]

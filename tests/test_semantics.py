@@ -178,3 +178,25 @@ def test_tma_loads_fall_back_to_pointers_where_tma_cannot_address(layout):
     narrow = Case(heads_q=1, heads_kv=1, seqlen_q=21, seqlen_k=30, head_dim=12, layout=layout, dtype=dtype)
     with pinned_configs(_with_loads(base, True)):
         check_case(narrow, "triton", device)
+
+
+def _alternating_lengths(device):
+    """(Sq, Sk) pairs that want different compiled specialisations: single-block and multi-block
+    lengths (tiles are 16 rows under the interpreter, 64-128 on the GPU), length 1 (decoding),
+    Sq > Sk and Sq < Sk, and lengths that are / are not multiples of 16."""
+    long = 300 if device == "cuda" else 53
+    return [(1, 1), (long, 7), (7, long), (1, long), (long, long), (16, 16), (long, 1), (32, 48)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_alternating_shapes_in_one_process_match_reference(causal):
+    """Kernels compiled for one shape must not be reused wrongly for the next: alternate shapes
+    that need different specialisations, each twice in different company, and check every result
+    (output, lse, all gradients) against the float64 reference."""
+    device = "cuda" if ON_GPU else "cpu"
+    lengths = _alternating_lengths(device)
+    order = lengths + lengths[::-1]  # every shape is preceded by a different one the second time
+    for seqlen_q, seqlen_k in order:
+        case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32,
+                    causal=causal, lse_grad=True, dtype=_dtype(device))
+        check_case(case, "triton", device)

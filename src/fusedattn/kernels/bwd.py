@@ -187,7 +187,7 @@ def _dkdv_program(
     # The interior stretch of block_range first, then both boundary stretches in one masked walk,
     # each over the whole group in a fixed order (dK, dV are bitwise reproducible). A masked loop
     # *before* the pipelined interior loop made ptxas serialise every wgmma of the kernel (C7515,
-    # "non wgmma instructions defining accumulator registers"; benchmarks/NOTES.md v10).
+    # "non wgmma instructions defining accumulator registers"; benchmarks/NOTES.md v11).
     dk, dv = _dkdv_tiles(
         dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
@@ -331,7 +331,8 @@ def _backward_kernel(
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
                 stride_dvs, stride_dqb, stride_dqh, stride_dqs,
-                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats, qk_scale, softcap_log2, scale,
+                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
+                qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                 ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
     if RUN_DQ:
@@ -346,7 +347,8 @@ def _backward_kernel(
                 Q, K, V, DOut, Lse2, Delta, DQ, k_desc, v_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats, qk_scale, softcap_log2, scale,
+                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
+                qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                 DOT_PRECISION, DQ_TMA_LOADS)
 
