@@ -78,7 +78,8 @@ def _forward_op(
     if backend == "torch":
         return cpu.forward(q, k, v, spec)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, to_bhsd(k, layout).shape[2])
+    configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, to_bhsd(k, layout).shape[2],
+                             spec.has_window_left, spec.has_window_right, spec.has_softcap)
     return attention_forward(q, k, v, spec, configs.forward)
 
 
@@ -100,7 +101,8 @@ def _backward_op(
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
     if backend == "torch":
         return cpu.backward(dout, dlse, q, k, v, out, lse, spec)
-    configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2])
+    configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2],
+                             spec.has_window_left, spec.has_window_right, spec.has_softcap)
     return attention_backward(dout, dlse, q, k, v, out, lse, spec, configs)
 
 

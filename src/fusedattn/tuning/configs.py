@@ -9,6 +9,7 @@ kernel by itself. Tests pin configs with ``pinned_configs``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,6 +41,7 @@ class AttentionConfigs:
 
 
 _pinned: AttentionConfigs | None = None
+SHORT_KEYS = 2048  # key lengths up to this take the short-sequence tiles below
 
 
 @contextlib.contextmanager
@@ -81,7 +83,7 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         dq = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 64, 4, 3)
     elif width <= 128:
         fwd = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 128, 8, 3)
-        if not wide and seqlen_k <= 2048:  # few key tiles per program: smaller tiles, shorter prologue
+        if not wide and seqlen_k <= SHORT_KEYS:  # few key tiles per program: smaller tiles, shorter prologue
             fwd = KernelConfig(64, 64, 4, 3)  # -8% (full) to -18% (causal) forward time at S=1k
         # Two 4-warp dK/dV programs per SM: with the wgmmas pipelined (NOTES.md v11) the fastest at
         # every length (benchmarks/tune.py, S=4k and 16k; variants.py, S=1k).
@@ -97,9 +99,31 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
 
 
 def select_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head_dim_v: int,
-                   seqlen_k: int = 4096) -> AttentionConfigs:
+                   seqlen_k: int = 4096, has_left: bool = False, has_right: bool = False,
+                   has_softcap: bool = False) -> AttentionConfigs:
+    """Pinned configs, else a tuned entry of the on-disk cache (tuning/cache.py) whose key matches,
+    else the heuristic."""
     if _pinned is not None:
         return _pinned
     if device.type != "cuda":
         return INTERPRETER_CONFIGS
-    return _cuda_configs(dtype, head_dim, head_dim_v, seqlen_k, torch.cuda.get_device_capability(device))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_select(index, dtype, head_dim, head_dim_v, seqlen_k <= SHORT_KEYS, has_left, has_right, has_softcap)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cuda_select(device_index: int, dtype: torch.dtype, head_dim: int, head_dim_v: int, short_keys: bool,
+                 has_left: bool, has_right: bool, has_softcap: bool) -> AttentionConfigs:
+    from .cache import TuningCache, cache_path, config_key
+
+    seqlen_k = SHORT_KEYS if short_keys else 2 * SHORT_KEYS  # a representative of the length class
+    capability = torch.cuda.get_device_capability(device_index)
+    key = config_key(torch.cuda.get_device_name(device_index), capability, dtype, head_dim, head_dim_v, seqlen_k,
+                     has_left, has_right, has_softcap)
+    tuned = TuningCache(cache_path()).get(key)
+    return tuned if tuned is not None else _cuda_configs(dtype, head_dim, head_dim_v, seqlen_k, capability)
+
+
+def reload_tuning_cache() -> None:
+    """Forget the configs chosen so far (after a tuning run wrote new cache entries)."""
+    _cuda_select.cache_clear()

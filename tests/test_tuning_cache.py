@@ -1,0 +1,87 @@
+"""The on-disk cache of tuned launch configs (tuning/cache.py): an entry is found again, is used
+only when every field of its key matches, and lengths of one class share one entry."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.tuning import cache, configs
+from fusedattn.tuning.configs import AttentionConfigs, KernelConfig
+
+KEY_ARGS = dict(gpu_name="NVIDIA H200", capability=(9, 0), dtype=torch.bfloat16, head_dim=128, head_dim_v=128,
+                seqlen_k=4096, has_left=False, has_right=True, has_softcap=False)
+TUNED = AttentionConfigs(forward=KernelConfig(128, 64, 8, 4, True), dkdv=KernelConfig(32, 128, 8, 3),
+                         dq=KernelConfig(64, 64, 4, 2, True), preprocess_block_m=32, fuse_dq_pass=True)
+
+
+def test_entry_round_trips_through_the_file(tmp_path):
+    path = tmp_path / "tuning.json"
+    key = cache.config_key(**KEY_ARGS)
+    cache.TuningCache(path).put(key, TUNED)
+    assert cache.TuningCache(path).get(key) == TUNED
+    assert cache.TuningCache(path).get(cache.config_key(**dict(KEY_ARGS, head_dim=64))) is None
+    assert cache.TuningCache(tmp_path / "absent.json").get(key) is None
+
+
+@pytest.mark.parametrize("field,value", [
+    ("gpu_name", "NVIDIA H100 80GB HBM3"), ("capability", (9, 1)), ("dtype", torch.float16), ("head_dim", 64),
+    ("head_dim_v", 64), ("seqlen_k", 1024), ("has_left", True), ("has_right", False), ("has_softcap", True),
+])
+def test_key_changes_with_every_field_that_changes_the_choice(field, value):
+    assert cache.config_key(**dict(KEY_ARGS, **{field: value})) != cache.config_key(**KEY_ARGS)
+
+
+def test_key_changes_with_package_triton_and_kernel_sources(monkeypatch, tmp_path):
+    base = cache.config_key(**KEY_ARGS)
+    with monkeypatch.context() as m:
+        m.setattr(fusedattn, "__version__", "9.9.9")
+        assert cache.config_key(**KEY_ARGS) != base
+    with monkeypatch.context() as m:
+        m.setattr(cache.triton, "__version__", "0.0.1")
+        assert cache.config_key(**KEY_ARGS) != base
+    edited = tmp_path / "kernels"
+    edited.mkdir()
+    for source in cache.KERNEL_DIR.glob("*.py"):
+        (edited / source.name).write_text(source.read_text() + ("\n# edited\n" if source.name == "bwd.py" else ""))
+    with monkeypatch.context() as m:
+        m.setattr(cache, "KERNEL_DIR", edited)
+        cache.kernel_source_hash.cache_clear()
+        assert cache.config_key(**KEY_ARGS) != base
+    cache.kernel_source_hash.cache_clear()
+    assert cache.config_key(**KEY_ARGS) == base
+
+
+def test_lengths_of_one_class_share_an_entry():
+    """Kernels take lengths as runtime values: no entry (and no tuning run) per length."""
+    assert cache.config_key(**dict(KEY_ARGS, seqlen_k=4096)) == cache.config_key(**dict(KEY_ARGS, seqlen_k=131072))
+    assert cache.config_key(**dict(KEY_ARGS, seqlen_k=1)) == cache.config_key(**dict(KEY_ARGS, seqlen_k=2048))
+
+
+def test_select_uses_a_matching_entry_and_ignores_a_stale_one(monkeypatch, tmp_path):
+    """select_configs on a (pretend) H200: the heuristic without a cache, the tuned configs when
+    the key matches, the heuristic again when the entry was tuned under other kernel sources."""
+    monkeypatch.setenv("FUSEDATTN_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: KEY_ARGS["gpu_name"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: KEY_ARGS["capability"])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    device = torch.device("cuda")
+    select = dict(device=device, dtype=torch.bfloat16, head_dim=128, head_dim_v=128, seqlen_k=8192, has_right=True)
+    configs.reload_tuning_cache()
+    try:
+        heuristic = configs.select_configs(**select)
+        assert heuristic == configs._cuda_configs(torch.bfloat16, 128, 128, 8192, (9, 0))
+        cache.TuningCache(tmp_path / "tuning.json").put(cache.config_key(**KEY_ARGS), TUNED)
+        configs.reload_tuning_cache()
+        assert configs.select_configs(**select) == TUNED
+        assert configs.select_configs(**dict(select, has_right=False)) == heuristic  # other flags: no entry
+        with monkeypatch.context() as m:  # an entry tuned under other kernel sources
+            m.setattr(cache, "kernel_source_hash", lambda: "another-kernel-version")
+            stale_key = cache.config_key(**dict(KEY_ARGS, seqlen_k=1024))
+        cache.TuningCache(tmp_path / "tuning.json").put(stale_key, replace(TUNED, preprocess_block_m=16))
+        configs.reload_tuning_cache()
+        assert configs.select_configs(**dict(select, seqlen_k=1024)) == configs._cuda_configs(
+            torch.bfloat16, 128, 128, 1024, (9, 0))
+    finally:
+        configs.reload_tuning_cache()
