@@ -3,7 +3,8 @@
 One config per kernel. The heuristic depends only on what changes the best tiling
 (device, dtype, head dims, and for the forward whether the key length is short);
 sequence lengths are runtime arguments of the kernels, so a length never compiles a new
-kernel by itself. Tests pin configs with ``pinned_configs``.
+kernel by itself. A tuned entry of the on-disk cache (``tuning/cache.py``) whose key matches
+takes precedence over the heuristic. Tests pin configs with ``pinned_configs``.
 """
 
 from __future__ import annotations
