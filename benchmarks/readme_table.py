@@ -1,10 +1,13 @@
-"""Print the README's performance table (markdown) from a `python -m fusedattn.bench` JSON.
+"""Print the README's performance tables (markdown) from a `python -m fusedattn.bench` JSON.
 
     python benchmarks/readme_table.py benchmarks/results/NVIDIA-H200-2026-11-21.json
 
-Each cell is forward / forward+backward TFLOP/s; ratios are fwd+bwd times of the same run.
-FlagGems was not in the GPU image, so its column compares our forward with the H200 forward
-figures of ../shared/BENCHMARKS.md (same shapes and convention), copied below.
+First table: forward / forward+backward / backward-alone TFLOP/s of every system (backward alone
+is the fwd+bwd time less the forward time of the same run). Second table: fusedattn's ratios,
+all from times of the same run (> 1 means fusedattn is faster), and the cost of
+``deterministic=True`` (its fwd+bwd time over the default's). Where FlagGems was not measured
+in the run, its column compares our forward with the H200 forward figures of
+../shared/BENCHMARKS.md (same shapes and convention), copied below and marked *.
 """
 
 from __future__ import annotations
@@ -20,35 +23,72 @@ FLAGGEMS_FWD = {
     (64, 16384, False): 351, (64, 16384, True): 292,
 }
 COLUMNS = [("fusedattn", "**fusedattn**"), ("sdpa-cudnn", "SDPA cuDNN"), ("sdpa-flash", "SDPA flash (FA2)"),
-           ("flex", "FlexAttention"), ("sdpa-efficient", "SDPA efficient")]
+           ("flex", "FlexAttention"), ("flaggems", "FlagGems"), ("flash-sparse-attn", "flash-sparse-attn dense"),
+           ("sdpa-efficient", "SDPA efficient")]
 
 
-def table(rows: list[dict]) -> str:
+def _cases(rows: list[dict]) -> list[dict[str, dict]]:
     by_case: dict[str, dict[str, dict]] = {}
     for r in rows:
         if "fwd_ms" in r:
             by_case.setdefault(r["case"], {})[r["system"]] = r
-    header = (["D", "S", "causal"] + [title for _, title in COLUMNS]
-              + ["f+b vs Flex", "f+b vs cuDNN", "fwd vs FlagGems*"])
+    cases = [c for c in by_case.values() if "fusedattn" in c]
+    return sorted(cases, key=lambda c: (c["fusedattn"].get("Hkv", c["fusedattn"]["H"]) != c["fusedattn"]["H"],
+                                        c["fusedattn"]["D"], c["fusedattn"]["Sq"], c["fusedattn"]["causal"]))
+
+
+def _shape_cells(r: dict) -> list[str]:
+    grouped = r.get("Hkv", r["H"]) != r["H"]
+    return [str(r["D"]) + (f", GQA {r['H']}/{r['Hkv']}" if grouped else ""), str(r["Sq"]),
+            "yes" if r["causal"] else "no"]
+
+
+def _markdown(header: list[str], body: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    cases = sorted(by_case.values(),
-                   key=lambda c: (c["fusedattn"]["D"], c["fusedattn"]["Sq"], c["fusedattn"]["causal"]))
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in body])
+
+
+def tflops_table(rows: list[dict]) -> str:
+    cases = _cases(rows)
+    columns = [(system, title) for system, title in COLUMNS if any(system in c for c in cases)]
+    body = []
     for case in cases:
-        ours = case["fusedattn"]
-        cells = [str(ours["D"]), str(ours["Sq"]), "yes" if ours["causal"] else "no"]
-        for system, _ in COLUMNS:
+        cells = _shape_cells(case["fusedattn"])
+        for system, _ in columns:
             r = case.get(system)
-            cell = f"{r['fwd_tflops']:.0f} / {r['fwdbwd_tflops']:.0f}" if r else "—"
+            cell = f"{r['fwd_tflops']:.0f} / {r['fwdbwd_tflops']:.0f} / {r['bwd_tflops']:.0f}" if r else "—"
             cells.append(f"**{cell}**" if system == "fusedattn" else cell)
-        for peer in ("flex", "sdpa-cudnn"):
-            r = case.get(peer)
-            cells.append(f"{r['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x" if r else "—")
-        flaggems = FLAGGEMS_FWD.get((ours["D"], ours["Sq"], ours["causal"]))
-        cells.append(f"{ours['fwd_tflops'] / flaggems:.2f}x" if flaggems else "—")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return _markdown(["D", "S", "causal"] + [title for _, title in columns], body)
+
+
+def ratio_table(rows: list[dict]) -> str:
+    def ratio(peer: dict | None, ours: dict, key: str) -> str:
+        return f"{peer[key] / ours[key]:.2f}x" if peer else "—"
+
+    body = []
+    for case in _cases(rows):
+        ours, cudnn = case["fusedattn"], case.get("sdpa-cudnn")
+        cells = _shape_cells(ours)
+        cells += [ratio(cudnn, ours, "fwd_ms"), ratio(cudnn, ours, "bwd_ms"), ratio(cudnn, ours, "fwdbwd_ms"),
+                  ratio(case.get("sdpa-flash"), ours, "fwdbwd_ms"), ratio(case.get("flex"), ours, "fwdbwd_ms")]
+        if "flaggems" in case:
+            cells.append(ratio(case["flaggems"], ours, "fwd_ms"))
+        else:
+            published = FLAGGEMS_FWD.get((ours["D"], ours["Sq"], ours["causal"]))
+            grouped = ours.get("Hkv", ours["H"]) != ours["H"]
+            cells.append(f"{ours['fwd_tflops'] / published:.2f}x*" if published and not grouped else "—")
+        det = case.get("fusedattn-deterministic")
+        cells.append(f"{det['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}" if det else "—")
+        body.append(cells)
+    header = ["D", "S", "causal", "fwd vs cuDNN", "bwd vs cuDNN", "f+b vs cuDNN", "f+b vs FA2", "f+b vs Flex",
+              "fwd vs FlagGems", "deterministic / default (time)"]
+    return _markdown(header, body)
 
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        print(table(json.load(f)["rows"]))
+        data = json.load(f)
+    print(tflops_table(data["rows"]))
+    print()
+    print(ratio_table(data["rows"]))

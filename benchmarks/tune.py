@@ -5,7 +5,8 @@
 Times each kernel alone (forward; backward with atomic dQ = preprocess + dK/dV;
 deterministic backward = the same + the dQ pass) with configs pinned, on the SPEC 5
 shape for that head dim. The winners feed ``tuning/configs.py``'s heuristic; the
-results are a table, not a test.
+results are a table, not a test. For the tuning cache that launches use, run
+``python -m fusedattn.tune`` instead; this script also times the atomic-dQ schedules.
 """
 
 from __future__ import annotations
@@ -22,14 +23,10 @@ from fusedattn.kernels.bwd import attention_backward
 from fusedattn.kernels.fwd import attention_forward
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import KernelConfig, select_configs
+from fusedattn.tuning.search import DKDV_CANDIDATES, DQ_CANDIDATES, FORWARD_CANDIDATES
 
-FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
-       (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2)]
-# (64, 64, 4, 2) and (32, 64, 4, 2) fit two programs per SM at D=128 (registers and shared memory).
-DKDV = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2),
-        (32, 64, 4, 3), (32, 128, 8, 3), (128, 64, 8, 2)]
-DQ = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 4),
-      (128, 128, 8, 2), (64, 128, 4, 2)]
+# The candidate grids of the opt-in tuning run (python -m fusedattn.tune).
+FWD, DKDV, DQ = FORWARD_CANDIDATES, DKDV_CANDIDATES, DQ_CANDIDATES
 
 
 def bench(fn):

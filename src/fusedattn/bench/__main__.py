@@ -28,10 +28,18 @@ from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable
 TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
 
 
+GQA_HEADS = (16, 2)  # BENCHMARKS.md's grouped-query case: B=4, 16 query heads / 2 key-value heads, S=4k, D=128
+
+
 def standard_shapes(quick: bool = False, head_dims=None, seqlens=None) -> list[Shape]:
+    """SPEC 5's shapes, then the grouped-query shapes where D=128 and S=4k are among them."""
     head_dims = head_dims or ((128,) if quick else (64, 128))
     seqlens = seqlens or ((1024, 4096) if quick else (1024, 4096, 16384))
-    return [Shape(TOKENS // s, HIDDEN // d, s, d, causal) for d in head_dims for s in seqlens for causal in (False, True)]
+    shapes = [Shape(TOKENS // s, HIDDEN // d, s, d, causal) for d in head_dims for s in seqlens for causal in (False, True)]
+    if 128 in head_dims and 4096 in seqlens:
+        heads, kv_heads = GQA_HEADS
+        shapes += [Shape(TOKENS // 4096, heads, 4096, 128, causal, heads_kv=kv_heads) for causal in (False, True)]
+    return shapes
 
 
 def cpu_shapes() -> list[Shape]:
@@ -66,14 +74,16 @@ def _median_ms(fn, grad_to_none=None) -> float:
 
 def _inputs(shape: Shape, device):
     gen = torch.Generator(device=device).manual_seed(0)
-    size = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
-    q, k, v, dout = (torch.randn(size, device=device, dtype=shape.dtype, generator=gen) for _ in range(4))
+    q_size = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    kv_size = (shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim)
+    q, k, v, dout = (torch.randn(size, device=device, dtype=shape.dtype, generator=gen)
+                     for size in (q_size, kv_size, kv_size, q_size))
     return q, k, v, dout
 
 
 def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torch.Tensor | None]:
     """One system on one shape: (row, its forward output for checking the others)."""
-    row = dict(system=system.name, case=shape.name, B=shape.batch, H=shape.heads, Sq=shape.seqlen,
+    row = dict(system=system.name, case=shape.name, B=shape.batch, H=shape.heads, Hkv=shape.kv_heads, Sq=shape.seqlen,
                Sk=shape.seqlen, D=shape.head_dim, causal=shape.causal, dtype=str(shape.dtype).replace("torch.", ""))
     out = None
     try:
@@ -142,16 +152,16 @@ def run(shapes, systems, device) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     ours = {r["case"]: r for r in rows if r["system"] == "fusedattn" and "fwd_ms" in r}
-    lines = [f"{'case':<24}{'system':<20}{'fwd ms':>9}{'fwd TF/s':>10}{'f+b ms':>9}{'f+b TF/s':>10}"
+    lines = [f"{'case':<28}{'system':<24}{'fwd ms':>9}{'fwd TF/s':>10}{'f+b ms':>9}{'f+b TF/s':>10}"
              f"{'bwd TF/s':>10}{'ours/peer f+b':>15}"]
     for r in rows:
         if "fwd_ms" not in r:
-            lines.append(f"{r['case']:<24}{r['system']:<20}  {r.get('note', '')}")
+            lines.append(f"{r['case']:<28}{r['system']:<24}  {r.get('note', '')}")
             continue
         ratio = ""
         if r["system"] != "fusedattn" and r["case"] in ours:
             ratio = f"{ours[r['case']]['fwdbwd_tflops'] / r['fwdbwd_tflops']:.2f}x"
-        lines.append(f"{r['case']:<24}{r['system']:<20}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}"
+        lines.append(f"{r['case']:<28}{r['system']:<24}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}"
                      f"{r['fwdbwd_ms']:>9.3f}{r['fwdbwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}{ratio:>15}")
     return "\n".join(lines)
 
@@ -164,6 +174,7 @@ def plot(rows: list[dict], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    rows = [r for r in rows if r.get("Hkv", r["H"]) == r["H"]]  # lines by length: the grouped-query rows are one length
     panels = sorted({(r["D"], r["causal"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):

@@ -26,13 +26,23 @@ class Shape:
     head_dim: int
     causal: bool
     dtype: torch.dtype = torch.bfloat16
+    heads_kv: int | None = None  # grouped-query attention: fewer key/value heads than query heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads if self.heads_kv is None else self.heads_kv
+
+    @property
+    def grouped(self) -> bool:
+        return self.kv_heads != self.heads
 
     @property
     def name(self) -> str:
-        return f"D{self.head_dim}-S{self.seqlen}-{'causal' if self.causal else 'full'}"
+        group = f"-gqa{self.heads}/{self.kv_heads}" if self.grouped else ""
+        return f"D{self.head_dim}-S{self.seqlen}{group}-{'causal' if self.causal else 'full'}"
 
     def flops(self, mode: str) -> float:
-        """SPEC 5: forward 4*B*H*S*S*D, halved for causal; backward 2.5x forward."""
+        """SPEC 5: forward 4*B*H*S*S*D (H: query heads), halved for causal; backward 2.5x forward."""
         fwd = 4 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
         fwd = fwd / 2 if self.causal else fwd
         return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[mode]
@@ -49,8 +59,12 @@ class System:
     detail: str
 
 
-def _fusedattn(shape: Shape):
-    return lambda q, k, v: fusedattn.attention(q, k, v, layout="bhsd", causal=shape.causal)
+def _fusedattn(deterministic: bool):
+    def make(shape: Shape):
+        return lambda q, k, v: fusedattn.attention(q, k, v, layout="bhsd", causal=shape.causal,
+                                                   deterministic=deterministic)
+
+    return make
 
 
 def _sdpa(backend_name: str):
@@ -63,7 +77,7 @@ def _sdpa(backend_name: str):
 
         def fn(q, k, v):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.grouped)
 
         return fn
 
@@ -84,7 +98,7 @@ def _flex(shape: Shape):
     if shape.causal:
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
                                        shape.seqlen, shape.seqlen, device="cuda")
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, enable_gqa=shape.grouped)
 
 
 def _flaggems(shape: Shape):
@@ -94,7 +108,7 @@ def _flaggems(shape: Shape):
         raise Unavailable("needs CUDA")
     from flag_gems.ops.attention import scaled_dot_product_attention
 
-    return lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=shape.causal)
+    return lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.grouped)
 
 
 def _flash_sparse_dense(shape: Shape):
@@ -104,13 +118,15 @@ def _flash_sparse_dense(shape: Shape):
         raise Unavailable("needs CUDA")
     from flash_sparse_attn import flash_dense_attn_func
 
-    # Its layout is (B, S, H, D): hand it transposed views of the same data.
+    # Its layout is (B, S, H, D): hand it transposed views of the same data (it takes fewer
+    # key/value heads as they are).
     return lambda q, k, v: flash_dense_attn_func(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=shape.causal).transpose(1, 2)
 
 
 SYSTEMS = [
-    System("fusedattn", _fusedattn, "fusedattn.attention, layout='bhsd'"),
+    System("fusedattn", _fusedattn(False), "fusedattn.attention, layout='bhsd'"),
+    System("fusedattn-deterministic", _fusedattn(True), "fusedattn.attention, deterministic=True"),
     System("sdpa-cudnn", _sdpa("CUDNN_ATTENTION"), "torch SDPA, cuDNN backend, is_causal"),
     System("sdpa-flash", _sdpa("FLASH_ATTENTION"), "torch SDPA, FlashAttention-2 backend, is_causal"),
     System("sdpa-efficient", _sdpa("EFFICIENT_ATTENTION"), "torch SDPA, memory-efficient backend, is_causal"),
@@ -119,6 +135,6 @@ SYSTEMS = [
     System("flash-sparse-attn", _flash_sparse_dense, "flash_sparse_attn.flash_dense_attn_func (Triton)"),
 ]
 CPU_SYSTEMS = [
-    System("fusedattn", _fusedattn, "fusedattn.attention on CPU (chunked PyTorch path)"),
+    System("fusedattn", _fusedattn(False), "fusedattn.attention on CPU (chunked PyTorch path)"),
     System("sdpa-math", _sdpa("MATH"), "torch SDPA, math backend"),
 ]

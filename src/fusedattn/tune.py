@@ -1,0 +1,99 @@
+"""``python -m fusedattn.tune``: the opt-in tuning run (needs a CUDA GPU).
+
+    python -m fusedattn.tune                          # D=64 and 128, bf16, both key-length classes
+    python -m fusedattn.tune --head-dims 128 --lengths long
+    python -m fusedattn.tune --head-dims 128 --causal --softcap 30
+
+Times candidate launch configs on this GPU (tuning/search.py: every candidate must pass the
+SPEC 4 correctness rule first) and writes the fastest into the tuning cache
+(``$FUSEDATTN_TUNING_CACHE`` or ``~/.cache/fusedattn/tuning.json``), keyed by everything that
+changes the compiled kernels. Later processes use those entries automatically; one changed
+kernel source, package version, Triton version or GPU makes them stale (never used). Delete
+the file to go back to the heuristic defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .tuning.cache import TuningCache, cache_path, config_key
+from .tuning.configs import SHORT_KEYS, AttentionConfigs, _cuda_configs, reload_tuning_cache, select_configs
+from .tuning.search import KERNELS, TuningProblem, TuningResult, length_class_seqlen, tune
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _progress(items, desc):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, unit="config", dynamic_ncols=True, leave=False)
+    except ImportError:
+        return items
+
+
+def tune_entry(problem: TuningProblem, device, gpu: str, capability: tuple[int, int], cache: TuningCache,
+               start: AttentionConfigs | None = None, **tune_options) -> TuningResult:
+    """Tune one cache entry (from the heuristic's configs unless ``start`` is given) and store it
+    under the key that ``select_configs`` will look up for this problem's class."""
+    spec = problem.spec
+    start = start or _cuda_configs(problem.dtype, problem.head_dim, problem.head_dim_v, problem.seqlen, capability)
+    result = tune(problem, start, device, **tune_options)
+    key = config_key(gpu, capability, problem.dtype, problem.head_dim, problem.head_dim_v, problem.seqlen,
+                     spec.has_window_left, spec.has_window_right, spec.has_softcap)
+    cache.put(key, result.configs)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusedattn.tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", default="64,128", help="e.g. 64,128 (Dv = D)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--lengths", choices=("short", "long", "both"), default="both",
+                        help=f"key-length class: short (<= {SHORT_KEYS} keys, tuned at 1k), long (tuned at 4k)")
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", default=None, help="LEFT,RIGHT (sliding window; -1 = unbounded)")
+    parser.add_argument("--softcap", type=float, default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m fusedattn.tune times kernels on a CUDA GPU; none is visible here "
+              "(without a cache every launch uses the heuristic defaults).", file=sys.stderr)
+        return 2
+    window = tuple(int(x) for x in args.window.split(",")) if args.window else None
+    dtype, device = DTYPES[args.dtype], torch.device("cuda")
+    index = torch.cuda.current_device()
+    gpu, capability = torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+    classes = {"short": [True], "long": [False], "both": [True, False]}[args.lengths]
+    cache = TuningCache(cache_path())
+    print(f"tuning on {gpu} (sm_{capability[0]}{capability[1]}), {args.dtype}; cache: {cache.path}")
+    for head_dim in (int(d) for d in args.head_dims.split(",")):
+        for short in classes:
+            problem = TuningProblem(head_dim, head_dim, length_class_seqlen(short), dtype, args.causal, window,
+                                    args.softcap)
+            result = tune_entry(problem, device, gpu, capability, cache, progress=_progress)
+            print(f"\nD={head_dim}, keys {'<=' if short else '>'} {SHORT_KEYS} (tuned at S={problem.seqlen}): "
+                  f"forward {result.baseline_ms['forward']:.3f} -> {result.tuned_ms['forward']:.3f} ms, "
+                  f"backward {result.baseline_ms['dkdv']:.3f} -> {result.tuned_ms['dq']:.3f} ms (heuristic -> tuned)")
+            for kernel in KERNELS:
+                chosen = getattr(result.configs, kernel)
+                print(f"  {kernel:<8} block_m={chosen.block_m} block_n={chosen.block_n} "
+                      f"warps={chosen.num_warps} stages={chosen.num_stages}")
+                skipped = [(c, why) for c, why in result.trials[kernel] if isinstance(why, str)]
+                for c, why in skipped:
+                    print(f"           skipped ({c.block_m},{c.block_n},{c.num_warps},{c.num_stages}): {why}")
+    reload_tuning_cache()
+    spec = problem.spec
+    check = select_configs(device, dtype, problem.head_dim, problem.head_dim_v, problem.seqlen,
+                           spec.has_window_left, spec.has_window_right, spec.has_softcap)
+    if check != result.configs:
+        raise RuntimeError(f"the cache entry just written is not the one selected: {check} != {result.configs}")
+    print(f"\nwrote {cache.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The opt-in tuning run: time candidate launch configs on this GPU and cache the fastest.
+
+For one cache key (dtype, head dims, window/softcap flags, key-length class) it times the
+forward, then the dK/dV pass, then the dQ pass (each with the winners so far, i.e. a
+coordinate search starting from the heuristic), and stores the result with
+``TuningCache.put``. A candidate is timed only after it passed the SPEC 4 correctness rule on
+a small problem with odd lengths and the same features (a tuned config can never be a wrong
+one); one that does not compile (shared memory, registers) is skipped.
+
+The tuned entry keeps the default's backward schedule: dQ in a separate pass, no atomics,
+so gradients stay bitwise reproducible whether or not a cache is in use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from ..kernels.bwd import attention_backward
+from ..kernels.fwd import attention_forward
+from ..reference import reference_attention
+from ..spec import AttentionSpec, resolve_spec
+from ..validate import compare_to_reference
+from .configs import SHORT_KEYS, AttentionConfigs, KernelConfig
+
+# (block_m, block_n, num_warps, num_stages) candidates per kernel: the H200 sweeps of
+# benchmarks/tune.py (NOTES.md v8-v12) kept every config that won or came within 5% somewhere.
+FORWARD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
+                      (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2)]
+# (64, 64, 4, 2) and (32, 64, 4, 2) fit two programs per SM at D=128 (registers and shared memory).
+DKDV_CANDIDATES = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 2),
+                   (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3), (128, 64, 8, 2)]
+DQ_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
+                 (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)]
+KERNELS = ("forward", "dkdv", "dq")
+
+
+@dataclass(frozen=True)
+class TuningProblem:
+    """What one cache entry is tuned on: SPEC 5's token and hidden budget at one key length."""
+
+    head_dim: int
+    head_dim_v: int
+    seqlen: int
+    dtype: torch.dtype = torch.bfloat16
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    tokens: int = 16384
+    hidden: int = 2048
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return resolve_spec(self.head_dim, layout="bhsd", causal=self.causal, window=self.window, scale=None,
+                            softcap=self.softcap, deterministic=True)
+
+    @property
+    def options(self) -> dict:
+        return dict(layout="bhsd", causal=self.causal, window=self.window, softcap=self.softcap)
+
+    def inputs(self, device, batch=None, heads=None, seqlen_q=None, seqlen_k=None, seed=0):
+        batch = batch or max(1, self.tokens // self.seqlen)
+        heads = heads or max(1, self.hidden // max(self.head_dim, self.head_dim_v))
+        seqlen_q, seqlen_k = seqlen_q or self.seqlen, seqlen_k or self.seqlen
+        gen = torch.Generator(device=device).manual_seed(seed)
+        sizes = [(batch, heads, seqlen_q, self.head_dim), (batch, heads, seqlen_k, self.head_dim),
+                 (batch, heads, seqlen_k, self.head_dim_v), (batch, heads, seqlen_q, self.head_dim_v)]
+        return [torch.randn(s, generator=gen, device=device).to(self.dtype) for s in sizes]
+
+
+@dataclass
+class TuningResult:
+    configs: AttentionConfigs
+    # kernel -> [(candidate, milliseconds or the reason it was skipped)]
+    trials: dict[str, list[tuple[KernelConfig, float | str]]] = field(default_factory=dict)
+    baseline_ms: dict[str, float] = field(default_factory=dict)  # the starting configs' times
+    tuned_ms: dict[str, float] = field(default_factory=dict)
+
+
+def run_kernels(configs: AttentionConfigs, spec: AttentionSpec, q, k, v, dout):
+    """Forward and backward kernels as the interface launches them: (out, lse, dq, dk, dv)."""
+    out, lse = attention_forward(q, k, v, spec, configs.forward)
+    return (out, lse, *attention_backward(dout, None, q, k, v, out, lse, spec, configs))
+
+
+CHECK_LENGTHS = (157, 203)  # off every tile size; queries and keys of different lengths
+
+
+def correctness_failure(configs: AttentionConfigs, problem: TuningProblem, device, lengths=CHECK_LENGTHS) -> str:
+    """'' if ``configs`` meet the SPEC 4 rule on a small odd-length problem, else what failed."""
+    q, k, v, dout = problem.inputs(device, batch=2, heads=2, seqlen_q=lengths[0], seqlen_k=lengths[1], seed=1)
+    ours = run_kernels(configs, problem.spec, q, k, v, dout)
+
+    def reference(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = reference_attention(*leaves, return_lse=True, **problem.options)
+        return (out, lse, *torch.autograd.grad(out, leaves, dout.to(dtype)))
+
+    lowp, ref64 = reference(problem.dtype), reference(torch.float64)
+    for name, a, lo, r in zip(("out", "lse", "dq", "dk", "dv"), ours, lowp, ref64):
+        verdict = compare_to_reference(a, lo, r)
+        if not verdict.ok:
+            return f"{name}: {verdict.problem or f'error {verdict.error:.2e} > bound {verdict.bound:.2e}'}"
+    return ""
+
+
+def default_timer(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def tune(problem: TuningProblem, start: AttentionConfigs, device, *, candidates=None,
+         timer: Callable[[str, AttentionConfigs, Callable], float] | None = None,
+         progress: Callable = lambda items, desc: items, check_lengths=CHECK_LENGTHS) -> TuningResult:
+    """Coordinate search from ``start``: forward, then dK/dV, then dQ. ``candidates`` maps a kernel
+    name to KernelConfigs (default: the lists above, with ``start``'s TMA choice); ``timer(kernel,
+    configs, fn)`` returns milliseconds (default: ``triton.testing.do_bench``'s median of fn)."""
+    timer = timer or (lambda kernel, configs, fn: default_timer(fn))
+    tma = start.forward.tma_loads
+    candidates = candidates or {
+        name: [KernelConfig(*c, tma_loads=tma) for c in grid]
+        for name, grid in zip(KERNELS, (FORWARD_CANDIDATES, DKDV_CANDIDATES, DQ_CANDIDATES))}
+    spec = problem.spec
+    q, k, v, dout = problem.inputs(device)
+    out, lse = attention_forward(q, k, v, spec, start.forward)
+
+    def timed(kernel: str, configs: AttentionConfigs) -> float:
+        if kernel == "forward":
+            return timer(kernel, configs, lambda: attention_forward(q, k, v, spec, configs.forward))
+        # dK/dV and dQ are timed as the whole backward (pre-pass, dK/dV pass, dQ pass).
+        return timer(kernel, configs, lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
+
+    best = replace(start, atomic_dq=False, dq_tma=False, fuse_dq_pass=False)  # the reproducible schedule
+    result = TuningResult(best)
+    for kernel in KERNELS:
+        result.baseline_ms[kernel] = timed(kernel, best)
+        trials = result.trials.setdefault(kernel, [])
+        for candidate in progress(candidates[kernel], f"tuning {kernel}"):
+            configs = replace(best, **{kernel: candidate})
+            try:
+                failure = correctness_failure(configs, problem, device, check_lengths)
+                outcome = f"wrong result ({failure})" if failure else timed(kernel, configs)
+            except Exception as e:  # does not compile (shared memory, registers): not a candidate
+                outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+            trials.append((candidate, outcome))
+        timed_trials = [(ms, c) for c, ms in trials if isinstance(ms, float)]
+        if timed_trials:
+            fastest_ms, fastest = min(timed_trials, key=lambda t: t[0])
+            if fastest_ms < result.baseline_ms[kernel]:
+                best = replace(best, **{kernel: fastest})
+        result.tuned_ms[kernel] = min([ms for ms, _ in timed_trials] + [result.baseline_ms[kernel]])
+    result.configs = best
+    return result
+
+
+def length_class_seqlen(short_keys: bool) -> int:
+    """The key length a cache entry of that class is tuned at (SPEC 5's 1k and 4k)."""
+    seqlen = 1024 if short_keys else 4096
+    assert (seqlen <= SHORT_KEYS) == short_keys, "the tuning lengths must fall in their class"
+    return seqlen

@@ -1,0 +1,85 @@
+"""The opt-in tuning run (tuning/search.py, python -m fusedattn.tune), on the interpreter with a
+scripted timer: it keeps the fastest candidate of each kernel, never one that computes a wrong
+result, and the entry it writes is the one a later launch selects."""
+
+import pytest
+import torch
+
+from fusedattn import tune as tune_cli
+from fusedattn.tuning import cache, configs, search
+from fusedattn.tuning.configs import INTERPRETER_CONFIGS, KernelConfig
+
+requires_interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="scripted timings: runs on the CPU")
+
+PROBLEM = search.TuningProblem(16, 16, seqlen=40, dtype=torch.float16, causal=True, tokens=80, hidden=32)
+SMALL, TALL, WIDE = KernelConfig(16, 16, 1, 1, True), KernelConfig(32, 16, 1, 1, True), KernelConfig(16, 32, 1, 1, True)
+CANDIDATES = dict(forward=[SMALL, TALL], dkdv=[SMALL, WIDE], dq=[TALL, SMALL])
+CHECK_LENGTHS = (37, 53)
+
+
+def scripted_timer(fast: dict[str, KernelConfig]):
+    """Times by config: the kernel's 'fast' config takes 1 ms, anything else 2 ms."""
+    def timer(kernel, candidate_configs, fn):
+        fn()  # the launch must work, whatever the script says
+        return 1.0 if getattr(candidate_configs, kernel) == fast.get(kernel) else 2.0
+    return timer
+
+
+@requires_interpreter
+def test_keeps_the_fastest_correct_candidate_of_each_kernel():
+    timer = scripted_timer(dict(forward=TALL, dkdv=WIDE))  # dq: no candidate beats the start
+    result = search.tune(PROBLEM, INTERPRETER_CONFIGS, "cpu", candidates=CANDIDATES, timer=timer,
+                         check_lengths=CHECK_LENGTHS)
+    assert result.configs.forward == TALL and result.configs.dkdv == WIDE
+    assert result.configs.dq == INTERPRETER_CONFIGS.dq  # a tie with the start keeps the start
+    assert not result.configs.atomic_dq and not result.configs.fuse_dq_pass  # reproducible schedule
+    assert result.tuned_ms == dict(forward=1.0, dkdv=1.0, dq=2.0) and result.baseline_ms["forward"] == 2.0
+    assert all(isinstance(ms, float) for trials in result.trials.values() for _, ms in trials)
+
+
+@requires_interpreter
+def test_a_candidate_with_a_wrong_result_is_never_chosen(monkeypatch):
+    real_forward = search.attention_forward
+
+    def forward_broken_for_tall_tiles(q, k, v, spec, config):
+        out, lse = real_forward(q, k, v, spec, config)
+        return (out * 1.01, lse) if config == TALL else (out, lse)
+
+    monkeypatch.setattr(search, "attention_forward", forward_broken_for_tall_tiles)
+    timer = scripted_timer(dict(forward=TALL))  # the broken config would be the fastest
+    result = search.tune(PROBLEM, INTERPRETER_CONFIGS, "cpu", candidates=dict(CANDIDATES, dkdv=[], dq=[]),
+                         timer=timer, check_lengths=CHECK_LENGTHS)
+    outcomes = dict(result.trials["forward"])
+    assert outcomes[TALL].startswith("wrong result (out:"), outcomes
+    assert isinstance(outcomes[SMALL], float) and result.configs.forward == SMALL
+
+
+@requires_interpreter
+def test_the_written_entry_is_what_a_later_launch_selects(monkeypatch, tmp_path):
+    """tune_entry on the CPU stands in for the GPU run: the entry it stores under a pretend GPU's
+    key is what select_configs returns on that GPU for any length of the class."""
+    gpu, capability = "NVIDIA H200", (9, 0)
+    tuning_file = tmp_path / "tuning.json"
+    result = tune_cli.tune_entry(PROBLEM, "cpu", gpu, capability, cache.TuningCache(tuning_file),
+                                 start=INTERPRETER_CONFIGS, candidates=CANDIDATES,
+                                 timer=scripted_timer(dict(forward=TALL, dkdv=WIDE, dq=TALL)),
+                                 check_lengths=CHECK_LENGTHS)
+    assert (result.configs.forward, result.configs.dkdv, result.configs.dq) == (TALL, WIDE, TALL)
+    monkeypatch.setenv("FUSEDATTN_TUNING_CACHE", str(tuning_file))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    configs.reload_tuning_cache()
+    try:
+        for seqlen_k in (1, 40, 2048):
+            assert configs.select_configs(torch.device("cuda"), torch.float16, 16, 16, seqlen_k,
+                                          has_right=True) == result.configs
+        assert configs.select_configs(torch.device("cuda"), torch.float16, 16, 16, 40) != result.configs  # not causal
+    finally:
+        configs.reload_tuning_cache()
+
+
+@requires_interpreter
+def test_command_says_it_needs_a_gpu(capsys):
+    assert tune_cli.main([]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
