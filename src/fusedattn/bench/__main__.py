@@ -138,7 +138,9 @@ def environment() -> dict:
     return env
 
 
-def run(shapes, systems, device) -> list[dict]:
+def run(shapes, systems, device, on_row=None) -> list[dict]:
+    """Every system on every shape; ``on_row(rows so far)`` after each (the JSON is saved as it goes,
+    so an interrupted run keeps what it measured)."""
     rows = []
     work = [(shape, system) for shape in shapes for system in systems]
     baseline = {}
@@ -147,6 +149,8 @@ def run(shapes, systems, device) -> list[dict]:
         if system.name == "fusedattn" and out is not None:
             baseline[shape.name] = out
         rows.append(row)
+        if on_row:
+            on_row(rows)
     return rows
 
 
@@ -221,16 +225,19 @@ def main(argv=None) -> None:
     print(f"fusedattn benchmark on {env['device']} (torch {env['torch']}, triton {env.get('triton', '-')})")
     for s in systems:
         print(f"  {s.name:<20}{s.detail}")
-    rows = run(shapes, systems, device)
+    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
+    out_dir, json_path = Path(args.out), Path(args.out) / f"{stem}.json"
+
+    def save(rows):
+        if not args.no_save:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(dict(environment=env, systems={s.name: s.detail for s in systems},
+                                                 rows=rows), indent=1))
+
+    rows = run(shapes, systems, device, on_row=save)
     print(table(rows))
     if args.no_save:
         return
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
-    json_path = out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(dict(environment=env, systems={s.name: s.detail for s in systems}, rows=rows),
-                                    indent=1))
     print(f"wrote {json_path}")
     if plot(rows, out_dir / f"{stem}.png", f"{env['device']}: forward+backward, bf16, 16k tokens"):
         print(f"wrote {out_dir / f'{stem}.png'}")
