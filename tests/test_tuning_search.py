@@ -18,10 +18,15 @@ CHECK_LENGTHS = (37, 53)
 
 
 def scripted_timer(fast: dict[str, KernelConfig]):
-    """Times by config: the kernel's 'fast' config takes 1 ms, anything else 2 ms."""
-    def timer(kernel, candidate_configs, fn):
+    """A model GPU: each kernel takes 1 ms with its 'fast' config, else 2 ms; a backward is the
+    dK/dV pass plus the dQ pass."""
+    def cost(configs_, kernel):
+        return 1.0 if getattr(configs_, kernel) == fast.get(kernel) else 2.0
+
+    def timer(phase, candidate_configs, fn):
         fn()  # the launch must work, whatever the script says
-        return 1.0 if getattr(candidate_configs, kernel) == fast.get(kernel) else 2.0
+        kernels = ("forward",) if phase == "forward" else ("dkdv", "dq")
+        return sum(cost(candidate_configs, kernel) for kernel in kernels)
     return timer
 
 
@@ -33,7 +38,7 @@ def test_keeps_the_fastest_correct_candidate_of_each_kernel():
     assert result.configs.forward == TALL and result.configs.dkdv == WIDE
     assert result.configs.dq == INTERPRETER_CONFIGS.dq  # a tie with the start keeps the start
     assert not result.configs.atomic_dq and not result.configs.fuse_dq_pass  # reproducible schedule
-    assert result.tuned_ms == dict(forward=1.0, dkdv=1.0, dq=2.0) and result.baseline_ms["forward"] == 2.0
+    assert result.before_ms == dict(forward=2.0, backward=4.0) and result.after_ms == dict(forward=1.0, backward=3.0)
     assert all(isinstance(ms, float) for trials in result.trials.values() for _, ms in trials)
 
 
@@ -83,3 +88,14 @@ def test_the_written_entry_is_what_a_later_launch_selects(monkeypatch, tmp_path)
 def test_command_says_it_needs_a_gpu(capsys):
     assert tune_cli.main([]) == 2
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+@requires_interpreter
+def test_a_gain_inside_timing_noise_keeps_the_current_config():
+    def timer(phase, candidate_configs, fn):
+        fn()
+        return 2.0 * (1 - search.MIN_GAIN / 2) if candidate_configs.forward == TALL else 2.0
+
+    result = search.tune(PROBLEM, INTERPRETER_CONFIGS, "cpu", candidates=dict(forward=[TALL], dkdv=[], dq=[]),
+                         timer=timer, check_lengths=CHECK_LENGTHS)
+    assert result.configs.forward == INTERPRETER_CONFIGS.forward and dict(result.trials["forward"])[TALL] < 2.0

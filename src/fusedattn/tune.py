@@ -76,8 +76,9 @@ def main(argv=None) -> int:
                                     args.softcap)
             result = tune_entry(problem, device, gpu, capability, cache, progress=_progress)
             print(f"\nD={head_dim}, keys {'<=' if short else '>'} {SHORT_KEYS} (tuned at S={problem.seqlen}): "
-                  f"forward {result.baseline_ms['forward']:.3f} -> {result.tuned_ms['forward']:.3f} ms, "
-                  f"backward {result.baseline_ms['dkdv']:.3f} -> {result.tuned_ms['dq']:.3f} ms (heuristic -> tuned)")
+                  f"forward {result.before_ms['forward']:.3f} -> {result.after_ms['forward']:.3f} ms, "
+                  f"backward {result.before_ms['backward']:.3f} -> {result.after_ms['backward']:.3f} ms "
+                  "(heuristic -> tuned, timed alternately)")
             for kernel in KERNELS:
                 chosen = getattr(result.configs, kernel)
                 print(f"  {kernel:<8} block_m={chosen.block_m} block_n={chosen.block_n} "

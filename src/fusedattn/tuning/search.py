@@ -75,8 +75,10 @@ class TuningResult:
     configs: AttentionConfigs
     # kernel -> [(candidate, milliseconds or the reason it was skipped)]
     trials: dict[str, list[tuple[KernelConfig, float | str]]] = field(default_factory=dict)
-    baseline_ms: dict[str, float] = field(default_factory=dict)  # the starting configs' times
-    tuned_ms: dict[str, float] = field(default_factory=dict)
+    # "forward" / "backward" -> milliseconds of the starting and of the tuned configs, timed
+    # alternately after the search (medians), so the two are comparable.
+    before_ms: dict[str, float] = field(default_factory=dict)
+    after_ms: dict[str, float] = field(default_factory=dict)
 
 
 def run_kernels(configs: AttentionConfigs, spec: AttentionSpec, q, k, v, dout):
@@ -112,13 +114,17 @@ def default_timer(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+MIN_GAIN = 0.02  # a candidate replaces the current config only when this much faster (timing noise ~1-3%)
+
+
 def tune(problem: TuningProblem, start: AttentionConfigs, device, *, candidates=None,
          timer: Callable[[str, AttentionConfigs, Callable], float] | None = None,
          progress: Callable = lambda items, desc: items, check_lengths=CHECK_LENGTHS) -> TuningResult:
     """Coordinate search from ``start``: forward, then dK/dV, then dQ. ``candidates`` maps a kernel
-    name to KernelConfigs (default: the lists above, with ``start``'s TMA choice); ``timer(kernel,
-    configs, fn)`` returns milliseconds (default: ``triton.testing.do_bench``'s median of fn)."""
-    timer = timer or (lambda kernel, configs, fn: default_timer(fn))
+    name to KernelConfigs (default: the lists above, with ``start``'s TMA choice); ``timer(phase,
+    configs, fn)`` returns the milliseconds of ``fn``, the forward or the whole backward (phase
+    "forward" / "backward"; default: ``triton.testing.do_bench``'s median)."""
+    timer = timer or (lambda phase, configs, fn: default_timer(fn))
     tma = start.forward.tma_loads
     candidates = candidates or {
         name: [KernelConfig(*c, tma_loads=tma) for c in grid]
@@ -127,32 +133,37 @@ def tune(problem: TuningProblem, start: AttentionConfigs, device, *, candidates=
     q, k, v, dout = problem.inputs(device)
     out, lse = attention_forward(q, k, v, spec, start.forward)
 
-    def timed(kernel: str, configs: AttentionConfigs) -> float:
-        if kernel == "forward":
-            return timer(kernel, configs, lambda: attention_forward(q, k, v, spec, configs.forward))
+    def timed(phase: str, configs: AttentionConfigs) -> float:
+        if phase == "forward":
+            return timer(phase, configs, lambda: attention_forward(q, k, v, spec, configs.forward))
         # dK/dV and dQ are timed as the whole backward (pre-pass, dK/dV pass, dQ pass).
-        return timer(kernel, configs, lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
+        return timer(phase, configs, lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
 
-    best = replace(start, atomic_dq=False, dq_tma=False, fuse_dq_pass=False)  # the reproducible schedule
+    start = replace(start, atomic_dq=False, dq_tma=False, fuse_dq_pass=False)  # the reproducible schedule
+    best = start
     result = TuningResult(best)
     for kernel in KERNELS:
-        result.baseline_ms[kernel] = timed(kernel, best)
+        phase = "forward" if kernel == "forward" else "backward"
+        current_ms = timed(phase, best)
         trials = result.trials.setdefault(kernel, [])
         for candidate in progress(candidates[kernel], f"tuning {kernel}"):
             configs = replace(best, **{kernel: candidate})
             try:
                 failure = correctness_failure(configs, problem, device, check_lengths)
-                outcome = f"wrong result ({failure})" if failure else timed(kernel, configs)
+                outcome = f"wrong result ({failure})" if failure else timed(phase, configs)
             except Exception as e:  # does not compile (shared memory, registers): not a candidate
                 outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
             trials.append((candidate, outcome))
         timed_trials = [(ms, c) for c, ms in trials if isinstance(ms, float)]
         if timed_trials:
             fastest_ms, fastest = min(timed_trials, key=lambda t: t[0])
-            if fastest_ms < result.baseline_ms[kernel]:
+            if fastest_ms < current_ms * (1 - MIN_GAIN):
                 best = replace(best, **{kernel: fastest})
-        result.tuned_ms[kernel] = min([ms for ms, _ in timed_trials] + [result.baseline_ms[kernel]])
     result.configs = best
+    for phase in ("forward", "backward"):
+        pairs = [(timed(phase, start), timed(phase, best)) for _ in range(3)]
+        result.before_ms[phase] = sorted(a for a, _ in pairs)[1]
+        result.after_ms[phase] = sorted(b for _, b in pairs)[1]
     return result
 
 
