@@ -27,8 +27,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedattn.kernels import bwd, fwd  # noqa: E402
-from fusedattn.tuning.configs import _cuda_configs  # noqa: E402
+from fusedattn.kernels import bwd, fwd, hopper_fwd  # noqa: E402
+from fusedattn.tuning.configs import KernelConfig, _cuda_configs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -92,7 +92,8 @@ def _resource_usage(cubin: bytes) -> dict:
 def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     """Prints one line per kernel; returns how many failed to compile or had their wgmmas serialised."""
     torch_dtype = TYPES[dtype]
-    configs = _cuda_configs(torch_dtype, head_dim, head_dim)
+    configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
+                            flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
                   DOT_PRECISION=fwd.dot_precision(torch_dtype), **flags)
@@ -121,7 +122,9 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
          {**dkdv_descs, **dq_atomic}),
     ]
     problems = 0
-    for name, kernel, cfg, extra, descriptors in jobs:
+    if configs.forward.hopper_overlap is not None and tma_loads:
+        problems += _report_hopper_forward(head_dim, dtype, configs.forward, flags["HAS_RIGHT"])
+    for name, kernel, cfg, extra, descriptors in jobs:  # with a Gluon forward, Triton's is its fallback
         if kernel is bwd._backward_kernel:
             constexprs = dict(common, DKDV_BLOCK_M=configs.dkdv.block_m, DKDV_BLOCK_N=configs.dkdv.block_n,
                               DQ_BLOCK_M=configs.dq.block_m, DQ_BLOCK_N=configs.dq.block_n,
@@ -142,6 +145,38 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     return problems
 
 
+def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool):
+    """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows: int) -> str:
+        block = [1, 1, rows, head_dim]
+        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper_fwd.smem_layout(block, TYPES[dtype])!r}>"
+
+    constexprs = dict(BLOCK_M=hopper_fwd.BLOCK_M, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal,
+                      OVERLAP=cfg.hopper_overlap, NUM_STAGES=cfg.num_stages, num_warps=hopper_fwd.NUM_WARPS)
+    signature = dict(q_desc=desc(hopper_fwd.BLOCK_M), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n),
+                     o_desc=desc(hopper_fwd.BLOCK_M), Lse="*fp32", seq_q="i32", seq_k="i32", num_heads="i32",
+                     group="i32", qk_scale="fp32", **{name: "constexpr" for name in constexprs})
+    src = GluonASTSource(hopper_fwd._attn_fwd_kernel, signature, constexprs, {(4,): [["tt.divisibility", 16]]})
+    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=hopper_fwd.NUM_WARPS, num_stages=1))
+    usage = _resource_usage(compiled.asm["cubin"])
+    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared,
+                serialized=wgmma_serialization(compiled.asm["ptx"]))
+
+
+def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool) -> int:
+    shown = f"forward (Gluon, overlap {cfg.hopper_overlap}) {hopper_fwd.BLOCK_M}x{cfg.block_n} s{cfg.num_stages}"
+    try:
+        r = compile_hopper_forward(head_dim, dtype, cfg, causal)
+    except Exception as e:
+        print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
+        return 1
+    serial = f"  WGMMA SERIALIZED: {r['serialized']}" if r["serialized"] else ""
+    print(f"  {shown}  regs={r['regs']} stack={r['spills']} smem={r['shared']}{serial}")
+    return int(bool(r["serialized"]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--head-dims", default="64,128")
@@ -149,6 +184,8 @@ def main() -> None:
     p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
     p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,window")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
+    p.add_argument("--hopper-schedules", default=None,
+                   help="also compile the Gluon forward in these schedules (e.g. 0,1,2), 64- and 128-key tiles")
     args = p.parse_args()
     variants = {
         "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
@@ -164,6 +201,13 @@ def main() -> None:
             for tma in {"on": (True,), "off": (False,), "both": (False, True)}[args.tma_loads]:
                 print(f"D={d} {args.dtype} {vname} tma_loads={tma}")
                 problems += report(d, args.dtype, flags, tma)
+    for schedule in map(int, args.hopper_schedules.split(",")) if args.hopper_schedules else ():
+        for d in map(int, args.head_dims.split(",")):
+            for causal in (False, True):
+                for block_n in (64, 128):
+                    print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon forward schedule {schedule}")
+                    cfg = KernelConfig(hopper_fwd.BLOCK_M, block_n, hopper_fwd.NUM_WARPS, 2, True, schedule)
+                    problems += _report_hopper_forward(d, args.dtype, cfg, causal)
     if args.check and problems:
         print(f"{problems} kernel(s) failed to compile or had their wgmmas serialised")
         return 1

@@ -22,8 +22,8 @@ import triton.testing
 from fusedattn.kernels.bwd import attention_backward
 from fusedattn.kernels.fwd import attention_forward
 from fusedattn.spec import resolve_spec
-from fusedattn.tuning.configs import KernelConfig, select_configs
-from fusedattn.tuning.search import DKDV_CANDIDATES, DQ_CANDIDATES, FORWARD_CANDIDATES
+from fusedattn.tuning.configs import select_configs
+from fusedattn.tuning.search import DKDV_CANDIDATES, DQ_CANDIDATES, FORWARD_CANDIDATES, candidate_config
 
 # The candidate grids of the opt-in tuning run (python -m fusedattn.tune).
 FWD, DKDV, DQ = FORWARD_CANDIDATES, DKDV_CANDIDATES, DQ_CANDIDATES
@@ -48,7 +48,7 @@ def main() -> None:
     tma = args.tma_loads == "on"
 
     def config(cfg):
-        return KernelConfig(*cfg, tma_loads=tma)
+        return candidate_config(cfg, tma)
 
     results = {}
     for d in map(int, args.head_dims.split(",")):
@@ -83,7 +83,8 @@ def main() -> None:
         print(f"\n== D={d} S={s} B={b} H={h} causal={args.causal}  (default {base})")
         for kind, cfg, t, tf in rows:
             shown = f"{t:8.3f} ms {tf:6.1f} TFLOP/s" if tf else str(t)
-            print(f"  {kind:<18} BM={cfg[0]:<4} BN={cfg[1]:<4} warps={cfg[2]} stages={cfg[3]}  {shown}")
+            gluon = f" gluon={cfg[4]}" if len(cfg) > 4 else ""
+            print(f"  {kind:<18} BM={cfg[0]:<4} BN={cfg[1]:<4} warps={cfg[2]} stages={cfg[3]}{gluon}  {shown}")
         for kind in ("fwd", "bwd-tma", "bwd-atomic", "bwd-det-dkdv", "bwd-det-dq"):
             timed = [(t, cfg) for k_, cfg, t, _ in rows if k_ == kind and isinstance(t, float)]
             if timed:

@@ -142,8 +142,17 @@ def bhs_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return sb, sh, ss
 
 
+def hopper_supports(q, k, v, spec: AttentionSpec) -> bool:
+    if not q.is_cuda:
+        return False
+    from . import hopper_fwd
+
+    return hopper_fwd.supports(q, k, v, spec)
+
+
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
-    """Returns (out in the user layout, lse (B, Hq, Sq) float32)."""
+    """Returns (out in the user layout, lse (B, Hq, Sq) float32). ``config.hopper_overlap`` set:
+    the Gluon kernel of hopper_fwd.py where it supports the problem, else this Triton kernel."""
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -153,6 +162,12 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
         return out, lse
     if seqlen_k == 0:  # every row is empty (SPEC 3.1)
         return out.zero_(), lse.fill_(float("-inf"))
+    if config.hopper_overlap is not None and hopper_supports(q, k, v, spec):
+        from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
+
+        result = hopper_fwd.attention_forward(q, k, v, spec, config)
+        if result is not None:
+            return result
     qk_scale, softcap_log2 = score_constants(spec)
     block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
     descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)

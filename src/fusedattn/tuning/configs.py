@@ -25,6 +25,11 @@ class KernelConfig:
     # Load the tiles of the inner loop through TMA descriptors (Hopper and later; the launcher
     # falls back to pointers where a tensor's alignment rules TMA out).
     tma_loads: bool = False
+    # Forward only: run the Gluon kernel of kernels/hopper_fwd.py with this schedule (0 plain,
+    # 1 softmax under the PV matmul, 2 also the next QK^T issued early) where it supports the
+    # problem (sm_90, 16-bit, D = Dv in {64, 128}, no window other than causal, no softcap);
+    # None, or a problem it does not support: the Triton kernel with these tiles. block_m is 128.
+    hopper_overlap: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ INTERPRETER_CONFIGS = AttentionConfigs(
 
 
 def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: int = 4096,
-                  capability: tuple[int, int] = (9, 0)) -> AttentionConfigs:
+                  capability: tuple[int, int] = (9, 0), has_left: bool = False, has_right: bool = False,
+                  has_softcap: bool = False) -> AttentionConfigs:
     width = max(head_dim, head_dim_v)  # padded to a power of two by the kernels
     wide = dtype == torch.float32  # 4-byte tiles need half the rows to fit shared memory
     hopper = capability[0] >= 9  # TMA: descriptor loads and bulk reduce-adds
@@ -96,6 +102,14 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         dq = KernelConfig(32 if wide else 64, 16 if wide else 32, 4 if wide else 8, 1 if wide else 2)
     if hopper:
         fwd, dkdv, dq = (replace(c, tma_loads=True) for c in (fwd, dkdv, dq))
+    if capability[0] == 9 and not wide and head_dim == head_dim_v and head_dim in (64, 128) \
+            and not has_left and not has_softcap:
+        # The Gluon forward (NOTES.md v13, H200): at D=64 the plain schedule with 128-key tiles
+        # (causal: 64-key tiles, less diagonal waste); at D=128 the softmax under the PV matmul.
+        if head_dim == 64:
+            fwd = KernelConfig(128, 64 if has_right else 128, 8, 2, tma_loads=True, hopper_overlap=0)
+        else:
+            fwd = KernelConfig(128, 128, 8, 2, tma_loads=True, hopper_overlap=1)
     return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
 
 
@@ -122,7 +136,8 @@ def _cuda_select(device_index: int, dtype: torch.dtype, head_dim: int, head_dim_
     key = config_key(torch.cuda.get_device_name(device_index), capability, dtype, head_dim, head_dim_v, seqlen_k,
                      has_left, has_right, has_softcap)
     tuned = TuningCache(cache_path()).get(key)
-    return tuned if tuned is not None else _cuda_configs(dtype, head_dim, head_dim_v, seqlen_k, capability)
+    return tuned if tuned is not None else _cuda_configs(dtype, head_dim, head_dim_v, seqlen_k, capability,
+                                                         has_left, has_right, has_softcap)
 
 
 def reload_tuning_cache() -> None:

@@ -27,14 +27,24 @@ from .configs import SHORT_KEYS, AttentionConfigs, KernelConfig
 
 # (block_m, block_n, num_warps, num_stages) candidates per kernel: the H200 sweeps of
 # benchmarks/tune.py (NOTES.md v8-v12) kept every config that won or came within 5% somewhere.
+# A fifth entry is the schedule of the Gluon forward (KernelConfig.hopper_overlap; where the
+# problem is not one it supports, the Triton kernel runs with the same tiles).
 FORWARD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
-                      (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2)]
+                      (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2),
+                      (128, 128, 8, 2, 0), (128, 64, 8, 2, 0), (128, 128, 8, 2, 1), (128, 64, 8, 2, 1),
+                      (128, 128, 8, 2, 2), (128, 128, 8, 3, 1)]
 # (64, 64, 4, 2) and (32, 64, 4, 2) fit two programs per SM at D=128 (registers and shared memory).
 DKDV_CANDIDATES = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 2),
                    (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3), (128, 64, 8, 2)]
 DQ_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
                  (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)]
 KERNELS = ("forward", "dkdv", "dq")
+
+
+def candidate_config(candidate: tuple, tma_loads: bool) -> KernelConfig:
+    """(block_m, block_n, num_warps, num_stages[, hopper_overlap]) as a KernelConfig."""
+    overlap = candidate[4] if len(candidate) > 4 else None
+    return KernelConfig(*candidate[:4], tma_loads=tma_loads or overlap is not None, hopper_overlap=overlap)
 
 
 @dataclass(frozen=True)
@@ -126,8 +136,9 @@ def tune(problem: TuningProblem, start: AttentionConfigs, device, *, candidates=
     "forward" / "backward"; default: ``triton.testing.do_bench``'s median)."""
     timer = timer or (lambda phase, configs, fn: default_timer(fn))
     tma = start.forward.tma_loads
+    hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     candidates = candidates or {
-        name: [KernelConfig(*c, tma_loads=tma) for c in grid]
+        name: [candidate_config(c, tma) for c in grid if len(c) == 4 or hopper]
         for name, grid in zip(KERNELS, (FORWARD_CANDIDATES, DKDV_CANDIDATES, DQ_CANDIDATES))}
     spec = problem.spec
     q, k, v, dout = problem.inputs(device)

@@ -1,0 +1,341 @@
+"""Hopper (sm_90) forward in Triton's Gluon dialect: the softmax overlaps the tensor cores.
+
+Why a second forward: in plain Triton 3.6 the wgmma of Q K^T is always waited on right after it
+is issued, so within a warpgroup the exponentials never run under a matmul, and there is no warp
+specialisation on sm_90 (benchmarks/NOTES.md v13). Gluon exposes async warpgroup MMAs, their
+waits, mbarriers and TMA, so FlashAttention-3's intra-warpgroup overlap can be written.
+
+One program = BLOCK_M=128 query rows of one (batch, query head), num_warps=8 = two warpgroups
+of 64 rows (wgmma layout warps_per_cta=[8, 1]). Q arrives once by TMA; K and V stream through a
+NUM_STAGES ring of shared memory filled by TMA, one mbarrier per slot and tensor. No warp
+specialisation: the program refills a slot once both warpgroups retired the wgmmas reading it.
+Descriptors are 4-D over the (B, H, S, D) view of any layout (block (1, 1, rows, D)), so rows
+past a head's length are zero-filled on load and clipped on store.
+
+OVERLAP (constexpr) picks the schedule inside each warpgroup:
+  0  plain: S_j = Q K_j^T, softmax, O += P_j V_j, each wgmma waited on at once.
+  1  FA3's intra-warpgroup overlap: iteration j retires PV_{j-1}, rescales O, issues S_{j+1} and
+     PV_j asynchronously, waits for S_{j+1} only and runs the softmax of S_{j+1} under PV_j.
+  2  as 1, with S_{j+1} issued right after PV_{j-1} retires (the refill, the O rescale and the
+     P conversion then also run under a wgmma).
+The loop is rotated on purpose (the PV wait opens the body): in FA3's own order (the wait closing
+the body) ptxas hoists the wait to just after the previous one and nothing overlaps (seen in
+SASS). Issuing S_{j+1} before PV_{j-1} retired makes ptxas serialise every wgmma (C7515).
+
+Masking follows SPEC 3.2 for the two windows this kernel takes, none and causal (bottom-right
+aligned): key blocks [0, n_full) are visible to every row of the tile and do no mask math;
+[n_full, n_blocks) (causal diagonal, ragged last block) apply it. Other windows, softcap, head
+dims other than 64/128 and 32-bit inputs take the Triton kernel (``supports``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..spec import UNBOUNDED, AttentionSpec, to_bhsd
+from ..tuning.configs import KernelConfig
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@gluon.jit
+def _issue_kv(desc, ring, bars, batch, head_kv, j, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA block j of K (or V) into its ring slot, if the block exists."""
+    slot = j % NUM_STAGES
+    pred = j < n_blocks
+    bar = bars.index(slot)
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [batch, head_kv, j * BLOCK_N, 0], bar, ring.index(slot), pred=pred)
+
+
+@gluon.jit
+def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Wait for block j and return its [BLOCK_N, HEAD_D] shared-memory view."""
+    slot = j % NUM_STAGES
+    mbarrier.wait(bars.index(slot), (j // NUM_STAGES) & 1)
+    return ring.index(slot).reshape([BLOCK_N, HEAD_D])
+
+
+@gluon.jit
+def _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, BLOCK_N: gl.constexpr,
+                    s_layout: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+    """Online-softmax step on raw scores s (fp32, s_layout). Returns p (fp32), m, l, alpha.
+
+    m is kept in log2 units of the scaled scores. MASK=False: the block is fully visible
+    to every row, no mask math and m_new is finite."""
+    if MASK:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        cols2 = gl.expand_dims(cols, 0)
+        keep = cols2 < seq_k
+        if CAUSAL:
+            keep = keep & (cols2 <= gl.expand_dims(rows, 1) + diag_off)
+        s = gl.where(keep, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if MASK:
+        # A row with no visible key so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _rescale(acc, alpha, o_layout: gl.constexpr):
+    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    return acc * gl.expand_dims(alpha, 1)
+
+
+@gluon.jit
+def _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv, rows, seq_k,
+                 diag_off, qk_scale, k_desc, v_desc, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                 CAUSAL: gl.constexpr, MASK: gl.constexpr):
+    k = _kv_tile(k_ring, k_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
+    s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout, CAUSAL,
+                                         MASK)
+    acc = _rescale(acc, alpha, o_layout)
+    p = gl.convert_layout(p.to(k.dtype), p_layout)
+    v = _kv_tile(v_ring, v_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
+    acc = warpgroup_mma(p, v, acc)
+    # Both warpgroups are done with slot j of K and V: refill it with block j + NUM_STAGES.
+    gl.thread_barrier()
+    _issue_kv(k_desc, k_ring, k_bars, batch, head_kv, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
+    _issue_kv(v_desc, v_ring, v_bars, batch, head_kv, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, batch, head_kv, j, n_blocks, BLOCK_N: gl.constexpr,
+                    NUM_STAGES: gl.constexpr):
+    # Every warpgroup has retired S_j (K slot of j) and PV_{j-1} (V slot of j-1): refill them.
+    gl.thread_barrier()
+    _issue_kv(k_desc, k_ring, k_bars, batch, head_kv, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
+    if j >= 1:
+        _issue_kv(v_desc, v_ring, v_bars, batch, head_kv, j - 1 + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
+                  batch, head_kv, rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N: gl.constexpr,
+                  HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  p_layout: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, EARLY_S: gl.constexpr):
+    """Iteration j of the FA3 schedule, rotated so that the wait for PV_{j-1} opens the loop body.
+
+    On entry: PV_{j-1} in flight (o_tok, reading p_busy = P_{j-1}); p / m_i / l_i / alpha are the
+    softmax of block j (fp32 p). Exit: PV_j in flight, softmax of block j+1 done. The rotation
+    matters: ptxas hoists a wgmma.wait_group to just after the previous one inside a basic block,
+    which serialised the exponentials after the PV wgmma when the wait closed the body (checked in
+    SASS); at the top of the loop body it cannot move above the previous iteration's softmax."""
+    acc, p_busy = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_busy])
+    if EARLY_S:
+        # S_{j+1} first: the CTA barrier + refill, the O rescale and the P conversion run under it.
+        k = _kv_tile(k_ring, k_bars, j + 1, BLOCK_N, HEAD_D, NUM_STAGES)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, batch, head_kv, j, n_blocks, BLOCK_N, NUM_STAGES)
+        acc = _rescale(acc, alpha, o_layout)
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+    else:
+        acc = _rescale(acc, alpha, o_layout)
+        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
+        _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, batch, head_kv, j, n_blocks, BLOCK_N, NUM_STAGES)
+        k = _kv_tile(k_ring, k_bars, j + 1, BLOCK_N, HEAD_D, NUM_STAGES)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    v = _kv_tile(v_ring, v_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
+    o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
+    # wgmma groups retire in order: <= 1 outstanding means S_{j+1} is done, PV_j may still run.
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j + 1, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout,
+                                         CAUSAL, MASK)
+    return acc, o_tok, p_op, p, m_i, l_i, alpha
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+# Lengths/heads are not specialised (no recompiles between ragged and aligned lengths, and the
+# compile report's plain-i32 signature is the kernel that runs).
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group"])
+def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, qk_scale,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
+                     OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # heaviest query blocks first
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    head_kv = head // group
+    m0 = pid_m * BLOCK_M
+    diag_off = seq_k - seq_q  # query i sees keys j <= i + diag_off (causal)
+
+    if CAUSAL:
+        hi = gl.minimum(gl.maximum(m0 + BLOCK_M + diag_off, 0), seq_k)
+        n_full = gl.minimum(gl.maximum(m0 + diag_off + 1, 0), seq_k) // BLOCK_N
+    else:
+        hi = seq_k
+        n_full = seq_k // BLOCK_N
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+
+    # Shared memory: Q (reused for O at the end), K and V rings, barriers.
+    q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, head, m0, 0], q_bar, q_smem)
+    for i in gl.static_range(NUM_STAGES):
+        _issue_kv(k_desc, k_ring, k_bars, batch, head_kv, i, n_blocks, BLOCK_N, NUM_STAGES)
+        _issue_kv(v_desc, v_ring, v_bars, batch, head_kv, i, n_blocks, BLOCK_N, NUM_STAGES)
+
+    rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
+    m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.reshape([BLOCK_M, HEAD_D])
+
+    if OVERLAP > 0:
+        if n_blocks > 0:
+            # Prologue: S_0 and its softmax (masked path).
+            k = _kv_tile(k_ring, k_bars, 0, BLOCK_N, HEAD_D, NUM_STAGES)
+            s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
+            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, 0, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout,
+                                                 CAUSAL, True)
+            # Iteration j computes the softmax of block j+1: unmasked for blocks < n_full.
+            # Nothing in flight yet: a retired "PV_{-1}" token on the zero accumulator.
+            o_tok = warpgroup_mma_init(acc)
+            p_busy = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
+            for j in range(0, n_full - 1):
+                acc, o_tok, p_busy, p, m_i, l_i, alpha = _step_overlap(
+                    q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
+                    batch, head_kv, rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
+                    o_layout, p_layout, CAUSAL, False, OVERLAP == 2)
+            for j in range(gl.maximum(n_full - 1, 0), n_blocks - 1):
+                acc, o_tok, p_busy, p, m_i, l_i, alpha = _step_overlap(
+                    q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
+                    batch, head_kv, rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
+                    o_layout, p_layout, CAUSAL, True, OVERLAP == 2)
+            acc, p_busy = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_busy])  # PV_{n-2}
+            # Epilogue: O += P_{n-1} V_{n-1}.
+            acc = _rescale(acc, alpha, o_layout)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            v = _kv_tile(v_ring, v_bars, n_blocks - 1, BLOCK_N, HEAD_D, NUM_STAGES)
+            acc = warpgroup_mma(p_op, v, acc)
+    else:
+        for j in range(0, n_full):
+            acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv,
+                                         rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES,
+                                         s_layout, o_layout, p_layout, CAUSAL, False)
+        for j in range(n_full, n_blocks):
+            acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv,
+                                         rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES,
+                                         s_layout, o_layout, p_layout, CAUSAL, True)
+
+    # Epilogue: normalise, lse (natural log), O through the Q buffer + TMA store (clips rows >= Sq).
+    empty_row = l_i == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_i)
+    lse = gl.where(empty_row, -float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    inv_l = gl.convert_layout(1.0 / l_safe, row_o)
+    out = (acc * gl.expand_dims(inv_l, 1)).to(dtype)
+
+    gl.store(Lse + pid_bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+    q.store(out)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(o_desc, [batch, head, m0, 0], q_smem)
+    tma.store_wait(pendings=0)
+
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bars.index(i))
+        mbarrier.invalidate(v_bars.index(i))
+
+
+# --------------------------------------------------------------------------- launcher
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+BLOCK_M = 128
+NUM_WARPS = 8
+HEAD_DIMS = (64, 128)
+
+
+def smem_layout(block_shape, torch_dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[torch_dtype])
+
+
+def _descriptor(t_bhsd: torch.Tensor, rows: int):
+    """A 4-D TMA descriptor over a (B, H, S, D) view, block (1, 1, rows, D); None where TMA cannot
+    address the tensor (base or a stride not a multiple of 16 bytes)."""
+    size = t_bhsd.element_size()
+    if t_bhsd.data_ptr() % 16 or t_bhsd.stride(-1) != 1 or any(st * size % 16 for st in t_bhsd.stride()[:-1]):
+        return None
+    block = [1, 1, rows, t_bhsd.shape[-1]]
+    return TensorDescriptor(t_bhsd, list(t_bhsd.shape), list(t_bhsd.stride()), block, smem_layout(block, t_bhsd.dtype))
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether this kernel computes the problem (else the Triton kernel does)."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    causal_or_full = not spec.has_window_left and spec.window_right in (UNBOUNDED, 0)
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in _GL_DTYPES
+            and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full and not spec.has_softcap)
+
+
+def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
+    """(out in the user layout, lse (B, Hq, Sq) float32), or None when a tensor cannot go through
+    TMA (the caller then runs the Triton kernel). ``config.hopper_overlap`` is the schedule."""
+    q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
+    batch, heads_q, seqlen_q, head_dim = q4.shape
+    heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
+    out_shape = (batch, seqlen_q, heads_q, head_dim) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    descs = [_descriptor(q4, BLOCK_M), _descriptor(k4, config.block_n), _descriptor(v4, config.block_n),
+             _descriptor(to_bhsd(out, spec.layout), BLOCK_M)]
+    if any(d is None for d in descs):
+        return None
+    q_desc, k_desc, v_desc, o_desc = descs
+    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
+    _attn_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv,
+                           spec.scale * LOG2E, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim,
+                           CAUSAL=spec.window_right == 0, OVERLAP=config.hopper_overlap,
+                           NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
+    return out, lse

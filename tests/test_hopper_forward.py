@@ -1,0 +1,85 @@
+"""The Gluon forward of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width it
+may be launched with, on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
+decoding, both layouts, a strided view, a custom scale -- output, lse and the gradients of the
+backward that consumes its lse, against the float64 reference (SPEC 4). A spy proves each
+launch really ran the Gluon kernel; unsupported problems must fall back to the Triton kernel."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fusedattn.kernels import fwd
+from fusedattn.spec import resolve_spec
+from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
+
+from attention_runner import check_case, make_inputs
+from cases import Case
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 GPUs only")
+
+CASES = [
+    Case(2, 4, 4, 1000, 1000, 128, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 4, 2, 333, 517, 128, causal=True, dtype=torch.bfloat16),
+    Case(1, 2, 1, 517, 333, 64, causal=True, layout="bhsd"),  # Sq > Sk: the first rows see no key
+    Case(2, 4, 2, 1, 700, 64, dtype=torch.bfloat16),  # decoding
+    Case(1, 2, 2, 200, 4000, 128, causal=True, scale=0.3, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 3, 3, 129, 129, 64, causal=True, deterministic=True, lse_grad=True),
+]
+SCHEDULES = [(0, 64), (0, 128), (1, 64), (1, 128), (2, 64), (2, 128)]  # (hopper_overlap, block_n)
+
+
+@pytest.fixture
+def gluon_launches(monkeypatch):
+    from fusedattn.kernels import hopper_fwd
+
+    calls = []
+    real = hopper_fwd.attention_forward
+
+    def spy(*args):
+        result = real(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(hopper_fwd, "attention_forward", spy)
+    return calls
+
+
+def pinned_forward(case: Case, overlap: int, block_n: int):
+    base = select_configs(torch.device("cuda"), case.dtype, case.head_dim, case.dv)
+    return pinned_configs(replace(base, forward=KernelConfig(128, block_n, 8, 2, True, overlap)))
+
+
+@pytest.mark.parametrize("overlap,block_n", SCHEDULES, ids=[f"overlap{o}-n{n}" for o, n in SCHEDULES])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_gluon_forward_matches_reference(case, overlap, block_n, gluon_launches):
+    with pinned_forward(case, overlap, block_n):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+
+
+def test_gluon_forward_takes_strided_views(gluon_launches):
+    """q, k, v as slices of wider tensors (head-dim stride 1, others not contiguous)."""
+    case = Case(2, 4, 2, 300, 300, 64, causal=True, dtype=torch.bfloat16)
+    wide = [torch.randn(2, 300, h, 3 * 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2)]
+    q, k, v = (t[..., 64:128] for t in wide)
+    assert not q.is_contiguous()
+    _, _, _, dout, dlse = make_inputs(case, "cuda")
+    with pinned_forward(case, 1, 128):
+        check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
+    assert gluon_launches and all(gluon_launches)
+
+
+@pytest.mark.parametrize("options", [dict(softcap=20.0), dict(window=(50, 0)), dict(window=(-1, 7))],
+                         ids=["softcap", "left-window", "right-window"])
+def test_problems_it_does_not_support_run_the_triton_kernel(options, gluon_launches):
+    case = Case(1, 2, 2, 200, 200, 128, dtype=torch.bfloat16, layout="bhsd", **options)
+    q, k, v, _, _ = make_inputs(case, "cuda")
+    spec_supported = fwd.hopper_supports(q, k, v, resolve_spec(
+        128, layout="bhsd", causal=False, window=options.get("window"), scale=None,
+        softcap=options.get("softcap"), deterministic=False))
+    assert not spec_supported
+    with pinned_forward(case, 1, 128):
+        check_case(case, "triton", "cuda")
+    assert not gluon_launches  # fell back before launching
