@@ -200,3 +200,23 @@ def test_alternating_shapes_in_one_process_match_reference(causal):
         case = Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=32,
                     causal=causal, lse_grad=True, dtype=_dtype(device))
         check_case(case, "triton", device)
+
+
+@pytest.mark.parametrize("block_major", [False, True], ids=["head-major", "block-major"])
+def test_dkdv_program_order_changes_no_result(block_major, monkeypatch):
+    """GQA causal: either order of the dK/dV programs matches the reference, and the gradients are
+    bitwise those of the other order (each program sums its own key block; order only schedules)."""
+    from fusedattn.kernels import bwd
+
+    device = "cuda" if ON_GPU else "cpu"
+    case = Case(1, 4, 2, 37, 53, 32, causal=True, dtype=_dtype(device))
+    inputs = make_inputs(case, device)
+    monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", block_major)
+    check_case(case, "triton", device, inputs=inputs)
+
+    def grads(major):
+        monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", major)
+        with fusedattn.use_backend("triton"):
+            return forward_backward(lambda *t: fusedattn.attention(*t, causal=True, return_lse=True), *inputs)[2:]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(block_major), grads(not block_major)))

@@ -304,7 +304,7 @@ def _backward_kernel(
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
     seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, stride_stats,
-    qk_scale, softcap_log2, scale, key_blocks, query_blocks, dkdv_programs,
+    qk_scale, softcap_log2, scale, key_blocks, query_blocks, dkdv_programs, dkdv_block_major,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -324,9 +324,15 @@ def _backward_kernel(
     pid = tl.program_id(0)
     if RUN_DKDV:
         if not RUN_DQ or pid < dkdv_programs:
-            batch_head_kv = pid // key_blocks
+            if dkdv_block_major:  # every head's first key block, then every head's second, ...
+                heads_total = dkdv_programs // key_blocks
+                n_block = pid // heads_total
+                batch_head_kv = pid % heads_total
+            else:  # the key blocks of one head after another
+                n_block = pid % key_blocks
+                batch_head_kv = pid // key_blocks
             _dkdv_program(
-                pid % key_blocks, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
+                n_block, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
                 Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, q_desc, do_desc, dq_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
@@ -418,11 +424,13 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
 
+    block_major = dkdv_block_major(spec, heads_q // heads_kv)
+
     def launch(programs, first_dq_program, run_dkdv, run_dq, cfg):
         dkdv_tma, dq_tma = run_dkdv and dkdv_descs is not None, run_dq and dq_descs is not None
         _backward_kernel[(programs,)](
             *tensors, *(dkdv_descs if dkdv_tma else (q, dout)), *(dq_descs if dq_tma else (k, v)), dq_target,
-            *scalars, first_dq_program, RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma,
+            *scalars, first_dq_program, int(block_major), RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma,
             DQ_TMA_LOADS=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
 
     if configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
@@ -433,6 +441,21 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     if atomic_dq:
         return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv
     return dq_buffer, dk, dv
+
+
+DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order
+
+
+def dkdv_block_major(spec: AttentionSpec, group_size: int) -> bool:
+    """Launch the dK/dV programs block-major (heaviest first across all heads) where their work is
+    uneven (a right window bound: the first key blocks see the most queries) and few: with GQA each
+    program walks its whole group, so the heaviest ones are long; launched head after head, the
+    last head's heavy blocks start late and the pass ends on a tail (-15% backward time for GQA
+    16/2 causal at S=1k and 4k, NOTES.md v14). MHA keeps head-major order, which keeps one head's
+    Q and dO in L2 (block-major was +3.5% there). The order changes no result."""
+    if DKDV_BLOCK_MAJOR is not None:
+        return DKDV_BLOCK_MAJOR
+    return spec.has_window_right and group_size > 1
 
 
 def _dq_descriptor(dq_accum: torch.Tensor, padded_d: int, block_m: int):
