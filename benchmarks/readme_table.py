@@ -73,16 +73,16 @@ def ratio_table(rows: list[dict]) -> str:
         cells += [ratio(cudnn, ours, "fwd_ms"), ratio(cudnn, ours, "bwd_ms"), ratio(cudnn, ours, "fwdbwd_ms"),
                   ratio(case.get("sdpa-flash"), ours, "fwdbwd_ms"), ratio(case.get("flex"), ours, "fwdbwd_ms")]
         if "flaggems" in case:
-            cells.append(ratio(case["flaggems"], ours, "fwd_ms"))
+            cells += [ratio(case["flaggems"], ours, "fwd_ms"), ratio(case["flaggems"], ours, "fwdbwd_ms")]
         else:
             published = FLAGGEMS_FWD.get((ours["D"], ours["Sq"], ours["causal"]))
             grouped = ours.get("Hkv", ours["H"]) != ours["H"]
-            cells.append(f"{ours['fwd_tflops'] / published:.2f}x*" if published and not grouped else "—")
+            cells += [f"{ours['fwd_tflops'] / published:.2f}x*" if published and not grouped else "—", "—"]
         det = case.get("fusedattn-deterministic")
         cells.append(f"{det['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}" if det else "—")
         body.append(cells)
     header = ["D", "S", "causal", "fwd vs cuDNN", "bwd vs cuDNN", "f+b vs cuDNN", "f+b vs FA2", "f+b vs Flex",
-              "fwd vs FlagGems", "deterministic / default (time)"]
+              "fwd vs FlagGems", "f+b vs FlagGems", "deterministic / default (time)"]
     return _markdown(header, body)
 
 
