@@ -109,8 +109,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     # to a constant, as Triton does at launch for MHA), the same for GQA (group_size a runtime
     # value), the fused launch, the TMA-atomic launch.
     split = dict(ATOMIC_DQ=False, DQ_TMA=False)
+    triton_forward = fwd.triton_fallback(configs.forward) if configs.forward.hopper_overlap is not None \
+        else configs.forward
     jobs = [
-        ("forward", fwd._forward_kernel, configs.forward, {}, descs(configs.forward.block_n, "k_desc", "v_desc")),
+        ("forward", fwd._forward_kernel, triton_forward, {}, descs(triton_forward.block_n, "k_desc", "v_desc")),
         ("bwd dkdv", bwd._backward_kernel, configs.dkdv, dict(split, group_size=1, RUN_DKDV=True, RUN_DQ=False),
          dkdv_descs),
         ("bwd dkdv gqa", bwd._backward_kernel, configs.dkdv, dict(split, RUN_DKDV=True, RUN_DQ=False), dkdv_descs),
@@ -153,20 +155,35 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool):
         block = [1, 1, rows, head_dim]
         return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper_fwd.smem_layout(block, TYPES[dtype])!r}>"
 
-    constexprs = dict(BLOCK_M=hopper_fwd.BLOCK_M, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal,
-                      OVERLAP=cfg.hopper_overlap, NUM_STAGES=cfg.num_stages, num_warps=hopper_fwd.NUM_WARPS)
-    signature = dict(q_desc=desc(hopper_fwd.BLOCK_M), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n),
-                     o_desc=desc(hopper_fwd.BLOCK_M), Lse="*fp32", seq_q="i32", seq_k="i32", num_heads="i32",
-                     group="i32", qk_scale="fp32", **{name: "constexpr" for name in constexprs})
-    src = GluonASTSource(hopper_fwd._attn_fwd_kernel, signature, constexprs, {(4,): [["tt.divisibility", 16]]})
-    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=hopper_fwd.NUM_WARPS, num_stages=1))
+    if cfg.hopper_split:
+        kernel, rows, num_warps = hopper_fwd._attn_fwd_ws_kernel, hopper_fwd.WS_ROWS, 4
+        maxnreg, consumer_regs, producer_regs = hopper_fwd.ws_registers(cfg.hopper_split)
+        constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
+                          SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, PRODUCER_REGS=producer_regs,
+                          CONSUMER_REGS=consumer_regs, num_warps=num_warps)
+        options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
+    else:
+        kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
+        constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal,
+                          OVERLAP=cfg.hopper_overlap, NUM_STAGES=cfg.num_stages, num_warps=num_warps)
+        options = dict(num_warps=num_warps, num_stages=1)
+    signature = dict(q_desc=desc(rows), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(rows),
+                     Lse="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", qk_scale="fp32",
+                     **{name: "constexpr" for name in constexprs})
+    src = GluonASTSource(kernel, signature, constexprs, {(4,): [["tt.divisibility", 16]]})
+    compiled = triton.compile(src, target=TARGET, options=options)
     usage = _resource_usage(compiled.asm["cubin"])
     return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared,
                 serialized=wgmma_serialization(compiled.asm["ptx"]))
 
 
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool) -> int:
-    shown = f"forward (Gluon, overlap {cfg.hopper_overlap}) {hopper_fwd.BLOCK_M}x{cfg.block_n} s{cfg.num_stages}"
+    if cfg.hopper_split:
+        kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
+        rows = hopper_fwd.WS_ROWS * cfg.hopper_split
+    else:
+        kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
+    shown = f"forward (Gluon, {kind}) {rows}x{cfg.block_n} s{cfg.num_stages}"
     try:
         r = compile_hopper_forward(head_dim, dtype, cfg, causal)
     except Exception as e:
@@ -185,7 +202,7 @@ def main() -> None:
     p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,window")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
-                   help="also compile the Gluon forward in these schedules (e.g. 0,1,2), 64- and 128-key tiles")
+                   help="also compile the Gluon forwards in these schedules (e.g. 0,1,2,ws2,ws3pp), 64- and 128-key tiles")
     args = p.parse_args()
     variants = {
         "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
@@ -201,12 +218,15 @@ def main() -> None:
             for tma in {"on": (True,), "off": (False,), "both": (False, True)}[args.tma_loads]:
                 print(f"D={d} {args.dtype} {vname} tma_loads={tma}")
                 problems += report(d, args.dtype, flags, tma)
-    for schedule in map(int, args.hopper_schedules.split(",")) if args.hopper_schedules else ():
+    for schedule in args.hopper_schedules.split(",") if args.hopper_schedules else ():
+        # 0, 1, 2: the 8-warp kernel's schedules; ws2, ws3 (+pp): the warp-specialised kernel
+        split = int(schedule[2]) if schedule.startswith("ws") else 0
+        overlap = 0 if split else int(schedule)
         for d in map(int, args.head_dims.split(",")):
             for causal in (False, True):
-                for block_n in (64, 128):
+                for block_n in (128,) if split else (64, 128):
                     print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon forward schedule {schedule}")
-                    cfg = KernelConfig(hopper_fwd.BLOCK_M, block_n, hopper_fwd.NUM_WARPS, 2, True, schedule)
+                    cfg = KernelConfig(128, block_n, 8, 2, True, overlap, split, schedule.endswith("pp"))
                     problems += _report_hopper_forward(d, args.dtype, cfg, causal)
     if args.check and problems:
         print(f"{problems} kernel(s) failed to compile or had their wgmmas serialised")

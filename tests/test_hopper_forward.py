@@ -1,5 +1,5 @@
-"""The Gluon forward of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width it
-may be launched with, on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
+"""The Gluon forwards of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width they
+may be launched with (8-warp kernel; warp-specialised kernel, 2 or 3 warpgroups, ping-pong), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
 decoding, both layouts, a strided view, a custom scale -- output, lse and the gradients of the
 backward that consumes its lse, against the float64 reference (SPEC 4). A spy proves each
 launch really ran the Gluon kernel; unsupported problems must fall back to the Triton kernel."""
@@ -27,7 +27,16 @@ CASES = [
     Case(1, 2, 2, 200, 4000, 128, causal=True, scale=0.3, layout="bhsd", dtype=torch.bfloat16),
     Case(1, 3, 3, 129, 129, 64, causal=True, deterministic=True, lse_grad=True),
 ]
-SCHEDULES = [(0, 64), (0, 128), (1, 64), (1, 128), (2, 64), (2, 128)]  # (hopper_overlap, block_n)
+# Every schedule a config may name: the 8-warp kernel's three (64- and 128-key tiles), the
+# warp-specialised kernel with 2 or 3 consumer warpgroups, with and without ping-pong.
+SCHEDULES = [KernelConfig(128, n, 8, 2, True, overlap) for overlap in (0, 1, 2) for n in (64, 128)] + [
+    KernelConfig(64 * split, 128, 4, 2, True, 0, split, pingpong) for split in (2, 3) for pingpong in (False, True)]
+
+
+def schedule_id(c: KernelConfig) -> str:
+    if c.hopper_split:
+        return f"ws{c.hopper_split}" + ("-pingpong" if c.hopper_pingpong else "")
+    return f"overlap{c.hopper_overlap}-n{c.block_n}"
 
 
 @pytest.fixture
@@ -46,40 +55,54 @@ def gluon_launches(monkeypatch):
     return calls
 
 
-def pinned_forward(case: Case, overlap: int, block_n: int):
+def pinned_forward(case: Case, forward: KernelConfig):
     base = select_configs(torch.device("cuda"), case.dtype, case.head_dim, case.dv)
-    return pinned_configs(replace(base, forward=KernelConfig(128, block_n, 8, 2, True, overlap)))
+    return pinned_configs(replace(base, forward=forward))
 
 
-@pytest.mark.parametrize("overlap,block_n", SCHEDULES, ids=[f"overlap{o}-n{n}" for o, n in SCHEDULES])
+@pytest.mark.parametrize("forward", SCHEDULES, ids=[schedule_id(c) for c in SCHEDULES])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_gluon_forward_matches_reference(case, overlap, block_n, gluon_launches):
-    with pinned_forward(case, overlap, block_n):
+def test_gluon_forward_matches_reference(case, forward, gluon_launches):
+    with pinned_forward(case, forward):
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
 
 
-def test_gluon_forward_takes_strided_views(gluon_launches):
+@pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)
+def test_gluon_forward_takes_strided_views(forward, gluon_launches):
     """q, k, v as slices of wider tensors (head-dim stride 1, others not contiguous)."""
     case = Case(2, 4, 2, 300, 300, 64, causal=True, dtype=torch.bfloat16)
     wide = [torch.randn(2, 300, h, 3 * 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2)]
     q, k, v = (t[..., 64:128] for t in wide)
     assert not q.is_contiguous()
     _, _, _, dout, dlse = make_inputs(case, "cuda")
-    with pinned_forward(case, 1, 128):
+    with pinned_forward(case, forward):
         check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
     assert gluon_launches and all(gluon_launches)
 
 
+@pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)
 @pytest.mark.parametrize("options", [dict(softcap=20.0), dict(window=(50, 0)), dict(window=(-1, 7))],
                          ids=["softcap", "left-window", "right-window"])
-def test_problems_it_does_not_support_run_the_triton_kernel(options, gluon_launches):
+def test_problems_it_does_not_support_run_the_triton_kernel(options, forward, gluon_launches):
     case = Case(1, 2, 2, 200, 200, 128, dtype=torch.bfloat16, layout="bhsd", **options)
     q, k, v, _, _ = make_inputs(case, "cuda")
     spec_supported = fwd.hopper_supports(q, k, v, resolve_spec(
         128, layout="bhsd", causal=False, window=options.get("window"), scale=None,
         softcap=options.get("softcap"), deterministic=False))
     assert not spec_supported
-    with pinned_forward(case, 1, 128):
+    with pinned_forward(case, forward):  # the Triton kernel takes the config's tiles (192 rows: 128)
         check_case(case, "triton", "cuda")
     assert not gluon_launches  # fell back before launching
+
+
+@pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)
+def test_tensors_tma_cannot_address_run_the_triton_kernel(forward, gluon_launches):
+    """Rows 65 elements apart (130 bytes, not a multiple of 16): no TMA descriptor, so the Triton
+    kernel runs (pointer loads), with the config's tiles."""
+    case = Case(1, 2, 2, 150, 150, 64, causal=True, dtype=torch.bfloat16, layout="bhsd")
+    q, k, v = (torch.randn(1, 2, 150, 65, device="cuda", dtype=torch.bfloat16)[..., :64] for _ in range(3))
+    _, _, _, dout, dlse = make_inputs(case, "cuda")
+    with pinned_forward(case, forward):
+        check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
+    assert gluon_launches == [False]  # tried, declined (no descriptor), then the Triton kernel ran

@@ -142,6 +142,12 @@ def bhs_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return sb, sh, ss
 
 
+def triton_fallback(config: KernelConfig) -> KernelConfig:
+    """The Triton kernel's tiles where a Gluon forward config cannot run (problem or tensors it
+    does not take): its key tiles and depth, 128-row query tiles on 8 warps."""
+    return KernelConfig(128, config.block_n, 8, config.num_stages, config.tma_loads)
+
+
 def hopper_supports(q, k, v, spec: AttentionSpec) -> bool:
     if not q.is_cuda:
         return False
@@ -162,12 +168,14 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
         return out, lse
     if seqlen_k == 0:  # every row is empty (SPEC 3.1)
         return out.zero_(), lse.fill_(float("-inf"))
-    if config.hopper_overlap is not None and hopper_supports(q, k, v, spec):
-        from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
+    if config.hopper_overlap is not None:
+        if hopper_supports(q, k, v, spec):
+            from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
-        result = hopper_fwd.attention_forward(q, k, v, spec, config)
-        if result is not None:
-            return result
+            result = hopper_fwd.attention_forward(q, k, v, spec, config)
+            if result is not None:
+                return result
+        config = triton_fallback(config)
     qk_scale, softcap_log2 = score_constants(spec)
     block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
     descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)

@@ -104,6 +104,23 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, m0, row_o: gl.constexpr):
+    """Normalise, lse (natural log; -inf and out 0 for a row with no visible key), and O out through
+    the (retired) Q buffer by TMA, which clips rows past the head's length."""
+    empty_row = l_i == 0.0
+    l_safe = gl.where(empty_row, 1.0, l_i)
+    lse = gl.where(empty_row, -float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    inv_l = gl.convert_layout(1.0 / l_safe, row_o)
+    out = (acc * gl.expand_dims(inv_l, 1)).to(q.dtype)
+    gl.store(Lse + pid_bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+    q.store(out)
+    fence_async_shared()
+    gl.thread_barrier()  # in a warp-specialised partition: a named barrier over its own warps
+    tma.async_copy_shared_to_global(o_desc, [batch, head, m0, 0], q_buf)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv, rows, seq_k,
                  diag_off, qk_scale, k_desc, v_desc, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
@@ -269,19 +286,7 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
                                          rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES,
                                          s_layout, o_layout, p_layout, CAUSAL, True)
 
-    # Epilogue: normalise, lse (natural log), O through the Q buffer + TMA store (clips rows >= Sq).
-    empty_row = l_i == 0.0
-    l_safe = gl.where(empty_row, 1.0, l_i)
-    lse = gl.where(empty_row, -float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-    inv_l = gl.convert_layout(1.0 / l_safe, row_o)
-    out = (acc * gl.expand_dims(inv_l, 1)).to(dtype)
-
-    gl.store(Lse + pid_bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
-    q.store(out)
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(o_desc, [batch, head, m0, 0], q_smem)
-    tma.store_wait(pendings=0)
+    _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_smem, o_desc, batch, head, m0, row_o)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
@@ -289,11 +294,201 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
         mbarrier.invalidate(v_bars.index(i))
 
 
+# --------------------------------------------------------------------------- warp-specialised kernel
+#
+# ``gl.warp_specialize`` splits a program into a 1-warp producer and SPLIT (2 or 3) consumer
+# warpgroups of 64 query rows, each its own partition (FA3's layout; tiles of 128 or 192 rows).
+# The producer (24 registers after setmaxnreg) issues every TMA load of Q, K and V into the ring,
+# waiting on "empty" mbarriers; a consumer waits only on "ready" ones and releases a slot (one
+# elected arrive) once the wgmma reading it retired. No CTA-wide barrier remains in any loop (the
+# membar pass's barriers are named barriers over one warpgroup), so the consumer warpgroups run
+# independently; PINGPONG makes them take turns issuing their GEMMs (round robin through "turn"
+# mbarriers), so one warpgroup's softmax runs under another's matmuls. Consumers use the plain
+# schedule: with an async wgmma pipeline inside a worker partition, ptxas (Triton 3.6) serialises
+# every wgmma (C7512, the setmaxnreg of the worker dispatch defeats its register accounting).
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, batch,
+                 head, head_kv, m0, n_blocks, ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr):
+    for w in gl.static_range(NQ):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, m0 + w * ROWS, 0], q_bars.index(w), q_smem.index(w))
+    for j in range(n_blocks):
+        slot = j % NUM_STAGES
+        phase = ((j // NUM_STAGES) & 1) ^ 1  # a fresh mbarrier counts as phase 1 complete: round 0 passes
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_ring.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_ring.index(slot))
+
+
+@gluon.jit
+def _turn_wait(turn_bars, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait for this warpgroup's t-th turn (round robin 0, 1, (2,) 0, ...)."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn_bars.index(0), (t & 1) ^ 1)
+        else:
+            mbarrier.wait(turn_bars.index(WG), t & 1)
+
+
+@gluon.jit
+def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        NWG: gl.constexpr = turn_bars.shape[0]
+        mbarrier.arrive(turn_bars.index((WG + 1) % NWG), count=1)
+
+
+@gluon.jit
+def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i, s_zero, j, rows, seq_k,
+             diag_off, qk_scale, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
+             MASK: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
+    _turn_wait(turn_bars, j, WG, PINGPONG)
+    s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _turn_pass(turn_bars, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+    mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout, CAUSAL,
+                                         MASK)
+    acc = _rescale(acc, alpha, o_layout)
+    p = gl.convert_layout(p.to(k.dtype), p_layout)
+    v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
+    acc = warpgroup_mma(p, v, acc)
+    mbarrier.arrive(v_empty.index(j % NUM_STAGES), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, batch,
+                 head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, WG: gl.constexpr, ROWS: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                 PINGPONG: gl.constexpr):
+    """Query rows [m0 + WG * ROWS, + ROWS) of the program's tile, on one warpgroup."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    mw = m0 + WG * ROWS
+    diag_off = seq_k - seq_q
+    if CAUSAL:  # key blocks [0, n_full) are visible to all rows of this warpgroup: no mask math
+        n_full = gl.minimum(gl.maximum(mw + diag_off + 1, 0), seq_k) // BLOCK_N
+    else:
+        n_full = seq_k // BLOCK_N
+    n_full = gl.minimum(n_full, n_blocks)
+
+    rows = mw + gl.arange(0, ROWS, layout=row_s)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    q_buf = q_smem.index(WG)
+    mbarrier.wait(q_bars.index(WG), 0)
+    q = q_buf.reshape([ROWS, HEAD_D])
+    for j in range(0, n_full):
+        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
+                                 s_zero, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
+                                 o_layout, p_layout, CAUSAL, False, WG, PINGPONG)
+    for j in range(n_full, n_blocks):
+        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
+                                 s_zero, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
+                                 o_layout, p_layout, CAUSAL, True, WG, PINGPONG)
+    _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, mw, row_o)
+
+
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group"])
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, qk_scale,
+                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        SPLIT: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
+    2), 4 warps each, and the 1-warp producer."""
+    gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
+    ROWS: gl.constexpr = gl.constexpr(q_desc.block_type.shape[2])  # query rows per consumer warpgroup
+    BLOCK_M: gl.constexpr = SPLIT * ROWS
+    dtype: gl.constexpr = q_desc.dtype
+
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # heaviest query blocks first
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    head_kv = head // group
+    m0 = pid_m * BLOCK_M
+    if CAUSAL:
+        hi = gl.minimum(gl.maximum(m0 + BLOCK_M + seq_k - seq_q, 0), seq_k)
+    else:
+        hi = seq_k
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SPLIT):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=SPLIT)  # one release per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=SPLIT)
+    fence_async_shared()
+
+    # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
+    if SPLIT == 2:
+        gl.warp_specialize([
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 0, ROWS, BLOCK_N, HEAD_D,
+                            NUM_STAGES, CAUSAL, PINGPONG)),
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 1, ROWS, BLOCK_N, HEAD_D,
+                            NUM_STAGES, CAUSAL, PINGPONG)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
+                            v_empty, batch, head, head_kv, m0, n_blocks, ROWS, SPLIT, BLOCK_N, NUM_STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 0, ROWS, BLOCK_N, HEAD_D,
+                            NUM_STAGES, CAUSAL, PINGPONG)),
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 1, ROWS, BLOCK_N, HEAD_D,
+                            NUM_STAGES, CAUSAL, PINGPONG)),
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 2, ROWS, BLOCK_N, HEAD_D,
+                            NUM_STAGES, CAUSAL, PINGPONG)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
+                            v_empty, batch, head, head_kv, m0, n_blocks, ROWS, SPLIT, BLOCK_N, NUM_STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
 # --------------------------------------------------------------------------- launcher
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-BLOCK_M = 128
+BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
+WS_ROWS = 64  # query rows per consumer warpgroup of the warp-specialised kernel
+WS_PRODUCER_REGS = 24
 HEAD_DIMS = (64, 128)
 
 
@@ -319,23 +514,43 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionS
             and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full and not spec.has_softcap)
 
 
+def ws_registers(split: int) -> tuple[int, int, int]:
+    """(maxnreg at launch, consumer registers, producer registers) for ``split`` consumer warpgroups:
+    the launch divides the register file over every warp (the producer's warpgroup included); the
+    producer then gives up all but 24 and the consumers take the rest."""
+    total_warps = 4 * split + 4
+    maxnreg = (65536 // (total_warps * 32)) // 8 * 8
+    consumer = (maxnreg * total_warps - WS_PRODUCER_REGS * 4) // (total_warps - 4) // 8 * 8
+    return maxnreg, consumer, WS_PRODUCER_REGS
+
+
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     """(out in the user layout, lse (B, Hq, Sq) float32), or None when a tensor cannot go through
-    TMA (the caller then runs the Triton kernel). ``config.hopper_overlap`` is the schedule."""
+    TMA (the caller then runs the Triton kernel). ``config.hopper_split`` 2 or 3: the
+    warp-specialised kernel with that many consumer warpgroups (``hopper_pingpong``: taking turns);
+    0: the 8-warp kernel with schedule ``config.hopper_overlap``."""
     q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
     out_shape = (batch, seqlen_q, heads_q, head_dim) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    descs = [_descriptor(q4, BLOCK_M), _descriptor(k4, config.block_n), _descriptor(v4, config.block_n),
-             _descriptor(to_bhsd(out, spec.layout), BLOCK_M)]
+    q_rows = WS_ROWS if config.hopper_split else BLOCK_M
+    descs = [_descriptor(q4, q_rows), _descriptor(k4, config.block_n), _descriptor(v4, config.block_n),
+             _descriptor(to_bhsd(out, spec.layout), q_rows)]
     if any(d is None for d in descs):
         return None
-    q_desc, k_desc, v_desc, o_desc = descs
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
-    _attn_fwd_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv,
-                           spec.scale * LOG2E, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim,
-                           CAUSAL=spec.window_right == 0, OVERLAP=config.hopper_overlap,
-                           NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
+    args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.scale * LOG2E)
+    causal = spec.window_right == 0
+    if config.hopper_split:
+        maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+        grid = (triton.cdiv(seqlen_q, WS_ROWS * config.hopper_split), batch * heads_q)
+        _attn_fwd_ws_kernel[grid](*args, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
+                                  NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
+                                  PINGPONG=config.hopper_pingpong, PRODUCER_REGS=producer_regs,
+                                  CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+    else:
+        grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
+        _attn_fwd_kernel[grid](*args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
+                               OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
     return out, lse

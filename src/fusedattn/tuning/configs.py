@@ -30,6 +30,11 @@ class KernelConfig:
     # problem (sm_90, 16-bit, D = Dv in {64, 128}, no window other than causal, no softcap);
     # None, or a problem it does not support: the Triton kernel with these tiles. block_m is 128.
     hopper_overlap: int | None = None
+    # With hopper_overlap set: 2 or 3 runs the warp-specialised Gluon kernel instead (a 1-warp TMA
+    # producer and that many consumer warpgroups of 64 query rows, plain schedule each), taking
+    # turns at the tensor cores if hopper_pingpong.
+    hopper_split: int = 0
+    hopper_pingpong: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,12 +109,18 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         fwd, dkdv, dq = (replace(c, tma_loads=True) for c in (fwd, dkdv, dq))
     if capability[0] == 9 and not wide and head_dim == head_dim_v and head_dim in (64, 128) \
             and not has_left and not has_softcap:
-        # The Gluon forward (NOTES.md v13, H200): at D=64 the plain schedule with 128-key tiles
-        # (causal: 64-key tiles, less diagonal waste); at D=128 the softmax under the PV matmul.
-        if head_dim == 64:
+        # The Gluon forwards (NOTES.md v13, v15; H200): warp-specialised with three consumer
+        # warpgroups taking turns (192-row tiles) wherever it won; at D=128 with short causal keys
+        # two warpgroups (fewer rows wasted on the diagonal); at D=64 with short keys the 8-warp
+        # kernel, plain schedule (two programs per SM), 64-key tiles if causal.
+        short = seqlen_k <= SHORT_KEYS
+        if head_dim == 64 and short:
             fwd = KernelConfig(128, 64 if has_right else 128, 8, 2, tma_loads=True, hopper_overlap=0)
+        elif head_dim == 128 and short and has_right:
+            fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
         else:
-            fwd = KernelConfig(128, 128, 8, 2, tma_loads=True, hopper_overlap=1)
+            fwd = KernelConfig(192, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=3,
+                               hopper_pingpong=True)
     return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
 
 

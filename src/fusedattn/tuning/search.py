@@ -27,12 +27,14 @@ from .configs import SHORT_KEYS, AttentionConfigs, KernelConfig
 
 # (block_m, block_n, num_warps, num_stages) candidates per kernel: the H200 sweeps of
 # benchmarks/tune.py (NOTES.md v8-v12) kept every config that won or came within 5% somewhere.
-# A fifth entry is the schedule of the Gluon forward (KernelConfig.hopper_overlap; where the
-# problem is not one it supports, the Triton kernel runs with the same tiles).
+# Further entries pick a Gluon forward: (hopper_overlap[, hopper_split, hopper_pingpong]); where
+# the problem is not one it supports, the Triton kernel runs (tuning/configs.py, fwd.triton_fallback).
 FORWARD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
                       (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2),
                       (128, 128, 8, 2, 0), (128, 64, 8, 2, 0), (128, 128, 8, 2, 1), (128, 64, 8, 2, 1),
-                      (128, 128, 8, 2, 2), (128, 128, 8, 3, 1)]
+                      (128, 128, 8, 2, 2), (128, 128, 8, 3, 1),
+                      (128, 128, 4, 2, 0, 2, False), (128, 128, 4, 2, 0, 2, True), (192, 128, 4, 2, 0, 3, False),
+                      (192, 128, 4, 2, 0, 3, True)]
 # (64, 64, 4, 2) and (32, 64, 4, 2) fit two programs per SM at D=128 (registers and shared memory).
 DKDV_CANDIDATES = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 2),
                    (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3), (128, 64, 8, 2),
@@ -43,9 +45,9 @@ KERNELS = ("forward", "dkdv", "dq")
 
 
 def candidate_config(candidate: tuple, tma_loads: bool) -> KernelConfig:
-    """(block_m, block_n, num_warps, num_stages[, hopper_overlap]) as a KernelConfig."""
-    overlap = candidate[4] if len(candidate) > 4 else None
-    return KernelConfig(*candidate[:4], tma_loads=tma_loads or overlap is not None, hopper_overlap=overlap)
+    """(block_m, block_n, num_warps, num_stages[, hopper_overlap[, hopper_split, hopper_pingpong]])."""
+    gluon = candidate[4:]
+    return KernelConfig(*candidate[:4], tma_loads or bool(gluon), *gluon)
 
 
 @dataclass(frozen=True)
