@@ -71,7 +71,7 @@ def test_select_uses_a_matching_entry_and_ignores_a_stale_one(monkeypatch, tmp_p
     configs.reload_tuning_cache()
     try:
         heuristic = configs.select_configs(**select)
-        assert heuristic == configs._cuda_configs(torch.bfloat16, 128, 128, 8192, (9, 0))
+        assert heuristic == configs._cuda_configs(torch.bfloat16, 128, 128, 8192, (9, 0), has_right=True)
         cache.TuningCache(tmp_path / "tuning.json").put(cache.config_key(**KEY_ARGS), TUNED)
         configs.reload_tuning_cache()
         assert configs.select_configs(**select) == TUNED
@@ -82,6 +82,6 @@ def test_select_uses_a_matching_entry_and_ignores_a_stale_one(monkeypatch, tmp_p
         cache.TuningCache(tmp_path / "tuning.json").put(stale_key, replace(TUNED, preprocess_block_m=16))
         configs.reload_tuning_cache()
         assert configs.select_configs(**dict(select, seqlen_k=1024)) == configs._cuda_configs(
-            torch.bfloat16, 128, 128, 1024, (9, 0))
+            torch.bfloat16, 128, 128, 1024, (9, 0), has_right=True)
     finally:
         configs.reload_tuning_cache()
