@@ -1,4 +1,10 @@
-"""Hopper (sm_90) forward in Triton's Gluon dialect: the softmax overlaps the tensor cores.
+"""Hopper (sm_90) forwards in Triton's Gluon dialect: the softmax overlaps the tensor cores.
+
+Two kernels: ``_attn_fwd_kernel`` (8 warps, no warp specialisation; the overlap happens inside
+each warpgroup, below) and ``_attn_fwd_ws_kernel`` (warp-specialised: a TMA producer warp and 2
+or 3 consumer warpgroups that may take turns; the overlap happens between warpgroups; described
+above it). The launch config picks one (``KernelConfig.hopper_split``); both share the masking,
+online-softmax and epilogue helpers.
 
 Why a second forward: in plain Triton 3.6 the wgmma of Q K^T is always waited on right after it
 is issued, so within a warpgroup the exponentials never run under a matmul, and there is no warp
