@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import UNBOUNDED, AttentionSpec, to_bhsd
+from .memory import tma_addressable
 from ..tuning.configs import KernelConfig
 
 LOG2E = 1.4426950408889634
@@ -505,8 +506,7 @@ def smem_layout(block_shape, torch_dtype):
 def _descriptor(t_bhsd: torch.Tensor, rows: int):
     """A 4-D TMA descriptor over a (B, H, S, D) view, block (1, 1, rows, D); None where TMA cannot
     address the tensor (base or a stride not a multiple of 16 bytes)."""
-    size = t_bhsd.element_size()
-    if t_bhsd.data_ptr() % 16 or t_bhsd.stride(-1) != 1 or any(st * size % 16 for st in t_bhsd.stride()[:-1]):
+    if not tma_addressable(t_bhsd):
         return None
     block = [1, 1, rows, t_bhsd.shape[-1]]
     return TensorDescriptor(t_bhsd, list(t_bhsd.shape), list(t_bhsd.stride()), block, smem_layout(block, t_bhsd.dtype))

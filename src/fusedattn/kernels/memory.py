@@ -60,13 +60,18 @@ def load_block(desc, base, batch, head, start_row, stride_row, n_rows, n_cols: t
                          offs_col, n_cols, CHECK_ROWS, n_cols != BLOCK_COLS)
 
 
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether the copy engine can address ``t``: 16-byte aligned base and outer strides, unit last stride."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
 def block_descriptor(t_bhsd: torch.Tensor, block_rows: int, block_cols: int):
     """A TMA descriptor over a (B, H, S, D) view with block (1, 1, block_rows, block_cols), or None
-    where the copy engine cannot address it (base or a stride not a multiple of 16 bytes)."""
+    where the copy engine cannot address it."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    size = t_bhsd.element_size()
-    if t_bhsd.data_ptr() % 16 or t_bhsd.stride(-1) != 1 or any(s * size % 16 for s in t_bhsd.stride()[:-1]):
+    if not tma_addressable(t_bhsd):
         return None
     return TensorDescriptor(t_bhsd, shape=list(t_bhsd.shape), strides=list(t_bhsd.stride()),
                             block_shape=[1, 1, block_rows, block_cols])
