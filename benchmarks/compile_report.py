@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+from dataclasses import replace
 import os
 import re
 import subprocess
@@ -27,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedattn.kernels import bwd, fwd, hopper_fwd  # noqa: E402
+from fusedattn.kernels import bwd, fwd, hopper, hopper_bwd, hopper_fwd  # noqa: E402
 from fusedattn.tuning.configs import KernelConfig, _cuda_configs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -102,6 +103,9 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     def descs(rows: int, *names: str) -> dict:
         return {n: f"tensordesc<{dtype}[1,1,{rows},{block_d}]>" for n in names} if tma_loads else {}
 
+    gluon_dkdv = configs.dkdv
+    if gluon_dkdv.hopper_overlap is not None:  # the Triton kernel then runs the fallback's tiles
+        configs = replace(configs, dkdv=bwd.triton_dkdv_fallback(gluon_dkdv))
     dq_atomic = {"dq_desc": f"tensordesc<fp32[1,{configs.dkdv.block_m},{block_d}]>"}
     dkdv_descs = descs(configs.dkdv.block_m, "q_desc", "do_desc")
     dq_descs = descs(configs.dq.block_n, "k_desc", "v_desc")
@@ -126,6 +130,8 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     problems = 0
     if configs.forward.hopper_overlap is not None and tma_loads:
         problems += _report_hopper_forward(head_dim, dtype, configs.forward, flags["HAS_RIGHT"])
+    if gluon_dkdv.hopper_overlap is not None and tma_loads:
+        problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"])
     for name, kernel, cfg, extra, descriptors in jobs:  # with a Gluon forward, Triton's is its fallback
         if kernel is bwd._backward_kernel:
             constexprs = dict(common, DKDV_BLOCK_M=configs.dkdv.block_m, DKDV_BLOCK_N=configs.dkdv.block_n,
@@ -153,11 +159,11 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool):
 
     def desc(rows: int) -> str:
         block = [1, 1, rows, head_dim]
-        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper_fwd.smem_layout(block, TYPES[dtype])!r}>"
+        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper.smem_layout(block, TYPES[dtype])!r}>"
 
     if cfg.hopper_split:
-        kernel, rows, num_warps = hopper_fwd._attn_fwd_ws_kernel, hopper_fwd.WS_ROWS, 4
-        maxnreg, consumer_regs, producer_regs = hopper_fwd.ws_registers(cfg.hopper_split)
+        kernel, rows, num_warps = hopper_fwd._attn_fwd_ws_kernel, hopper.WG_ROWS, 4
+        maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, PRODUCER_REGS=producer_regs,
                           CONSUMER_REGS=consumer_regs, num_warps=num_warps)
@@ -180,7 +186,7 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool):
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
-        rows = hopper_fwd.WS_ROWS * cfg.hopper_split
+        rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
     shown = f"forward (Gluon, {kind}) {rows}x{cfg.block_n} s{cfg.num_stages}"
@@ -194,6 +200,50 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool) -> int:
     return int(bool(r["serialized"]))
 
 
+def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_major: bool = False):
+    """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def desc(rows: int) -> str:
+        block = [1, 1, rows, head_dim]
+        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper.smem_layout(block, TYPES[dtype])!r}>"
+
+    stats = [1, cfg.block_m]
+    stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.row_stats_layout(cfg.block_m)!r}>"
+    maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
+    constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
+                      SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major,
+                      PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
+    keys = desc(hopper_bwd.KEYS_PER_WG)
+    signature = dict(q_desc=desc(cfg.block_m), do_desc=desc(cfg.block_m), k_desc=keys, v_desc=keys, dk_desc=keys,
+                     dv_desc=keys, lse_desc=stats_desc, dl_desc=stats_desc, seq_q="i32", seq_k="i32", heads_q="i32",
+                     heads_kv="i32", group="i32", qk_scale="fp32", scale="fp32",
+                     **{name: "constexpr" for name in constexprs})
+    src = GluonASTSource(hopper_bwd._dkdv_ws_kernel, signature, constexprs)
+    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
+    usage = _resource_usage(compiled.asm["cubin"])
+    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared,
+                serialized=wgmma_serialization(compiled.asm["ptx"]))
+
+
+def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool) -> int:
+    kind = f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}"
+    shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
+    failed = 0
+    for block_major in (False, True) if causal else (False,):  # causal GQA launches block-major
+        try:
+            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major)
+        except Exception as e:
+            print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
+            return 1
+        serial = f"  WGMMA SERIALIZED: {r['serialized']}" if r["serialized"] else ""
+        spilled = "  SPILLS" if r["spills"] else ""
+        print(f"  {shown}{' block-major' if block_major else ''}  regs={r['regs']} stack={r['spills']} "
+              f"smem={r['shared']}{serial}{spilled}")
+        failed += int(bool(r["serialized"]) or bool(r["spills"]))
+    return failed
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--head-dims", default="64,128")
@@ -202,7 +252,8 @@ def main() -> None:
     p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,window")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
-                   help="also compile the Gluon forwards in these schedules (e.g. 0,1,2,ws2,ws3pp), 64- and 128-key tiles")
+                   help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
+                        "dK/dV dkdv2,dkdv2pp1,dkdv3pp2")
     args = p.parse_args()
     variants = {
         "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
@@ -219,14 +270,25 @@ def main() -> None:
                 print(f"D={d} {args.dtype} {vname} tma_loads={tma}")
                 problems += report(d, args.dtype, flags, tma)
     for schedule in args.hopper_schedules.split(",") if args.hopper_schedules else ():
-        # 0, 1, 2: the 8-warp kernel's schedules; ws2, ws3 (+pp): the warp-specialised kernel
+        # forward: 0, 1, 2 the 8-warp kernel's schedules; ws2, ws3 (+pp) the warp-specialised kernel.
+        # dK/dV: dkdv2, dkdv3 (+pp1, +pp2) the warp-specialised pass.
+        if schedule.startswith("dkdv"):
+            split, pingpong = int(schedule[4]), int(schedule[7:] or 0)
+            for d in map(int, args.head_dims.split(",")):
+                if d == 128 and split == 3:
+                    continue  # three warpgroups cannot hold D=128's dK, dV accumulators
+                for causal in (False, True):
+                    print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon dK/dV schedule {schedule}")
+                    cfg = KernelConfig(64, 64 * split, 4, 2, True, 0, split, pingpong)
+                    problems += _report_hopper_dkdv(d, args.dtype, cfg, causal)
+            continue
         split = int(schedule[2]) if schedule.startswith("ws") else 0
         overlap = 0 if split else int(schedule)
         for d in map(int, args.head_dims.split(",")):
             for causal in (False, True):
                 for block_n in (128,) if split else (64, 128):
                     print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon forward schedule {schedule}")
-                    cfg = KernelConfig(128, block_n, 8, 2, True, overlap, split, schedule.endswith("pp"))
+                    cfg = KernelConfig(128, block_n, 8, 2, True, overlap, split, int(schedule.endswith("pp")))
                     problems += _report_hopper_forward(d, args.dtype, cfg, causal)
     if args.check and problems:
         print(f"{problems} kernel(s) failed to compile or had their wgmmas serialised")

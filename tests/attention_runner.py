@@ -59,3 +59,18 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
     ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=case.lse_grad)
     for name, ours_t, lowp_t, ref_t in zip(("out", "lse", "dq", "dk", "dv"), got, lowp, ref64):
         assert_close_to_reference(f"{case.id} {name}", ours_t, lowp_t, ref_t)
+
+
+def record_launches(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` (a launcher that returns None or False when it declines the problem)
+    so each call appends whether it ran its kernel; returns that list (tests spy on which kernel ran)."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args):
+        result = real(*args)
+        calls.append(result is not None and result is not False)
+        return result
+
+    monkeypatch.setattr(module, name, spy)
+    return calls

@@ -13,7 +13,7 @@ from fusedattn.kernels import fwd
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-from attention_runner import check_case, make_inputs
+from attention_runner import check_case, make_inputs, record_launches
 from cases import Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -30,7 +30,7 @@ CASES = [
 # Every schedule a config may name: the 8-warp kernel's three (64- and 128-key tiles), the
 # warp-specialised kernel with 2 or 3 consumer warpgroups, with and without ping-pong.
 SCHEDULES = [KernelConfig(128, n, 8, 2, True, overlap) for overlap in (0, 1, 2) for n in (64, 128)] + [
-    KernelConfig(64 * split, 128, 4, 2, True, 0, split, pingpong) for split in (2, 3) for pingpong in (False, True)]
+    KernelConfig(64 * split, 128, 4, 2, True, 0, split, pingpong) for split in (2, 3) for pingpong in (0, 1)]
 
 
 def schedule_id(c: KernelConfig) -> str:
@@ -43,16 +43,7 @@ def schedule_id(c: KernelConfig) -> str:
 def gluon_launches(monkeypatch):
     from fusedattn.kernels import hopper_fwd
 
-    calls = []
-    real = hopper_fwd.attention_forward
-
-    def spy(*args):
-        result = real(*args)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(hopper_fwd, "attention_forward", spy)
-    return calls
+    return record_launches(monkeypatch, hopper_fwd, "attention_forward")
 
 
 def pinned_forward(case: Case, forward: KernelConfig):

@@ -2,7 +2,8 @@
 
 The forward and backward are ``torch.library`` custom ops with fake (meta)
 implementations, so ``torch.compile`` traces a model that calls ``attention``
-without graph breaks. Each op dispatches to one of two backends that compute the
+without graph breaks; eager calls skip the custom ops' dispatch (host time) through
+an ``autograd.Function`` over the same implementations. Each op dispatches to one of two backends that compute the
 same thing (SPEC 3): ``"triton"`` (the fused kernels: CUDA tensors, or CPU tensors
 under ``TRITON_INTERPRET=1``) and ``"torch"`` (the chunked PyTorch path).
 """
@@ -68,12 +69,7 @@ def _unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- custom ops
 
 
-@torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
-def _forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_impl(q, k, v, layout, window_left, window_right, scale, softcap, deterministic, backend):
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
     if backend == "torch":
         return cpu.forward(q, k, v, spec)
@@ -81,6 +77,15 @@ def _forward_op(
     configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, to_bhsd(k, layout).shape[2],
                              spec.has_window_left, spec.has_window_right, spec.has_softcap)
     return attention_forward(q, k, v, spec, configs.forward)
+
+
+@torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_impl(q, k, v, layout, window_left, window_right, scale, softcap, deterministic, backend)
 
 
 @_forward_op.register_fake
@@ -91,6 +96,16 @@ def _forward_fake(q, k, v, layout, window_left, window_right, scale, softcap, de
     return q.new_empty(out_shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
+def _backward_impl(dout, dlse, q, k, v, out, lse, layout, window_left, window_right, scale, softcap, deterministic,
+                   backend):
+    spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
+    if backend == "torch":
+        return cpu.backward(dout, dlse, q, k, v, out, lse, spec)
+    configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2],
+                             spec.has_window_left, spec.has_window_right, spec.has_softcap)
+    return attention_backward(dout, dlse, q, k, v, out, lse, spec, configs)
+
+
 @torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
 def _backward_op(
     dout: torch.Tensor, dlse: Optional[torch.Tensor],
@@ -98,12 +113,8 @@ def _backward_op(
     layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
-    if backend == "torch":
-        return cpu.backward(dout, dlse, q, k, v, out, lse, spec)
-    configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2],
-                             spec.has_window_left, spec.has_window_right, spec.has_softcap)
-    return attention_backward(dout, dlse, q, k, v, out, lse, spec, configs)
+    return _backward_impl(dout, dlse, q, k, v, out, lse, layout, window_left, window_right, scale, softcap,
+                          deterministic, backend)
 
 
 @_backward_op.register_fake
@@ -121,18 +132,40 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, dlse):
+def _backward_with(backward_fn, ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dout = _unit_stride_head_dim(dout)  # e.g. the expanded ones of out.sum() have stride 0
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    dq, dk, dv = _backward_op(dout, dlse, q, k, v, out, lse, *ctx.options)
+    dq, dk, dv = backward_fn(dout, dlse, q, k, v, out, lse, *ctx.options)
     return (dq, dk, dv) + (None,) * len(ctx.options)
 
 
+def _backward(ctx, dout, dlse):
+    return _backward_with(_backward_op, ctx, dout, dlse)
+
+
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """Eager mode: the two ops' implementations under a plain autograd.Function. The custom ops'
+    generic dispatch and autograd glue cost ~0.9 ms of host time per forward+backward (H200 host,
+    benchmarks/NOTES.md v17), more than the GPU work of an S=1k layer; this path costs a few tens
+    of microseconds. torch.compile traces the custom ops instead (``attention``); both run the
+    same code (``_forward_impl``, ``_backward_impl``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *options):
+        out, lse = _forward_impl(q, k, v, *options)
+        _setup_context(ctx, (q, k, v, *options), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward_with(_backward_impl, ctx, dout, dlse)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -168,5 +201,6 @@ def attention(
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic)
-    out, lse = _forward_op(q, k, v, *spec.op_args(), _resolve_backend(q.device))
+    args = (q, k, v, *spec.op_args(), _resolve_backend(q.device))
+    out, lse = _forward_op(*args) if torch.compiler.is_compiling() else _EagerAttention.apply(*args)
     return (out, lse) if return_lse else out

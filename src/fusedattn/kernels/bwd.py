@@ -11,6 +11,8 @@ dQ is summed one of two ways, as the launch config says (tuning/configs.py):
   them without masks, in vectors): ``lse2`` = lse * log2(e), +inf for a row with no key and for
   padding (so p = 0 there), and delta = rowsum(dO * O) - dlse (0 in padding). A gradient on lse
   enters only here: d lse / d s = p, so ds = p * (dp - delta).
+- on Hopper, where the dK/dV config names it and the problem allows (``hopper.supports``): the
+  warp-specialised Gluon dK/dV pass of ``hopper_bwd.py``, then the dQ programs below alone;
 - ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
   - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
     registers and walks the query blocks of every query head of its KV group (one flat
@@ -30,9 +32,9 @@ import triton
 import triton.language as tl
 
 from ..spec import AttentionSpec, from_bhsd, to_bhsd
-from ..tuning.configs import AttentionConfigs
+from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
-from .fwd import bhs_strides, dot_precision, padded_dim, score_constants
+from .fwd import bhs_strides, dot_precision, hopper_supports, padded_dim, score_constants
 from .masking import apply_mask
 from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
@@ -392,6 +394,11 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
 
     atomic_dq = configs.atomic_dq and not spec.deterministic
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
+    block_major = dkdv_block_major(spec, heads_q // heads_kv)
+    # The Gluon dK/dV pass, where the config names it and it takes the problem (it sums no dQ).
+    gluon_dkdv = not atomic_dq and hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg, block_major)
+    if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
+        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     if atomic_dq:
         # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
         padded_d = triton.cdiv(head_dim, 4) * 4
@@ -424,8 +431,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
 
-    block_major = dkdv_block_major(spec, heads_q // heads_kv)
-
     def launch(programs, first_dq_program, run_dkdv, run_dq, cfg):
         dkdv_tma, dq_tma = run_dkdv and dkdv_descs is not None, run_dq and dq_descs is not None
         _backward_kernel[(programs,)](
@@ -433,7 +438,9 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
             *scalars, first_dq_program, int(block_major), RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma,
             DQ_TMA_LOADS=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
 
-    if configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
+    if gluon_dkdv:
+        launch(dq_programs, 0, False, True, dq_cfg)  # dK, dV came from the Gluon pass: the dQ pass alone
+    elif configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
         launch(dkdv_programs + dq_programs, dkdv_programs, True, not atomic_dq, dkdv_cfg)
     else:
         launch(dkdv_programs, dkdv_programs, True, False, dkdv_cfg)
@@ -441,6 +448,23 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     if atomic_dq:
         return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv
     return dq_buffer, dk, dv
+
+
+def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
+    """The Triton dK/dV programs' tiles where a Gluon dK/dV config cannot run (problem, tensors or
+    dQ by atomics): its query step and depth, 64-key tiles on 4 warps (the Triton default)."""
+    return KernelConfig(config.block_m, 64, 4, config.num_stages, config.tma_loads)
+
+
+def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
+                     block_major: bool) -> bool:
+    """Run the Gluon dK/dV pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and
+    it takes the problem; False, nothing launched, where not or where TMA cannot address a tensor."""
+    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec):
+        return False
+    from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
+
+    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major)
 
 
 DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order

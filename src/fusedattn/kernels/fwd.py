@@ -151,9 +151,9 @@ def triton_fallback(config: KernelConfig) -> KernelConfig:
 def hopper_supports(q, k, v, spec: AttentionSpec) -> bool:
     if not q.is_cuda:
         return False
-    from . import hopper_fwd
+    from . import hopper  # Gluon: imported only where it runs (not under the interpreter)
 
-    return hopper_fwd.supports(q, k, v, spec)
+    return hopper.supports(q, k, v, spec)
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):

@@ -31,7 +31,7 @@ SASS). Issuing S_{j+1} before PV_{j-1} retired makes ptxas serialise every wgmma
 Masking follows SPEC 3.2 for the two windows this kernel takes, none and causal (bottom-right
 aligned): key blocks [0, n_full) are visible to every row of the tile and do no mask math;
 [n_full, n_blocks) (causal diagonal, ragged last block) apply it. Other windows, softcap, head
-dims other than 64/128 and 32-bit inputs take the Triton kernel (``supports``).
+dims other than 64/128 and 32-bit inputs take the Triton kernel (``hopper.supports``).
 """
 
 from __future__ import annotations
@@ -48,13 +48,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..spec import UNBOUNDED, AttentionSpec, to_bhsd
-from .memory import tma_addressable
+from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
-
-LOG2E = 1.4426950408889634
+from .hopper import LOG2E, WG_ROWS, descriptor, turn_pass, turn_wait, ws_registers
 
 
 # --------------------------------------------------------------------------- helpers
@@ -336,31 +333,14 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready
 
 
 @gluon.jit
-def _turn_wait(turn_bars, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: wait for this warpgroup's t-th turn (round robin 0, 1, (2,) 0, ...)."""
-    if PINGPONG:
-        if WG == 0:
-            mbarrier.wait(turn_bars.index(0), (t & 1) ^ 1)
-        else:
-            mbarrier.wait(turn_bars.index(WG), t & 1)
-
-
-@gluon.jit
-def _turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        NWG: gl.constexpr = turn_bars.shape[0]
-        mbarrier.arrive(turn_bars.index((WG + 1) % NWG), count=1)
-
-
-@gluon.jit
 def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i, s_zero, j, rows, seq_k,
              diag_off, qk_scale, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
              MASK: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
-    _turn_wait(turn_bars, j, WG, PINGPONG)
+    turn_wait(turn_bars, j, WG, PINGPONG)
     s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _turn_pass(turn_bars, WG, PINGPONG)
+    turn_pass(turn_bars, WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout, CAUSAL,
@@ -491,43 +471,8 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
 # --------------------------------------------------------------------------- launcher
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
-WS_ROWS = 64  # query rows per consumer warpgroup of the warp-specialised kernel
-WS_PRODUCER_REGS = 24
-HEAD_DIMS = (64, 128)
-
-
-def smem_layout(block_shape, torch_dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[torch_dtype])
-
-
-def _descriptor(t_bhsd: torch.Tensor, rows: int):
-    """A 4-D TMA descriptor over a (B, H, S, D) view, block (1, 1, rows, D); None where TMA cannot
-    address the tensor (base or a stride not a multiple of 16 bytes)."""
-    if not tma_addressable(t_bhsd):
-        return None
-    block = [1, 1, rows, t_bhsd.shape[-1]]
-    return TensorDescriptor(t_bhsd, list(t_bhsd.shape), list(t_bhsd.stride()), block, smem_layout(block, t_bhsd.dtype))
-
-
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
-    """Whether this kernel computes the problem (else the Triton kernel does)."""
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    causal_or_full = not spec.has_window_left and spec.window_right in (UNBOUNDED, 0)
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in _GL_DTYPES
-            and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full and not spec.has_softcap)
-
-
-def ws_registers(split: int) -> tuple[int, int, int]:
-    """(maxnreg at launch, consumer registers, producer registers) for ``split`` consumer warpgroups:
-    the launch divides the register file over every warp (the producer's warpgroup included); the
-    producer then gives up all but 24 and the consumers take the rest."""
-    total_warps = 4 * split + 4
-    maxnreg = (65536 // (total_warps * 32)) // 8 * 8
-    consumer = (maxnreg * total_warps - WS_PRODUCER_REGS * 4) // (total_warps - 4) // 8 * 8
-    return maxnreg, consumer, WS_PRODUCER_REGS
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
@@ -540,9 +485,9 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
     out_shape = (batch, seqlen_q, heads_q, head_dim) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    q_rows = WS_ROWS if config.hopper_split else BLOCK_M
-    descs = [_descriptor(q4, q_rows), _descriptor(k4, config.block_n), _descriptor(v4, config.block_n),
-             _descriptor(to_bhsd(out, spec.layout), q_rows)]
+    q_rows = WG_ROWS if config.hopper_split else BLOCK_M
+    descs = [descriptor(q4, q_rows), descriptor(k4, config.block_n), descriptor(v4, config.block_n),
+             descriptor(to_bhsd(out, spec.layout), q_rows)]
     if any(d is None for d in descs):
         return None
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
@@ -550,7 +495,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     causal = spec.window_right == 0
     if config.hopper_split:
         maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
-        grid = (triton.cdiv(seqlen_q, WS_ROWS * config.hopper_split), batch * heads_q)
+        grid = (triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split), batch * heads_q)
         _attn_fwd_ws_kernel[grid](*args, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
                                   NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
                                   PINGPONG=config.hopper_pingpong, PRODUCER_REGS=producer_regs,

@@ -25,16 +25,19 @@ class KernelConfig:
     # Load the tiles of the inner loop through TMA descriptors (Hopper and later; the launcher
     # falls back to pointers where a tensor's alignment rules TMA out).
     tma_loads: bool = False
-    # Forward only: run the Gluon kernel of kernels/hopper_fwd.py with this schedule (0 plain,
-    # 1 softmax under the PV matmul, 2 also the next QK^T issued early) where it supports the
-    # problem (sm_90, 16-bit, D = Dv in {64, 128}, no window other than causal, no softcap);
-    # None, or a problem it does not support: the Triton kernel with these tiles. block_m is 128.
+    # Set: run a Gluon kernel (kernels/hopper_fwd.py, hopper_bwd.py) where it supports the problem
+    # (kernels/hopper.py: sm_90, 16-bit, D = Dv in {64, 128}, no window other than causal, no
+    # softcap). Forward: the 8-warp kernel with this schedule (0 plain, 1 softmax under the PV
+    # matmul, 2 also the next QK^T issued early; block_m 128). dK/dV: 0 (the warp-specialised pass
+    # is its only schedule). None, or a problem it does not support: the Triton kernel
+    # (fwd.triton_fallback, bwd.triton_dkdv_fallback).
     hopper_overlap: int | None = None
-    # With hopper_overlap set: 2 or 3 runs the warp-specialised Gluon kernel instead (a 1-warp TMA
-    # producer and that many consumer warpgroups of 64 query rows, plain schedule each), taking
-    # turns at the tensor cores if hopper_pingpong.
+    # With hopper_overlap set: 2 or 3 runs the warp-specialised Gluon kernel (a 1-warp TMA producer
+    # and that many consumer warpgroups of 64 rows: query rows in the forward, keys in dK/dV).
     hopper_split: int = 0
-    hopper_pingpong: bool = False
+    # Their turns at the tensor cores: 0 none; 1 the turn covers issuing the score matmul; 2 (dK/dV
+    # only) it covers both score matmuls, S^T and dP^T.
+    hopper_pingpong: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,13 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         elif head_dim == 128 and short and has_right:
             fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
         else:
-            fwd = KernelConfig(192, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=3,
-                               hopper_pingpong=True)
+            fwd = KernelConfig(192, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=3, hopper_pingpong=1)
+        # The warp-specialised Gluon dK/dV pass (NOTES.md v17; H200, dK/dV pass alone at S=4k and
+        # 16k): 2 warpgroups of 64 keys taking turns over S^T at D=128 (-10% to -11% vs the Triton
+        # pass), 3 at D=64 (-17% to -22%); 64 query rows per step.
+        split = 2 if head_dim == 128 else 3
+        dkdv = KernelConfig(64, 64 * split, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=split,
+                            hopper_pingpong=1)
     return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
 
 

@@ -27,18 +27,24 @@ from .configs import SHORT_KEYS, AttentionConfigs, KernelConfig
 
 # (block_m, block_n, num_warps, num_stages) candidates per kernel: the H200 sweeps of
 # benchmarks/tune.py (NOTES.md v8-v12) kept every config that won or came within 5% somewhere.
-# Further entries pick a Gluon forward: (hopper_overlap[, hopper_split, hopper_pingpong]); where
-# the problem is not one it supports, the Triton kernel runs (tuning/configs.py, fwd.triton_fallback).
+# Further entries pick a Gluon kernel: (hopper_overlap[, hopper_split, hopper_pingpong]); where
+# the problem is not one it supports, the Triton kernel runs (tuning/configs.py,
+# fwd.triton_fallback, bwd.triton_dkdv_fallback).
 FORWARD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 4),
                       (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 4), (128, 128, 8, 2),
                       (128, 128, 8, 2, 0), (128, 64, 8, 2, 0), (128, 128, 8, 2, 1), (128, 64, 8, 2, 1),
                       (128, 128, 8, 2, 2), (128, 128, 8, 3, 1),
-                      (128, 128, 4, 2, 0, 2, False), (128, 128, 4, 2, 0, 2, True), (192, 128, 4, 2, 0, 3, False),
-                      (192, 128, 4, 2, 0, 3, True)]
+                      (128, 128, 4, 2, 0, 2, 0), (128, 128, 4, 2, 0, 2, 1), (192, 128, 4, 2, 0, 3, 0),
+                      (192, 128, 4, 2, 0, 3, 1)]
 # (64, 64, 4, 2) and (32, 64, 4, 2) fit two programs per SM at D=128 (registers and shared memory).
+# Gluon dK/dV entries: (64 * split keys, 4 warps per consumer warpgroup, 0, split, ping-pong mode);
+# 3 warpgroups cannot hold D=128's accumulators in registers: they spill there and lose the timing.
 DKDV_CANDIDATES = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 3), (64, 64, 4, 2),
                    (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3), (128, 64, 8, 2),
-                   (32, 128, 4, 2), (32, 128, 4, 3)]
+                   (32, 128, 4, 2), (32, 128, 4, 3),
+                   (64, 128, 4, 2, 0, 2, 0), (64, 128, 4, 2, 0, 2, 1), (64, 128, 4, 2, 0, 2, 2),
+                   (64, 128, 4, 3, 0, 2, 1), (128, 128, 4, 2, 0, 2, 2),
+                   (64, 192, 4, 2, 0, 3, 0), (64, 192, 4, 2, 0, 3, 1), (64, 192, 4, 2, 0, 3, 2)]
 DQ_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
                  (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)]
 KERNELS = ("forward", "dkdv", "dq")

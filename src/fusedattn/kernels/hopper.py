@@ -1,0 +1,92 @@
+"""What the Hopper (sm_90) Gluon kernels share: which problems they take, their TMA descriptors,
+the register split of a warp-specialised launch and the ping-pong turn barriers.
+
+The forward (``hopper_fwd.py``) and the dK/dV pass (``hopper_bwd.py``) are both warp-specialised
+the same way: one TMA producer warp feeds 2 or 3 consumer warpgroups through mbarrier rings, and
+the consumers may take turns at the tensor cores (ping-pong). Imported only where a Gluon kernel
+runs: never under the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ..spec import UNBOUNDED, AttentionSpec
+from .memory import tma_addressable
+
+LOG2E = 1.4426950408889634
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+HEAD_DIMS = (64, 128)
+WG_ROWS = 64  # rows of one consumer warpgroup's tile (one wgmma M)
+PRODUCER_REGS = 24  # registers the 1-warp TMA producer keeps; the consumers take the rest
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
+    """Whether the Gluon kernels compute the problem (else the Triton kernels do): sm_90, 16-bit,
+    D = Dv in {64, 128}, no window other than causal, no softcap."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    causal_or_full = not spec.has_window_left and spec.window_right in (UNBOUNDED, 0)
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in GL_DTYPES
+            and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full and not spec.has_softcap)
+
+
+def smem_layout(block_shape, torch_dtype):
+    return _smem_layout(tuple(block_shape), torch_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block_shape: tuple, torch_dtype):  # built on every launch: cached (6 us each)
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), GL_DTYPES[torch_dtype])
+
+
+def descriptor(t_bhsd: torch.Tensor, rows: int):
+    """A 4-D TMA descriptor over a (B, H, S, D) view of any layout, block (1, 1, rows, D): rows past
+    a head's length are zero-filled on load and clipped on store. None where TMA cannot address the
+    tensor (base or a stride not a multiple of 16 bytes)."""
+    if not tma_addressable(t_bhsd):
+        return None
+    block = [1, 1, rows, t_bhsd.shape[-1]]
+    return TensorDescriptor(t_bhsd, list(t_bhsd.shape), list(t_bhsd.stride()), block, smem_layout(block, t_bhsd.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def row_stats_layout(rows: int):
+    return gl.NVMMASharedLayout.get_default_for([1, rows], gl.float32)
+
+
+def row_stats_descriptor(stats: torch.Tensor, rows: int):
+    """A 2-D descriptor over fp32 (B*H, padded rows) row statistics, block (1, rows)."""
+    return TensorDescriptor(stats, list(stats.shape), list(stats.stride()), [1, rows], row_stats_layout(rows))
+
+
+def ws_registers(split: int) -> tuple[int, int, int]:
+    """(maxnreg at launch, consumer registers, producer registers) for ``split`` consumer warpgroups:
+    the launch divides the register file over every warp (the producer's warpgroup included); the
+    producer then gives up all but PRODUCER_REGS and the consumers take the rest."""
+    total_warps = 4 * split + 4
+    maxnreg = (65536 // (total_warps * 32)) // 8 * 8
+    consumer = (maxnreg * total_warps - PRODUCER_REGS * 4) // (total_warps - 4) // 8 * 8
+    return maxnreg, consumer, PRODUCER_REGS
+
+
+@gluon.jit
+def turn_wait(turn_bars, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait for this warpgroup's t-th turn (round robin 0, 1, (2,) 0, ...)."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn_bars.index(0), (t & 1) ^ 1)  # a fresh barrier: turn 0 passes
+        else:
+            mbarrier.wait(turn_bars.index(WG), t & 1)
+
+
+@gluon.jit
+def turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        NWG: gl.constexpr = turn_bars.shape[0]
+        mbarrier.arrive(turn_bars.index((WG + 1) % NWG), count=1)

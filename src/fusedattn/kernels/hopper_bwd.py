@@ -1,0 +1,356 @@
+"""Hopper (sm_90) dK/dV pass in Triton's Gluon dialect, warp-specialised like the forward.
+
+Same math as the Triton dK/dV programs of ``bwd.py`` (and the same pre-pass buffers: lse2 in log2
+units with +inf in padding rows, delta = rowsum(dO * O) - dlse): per key tile, for every query
+block of every query head of the KV group,
+
+    S^T = K Q^T,  P^T = exp2(S^T * scale * log2(e) - lse2),  dP^T = V dO^T,
+    dS^T = P^T * (dP^T - delta),  dV += P^T dO,  dK += dS^T Q            (dK *= scale at the end)
+
+with K and V as shared-memory A operands, so P^T and dS^T are register A operands of the two
+accumulating wgmmas; delta is folded into dP^T's accumulator (it starts at -delta).
+
+Why a Gluon pass: in plain Triton 3.6 each program waits for every wgmma as soon as it is issued
+and has no warp specialisation on sm_90, so the exponentials never run under a matmul. Here (as
+``hopper_fwd._attn_fwd_ws_kernel``, benchmarks/NOTES.md v15 and v17) one program = SPLIT * 64 keys
+of one (batch, KV head), ``gl.warp_specialize``d into
+
+- a producer (1 warp, few registers): TMA of each consumer's 64-key K and V tile once, then for
+  every step of the walk Q, dO, lse2 and delta of one query block into a NUM_STAGES ring
+  (ready/empty mbarriers per slot); at the end the TMA stores of dK and dV.
+- SPLIT consumer warpgroups (4 warps each, the rest of the registers), each owning 64 keys and
+  their dK, dV accumulators; after a step it releases the ring slot with one arrive (the empty
+  barrier counts SPLIT). No CTA-wide barrier in any loop, so warpgroups drift apart and one's
+  exponentials run while another's matmuls do.
+
+PINGPONG (``KernelConfig.hopper_pingpong``) makes the warpgroups take turns, round robin:
+  0  none: they run freely.
+  1  the turn covers issuing S^T (the forward's scheme).
+  2  the turn covers S^T and dP^T: one warpgroup's exponentials and dS run under the next one's
+     score matmuls, its dV/dK under the next one's elementwise work.
+
+The walk (``_query_walk``) covers the causal rule of SPEC 3.2 (bottom-right aligned) for the two
+windows this pass takes, none and causal: a query block is interior for the whole program when
+every key of it is visible to every row (no mask math), masked on the diagonal, and skipped by a
+warpgroup none of whose keys it sees. Interior steps of all heads of the group come first, then
+the masked ones. Rows past Sq give p = 0 (lse2 = +inf); keys past Sk (zero-filled K, V) produce
+dK, dV rows that the TMA store clips.
+
+Gradients are bitwise reproducible: each key's dK, dV is summed by one warpgroup in a fixed
+order. The dQ pass stays the Triton kernel's (``bwd.py``).
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..spec import AttentionSpec, to_bhsd
+from ..tuning.configs import KernelConfig
+from .hopper import LOG2E, WG_ROWS, descriptor, row_stats_descriptor, turn_pass, turn_wait, ws_registers
+
+KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+@gluon.jit
+def _query_walk(n0, seq_q, seq_k, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The query blocks the program's keys [n0, n0 + BLOCK_N) visit, over every head of the KV group:
+    (n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag). Per head, blocks
+    [int_begin, int_begin + n_int) see every key of the program with no mask; [msk_begin,
+    msk_begin + n_msk) straddle the causal diagonal; blocks before msk_begin see none of them."""
+    end = gl.cdiv(seq_q, BLOCK_M)
+    if CAUSAL:
+        diag = seq_k - seq_q  # query i sees key j iff j <= i + diag
+        msk_begin = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, end)
+        last_key = gl.minimum(n0 + BLOCK_N, seq_k) - 1
+        int_begin = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key - diag, 0), BLOCK_M), msk_begin), end)
+    else:
+        diag = seq_k * 0
+        msk_begin = end * 0
+        int_begin = end * 0
+    n_int = end - int_begin
+    n_msk = int_begin - msk_begin
+    n_interior_steps = group * n_int
+    n_steps = n_interior_steps + group * n_msk
+    return n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag
+
+
+@gluon.jit
+def _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin):
+    """(member of the KV group, query block) of step t: steps [0, n_interior_steps) walk the interior
+    query blocks of every head of the group (head-major), the rest the masked ones."""
+    inner = t < n_interior_steps
+    u = gl.where(inner, t, t - n_interior_steps)
+    n = gl.maximum(gl.where(inner, n_int, n_msk), 1)
+    member = u // n
+    blk = gl.where(inner, int_begin, msk_begin) + u - member * n
+    return member, blk
+
+
+# --------------------------------------------------------------------------- producer
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem, q_ring, do_ring,
+              lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q, seq_k, heads_q, group,
+              SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    for c in gl.static_range(SPLIT):
+        nc = n0 + c * KEYS
+        live = nc < seq_k  # a tile entirely past Sk is not loaded (its consumer skips every step)
+        mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=live)
+        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, nc, 0], kv_bars.index(c), k_smem.index(c), pred=live)
+        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, nc, 0], kv_bars.index(c), v_smem.index(c), pred=live)
+    n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag = _query_walk(
+        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                            + dl_desc.block_type.nbytes)
+    head0 = head_kv * group
+    for t in range(n_steps):
+        slot = t % NUM_STAGES
+        mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
+        member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
+        head = head0 + member
+        row = batch * heads_q + head
+        bar = ready.index(slot)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, blk * BLOCK_M, 0], bar, q_ring.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [batch, head, blk * BLOCK_M, 0], bar, do_ring.index(slot))
+        tma.async_copy_global_to_shared(lse_desc, [row, blk * BLOCK_M], bar, lse_ring.index(slot))
+        tma.async_copy_global_to_shared(dl_desc, [row, blk * BLOCK_M], bar, dl_ring.index(slot))
+    # Each consumer's dK, dV (16-bit, in its K/V buffers) out by TMA, rows past Sk clipped. The
+    # producer issues the stores so that no consumer touches a descriptor: in a consumer, ptxas kept
+    # the descriptor address live across the loop and spilled it.
+    for c in gl.static_range(SPLIT):
+        nc = n0 + c * KEYS
+        if nc < seq_k:
+            mbarrier.wait(done.index(c), 0)
+            tma.async_copy_shared_to_global(dk_desc, [batch, head_kv, nc, 0], k_smem.index(c))
+            tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], v_smem.index(c))
+    tma.store_wait(pendings=0)
+
+
+# --------------------------------------------------------------------------- consumers
+
+
+@gluon.jit
+def _skip(t, ready, empty, turn_bars, WG: gl.constexpr, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """A step none of this warpgroup's keys sees: take the turn, wait for the slot to land (so that
+    the release counts in this round of empty[slot]) and release it."""
+    slot = t % NUM_STAGES
+    turn_wait(turn_bars, t, WG, PINGPONG)
+    turn_pass(turn_bars, WG, PINGPONG)
+    mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
+    mbarrier.arrive(empty.index(slot), count=1)
+
+
+@gluon.jit
+def _step(t, k_s, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dk, dv, s_zero, keys, first_row,
+          diag, qk_scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+          s_layout: gl.constexpr, a_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+          MASK: gl.constexpr):
+    """One query block against this warpgroup's keys; first_row is used on MASK steps only."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    slot = t % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
+    q = q_ring.index(slot).reshape([BLOCK_M, HEAD_D])
+    do = do_ring.index(slot).reshape([BLOCK_M, HEAD_D])
+    turn_wait(turn_bars, t, WG, PINGPONG)
+    if PINGPONG == 1:
+        s_tok = warpgroup_mma(k_s, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        turn_pass(turn_bars, WG, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+    else:
+        s = warpgroup_mma(k_s, q.permute((1, 0)), s_zero, use_acc=False)
+    if PINGPONG == 2:
+        # dP^T's accumulator (-delta) is materialised only now: fewer registers live across S^T.
+        delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
+        dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))
+        turn_pass(turn_bars, WG, PINGPONG)
+    if MASK:
+        rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
+        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
+        s = gl.where(keep, s, -float("inf"))
+    lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
+    if PINGPONG != 2:
+        delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
+        dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
+    ds = p * dp
+    dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
+    dk = warpgroup_mma(gl.convert_layout(ds.to(k_s.dtype), a_layout), q, dk)
+    mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
+    return dk, dv
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars, n0, seq_q,
+              seq_k, group, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dtype: gl.constexpr = k_smem.dtype
+    KEYS: gl.constexpr = k_smem.shape[3]
+
+    n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag = _query_walk(
+        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+    nc = n0 + WG * KEYS
+    k_s = k_smem.index(WG).reshape([KEYS, HEAD_D])
+    v_s = v_smem.index(WG).reshape([KEYS, HEAD_D])
+    active = nc < seq_k  # else its keys are all past Sk: every step is skipped and nothing is stored
+    keys = nc + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
+    dk = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
+    mbarrier.wait(kv_bars.index(WG), 0, pred=active)
+    interior_end = gl.where(active, n_interior_steps, 0)
+    for t in range(0, interior_end):
+        dk, dv = _step(t, k_s, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dk, dv, s_zero,
+                       keys, 0, diag, qk_scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, PINGPONG, False)
+    if CAUSAL:
+        # Query blocks before lo see none of this warpgroup's keys (every block, when inactive).
+        lo = gl.where(active, gl.maximum(nc - diag, 0) // BLOCK_M, 2147483647)
+        for t in range(interior_end, n_steps):
+            member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
+            if blk >= lo:
+                dk, dv = _step(t, k_s, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dk, dv,
+                               s_zero, keys, blk * BLOCK_M, diag, qk_scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout,
+                               a_layout, WG, PINGPONG, True)
+            else:
+                _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
+    else:
+        for t in range(interior_end, n_steps):
+            _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
+    if active:
+        # dK (* scale) and dV into this warpgroup's K/V buffers (its wgmmas have all retired); the
+        # producer stores them.
+        k_s.store((dk * scale).to(dtype))
+        v_s.store(dv.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # a named barrier over this partition's warps
+        mbarrier.arrive(done.index(WG), count=1)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group"])
+def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, seq_q, seq_k, heads_q,
+                    heads_kv, group, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                    CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
+                    BLOCK_MAJOR: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
+    2), 4 warps each, and the 1-warp producer."""
+    gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
+    gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
+    gl.static_assert(NUM_STAGES >= 2, "at least two ring slots")
+    KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    gl.static_assert(KEYS == 64, "K/V descriptors: 64-key blocks (one wgmma M of a warpgroup)")
+    BLOCK_N: gl.constexpr = SPLIT * KEYS
+    dtype: gl.constexpr = q_desc.dtype
+
+    if BLOCK_MAJOR:  # bwd.dkdv_block_major: heaviest key blocks of every head first
+        pid_n = gl.program_id(1)
+        pid_bh = gl.program_id(0)
+    else:
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+    batch = pid_bh // heads_kv
+    head_kv = pid_bh % heads_kv
+    n0 = pid_n * BLOCK_N
+
+    k_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, KEYS, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, KEYS, HEAD_D], v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_D], q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_M, HEAD_D], do_desc.layout)
+    lse_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], lse_desc.layout)
+    dl_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], dl_desc.layout)
+    kv_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SPLIT):
+        mbarrier.init(kv_bars.index(i), count=1)
+        mbarrier.init(done.index(i), count=1)
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=SPLIT)  # one release per consumer warpgroup
+    fence_async_shared()
+
+    # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
+    if SPLIT == 2:
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
+                         n0, seq_q, seq_k, group, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                         PINGPONG)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
+                         n0, seq_q, seq_k, group, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                         PINGPONG)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
+                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
+                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
+                         n0, seq_q, seq_k, group, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                         PINGPONG)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
+                         n0, seq_q, seq_k, group, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                         PINGPONG)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
+                         n0, seq_q, seq_k, group, qk_scale, scale, 2, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                         PINGPONG)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
+                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
+                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
+              block_major: bool) -> bool:
+    """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
+    padded rows), rows a multiple of ``config.block_m``). Returns False, launching nothing, where
+    TMA cannot address a tensor (the caller then runs the Triton pass). The caller checked
+    ``hopper.supports``; ``config.hopper_split`` (2 or 3) and ``hopper_pingpong`` (0, 1, 2) pick
+    the schedule, ``block_m`` the query rows per step, ``num_stages`` the ring depth."""
+    q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
+    batch, heads_q, seqlen_q, head_dim = q4.shape
+    heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
+    assert config.hopper_split in (2, 3) and lse2.shape[1] % config.block_m == 0
+    descs = [descriptor(q4, config.block_m), descriptor(do4, config.block_m),
+             *(descriptor(t, KEYS_PER_WG) for t in (k4, v4, dk4, dv4))]
+    if any(d is None for d in descs):
+        return False
+    descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
+    key_blocks = triton.cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
+    grid = (batch * heads_kv, key_blocks) if block_major else (key_blocks, batch * heads_kv)
+    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+    _dkdv_ws_kernel[grid](*descs, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.scale * LOG2E,
+                          spec.scale, BLOCK_M=config.block_m, HEAD_D=head_dim, CAUSAL=spec.window_right == 0,
+                          NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
+                          BLOCK_MAJOR=block_major, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
+                          num_warps=4, maxnreg=maxnreg)
+    return True

@@ -1,0 +1,140 @@
+"""The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py (sm_90 only): every schedule a
+config may name (2 or 3 consumer warpgroups, ping-pong 0/1/2, 64- and 128-row query steps, a deeper
+ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA in both program
+orders, a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
+scale and a gradient on lse -- every gradient against the float64 reference (SPEC 4). A spy proves
+each backward really ran the Gluon pass; problems and tensors it does not take, and dQ by atomics,
+must run the Triton pass; results are bitwise reproducible."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.kernels import bwd
+from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
+
+from attention_runner import check_case, make_inputs, record_launches
+from cases import Case
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+pytestmark = pytest.mark.skipif(not HOPPER, reason="the Gluon dK/dV pass runs on sm_90 GPUs only")
+
+CASES = [
+    Case(2, 4, 4, 1000, 1000, 128, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 4, 2, 333, 517, 128, causal=True, dtype=torch.bfloat16),
+    Case(1, 4, 2, 517, 333, 64, causal=True, layout="bhsd"),  # Sq > Sk: the first rows see no key
+    Case(2, 4, 1, 300, 300, 64, causal=True, dtype=torch.bfloat16),  # GQA 4/1 causal: block-major order
+    Case(1, 2, 2, 7, 700, 128, dtype=torch.bfloat16),  # a few queries, many keys
+    Case(1, 2, 2, 200, 70, 64, scale=0.3, layout="bhsd", dtype=torch.bfloat16),  # Sk=70: a warpgroup has no key
+    Case(1, 3, 3, 129, 129, 64, causal=True, deterministic=True, lse_grad=True),
+]
+
+
+def dkdv(split: int, pingpong: int, block_m: int = 64, stages: int = 2) -> KernelConfig:
+    return KernelConfig(block_m, 64 * split, 4, stages, True, 0, split, pingpong)
+
+
+SCHEDULES = [dkdv(2, p) for p in (0, 1, 2)] + [dkdv(3, p) for p in (0, 1, 2)] + [dkdv(2, 2, 128), dkdv(2, 1, stages=3)]
+
+
+def schedule_id(c: KernelConfig) -> str:
+    return f"ws{c.hopper_split}-pp{c.hopper_pingpong}-m{c.block_m}-s{c.num_stages}"
+
+
+@pytest.fixture
+def gluon_launches(monkeypatch):
+    from fusedattn.kernels import hopper_bwd
+
+    return record_launches(monkeypatch, hopper_bwd, "dkdv_pass")
+
+
+def pinned_dkdv(case: Case, config: KernelConfig, **options):
+    base = select_configs(torch.device("cuda"), case.dtype, case.head_dim, case.dv)
+    return pinned_configs(replace(base, dkdv=config, **options))
+
+
+def fits(case: Case, config: KernelConfig) -> bool:
+    return not (case.head_dim == 128 and config.hopper_split == 3)  # registers: D=128 takes 2 warpgroups
+
+
+@pytest.mark.parametrize("config", SCHEDULES, ids=schedule_id)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_gluon_dkdv_matches_reference(case, config, gluon_launches):
+    if not fits(case, config):
+        pytest.skip("three warpgroups cannot hold D=128's accumulators")
+    with pinned_dkdv(case, config):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches), "the Gluon dK/dV pass did not run"
+
+
+@pytest.mark.parametrize("block_major", [False, True])
+def test_both_program_orders_give_the_same_bits(block_major, gluon_launches, monkeypatch):
+    """GQA causal launches block-major by default; either order, and a second run, is bitwise equal."""
+    case = Case(2, 6, 2, 400, 400, 128, causal=True, dtype=torch.bfloat16)
+    q, k, v, dout, _ = make_inputs(case, "cuda")
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fusedattn.attention(*leaves, causal=True).backward(dout)
+        return [t.grad for t in leaves]
+
+    with pinned_dkdv(case, dkdv(2, 1)):
+        default = grads()
+        monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", block_major)
+        first, second = grads(), grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, default))
+    assert len(gluon_launches) == 3 and all(gluon_launches)
+
+
+@pytest.mark.parametrize("config", [dkdv(2, 1), dkdv(3, 1)], ids=schedule_id)
+def test_gluon_dkdv_takes_strided_views(config, gluon_launches):
+    """q, k, v as slices of wider tensors (head-dim stride 1, others not contiguous)."""
+    case = Case(2, 4, 2, 300, 300, 64, causal=True, dtype=torch.bfloat16)
+    wide = [torch.randn(2, 300, h, 3 * 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2)]
+    q, k, v = (t[..., 64:128] for t in wide)
+    assert not q.is_contiguous()
+    _, _, _, dout, dlse = make_inputs(case, "cuda")
+    with pinned_dkdv(case, config):
+        check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
+    assert gluon_launches and all(gluon_launches)
+
+
+@pytest.mark.parametrize("options", [dict(softcap=20.0), dict(window=(50, 0)), dict(window=(-1, 7))],
+                         ids=["softcap", "left-window", "right-window"])
+def test_problems_it_does_not_support_run_the_triton_pass(options, gluon_launches):
+    """Declined before launching (hopper.supports): the Triton dK/dV programs run instead."""
+    case = Case(1, 2, 2, 200, 200, 128, dtype=torch.bfloat16, layout="bhsd", **options)
+    with pinned_dkdv(case, dkdv(2, 1)):
+        check_case(case, "triton", "cuda")
+    assert not gluon_launches
+
+
+def test_tensors_tma_cannot_address_run_the_triton_pass(gluon_launches):
+    """Rows 65 elements apart (130 bytes, not a multiple of 16): no TMA descriptor, so the Triton
+    pass runs, with the fallback's tiles (64-key programs, not the config's 192)."""
+    case = Case(1, 2, 2, 150, 150, 64, causal=True, dtype=torch.bfloat16, layout="bhsd")
+    q, k, v = (torch.randn(1, 2, 150, 65, device="cuda", dtype=torch.bfloat16)[..., :64] for _ in range(3))
+    _, _, _, dout, dlse = make_inputs(case, "cuda")
+    with pinned_dkdv(case, dkdv(3, 1)):
+        check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
+    assert gluon_launches == [False]  # tried, declined (no descriptor), then the Triton pass ran
+
+
+def test_dq_by_atomics_runs_the_triton_pass(gluon_launches):
+    """The Gluon pass sums no dQ: with atomic_dq the fused Triton programs run (5 matmuls)."""
+    case = Case(1, 2, 2, 300, 300, 128, causal=True, dtype=torch.bfloat16, layout="bhsd")
+    with pinned_dkdv(case, dkdv(2, 1), atomic_dq=True, dq_tma=True):
+        check_case(case, "triton", "cuda")
+    assert not gluon_launches
+
+
+def test_the_default_backward_runs_the_gluon_pass(gluon_launches):
+    """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not)."""
+    for head_dim, causal in [(64, False), (128, True)]:
+        config = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim).dkdv
+        assert config.hopper_overlap is not None and config.hopper_split in (2, 3)
+        check_case(Case(1, 2, 2, 250, 250, head_dim, causal=causal, dtype=torch.bfloat16), "triton", "cuda")
+    assert gluon_launches == [True, True]
