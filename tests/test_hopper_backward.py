@@ -123,9 +123,26 @@ def test_tensors_tma_cannot_address_run_the_triton_pass(gluon_launches):
     assert gluon_launches == [False]  # tried, declined (no descriptor), then the Triton pass ran
 
 
-def test_dq_by_atomics_runs_the_triton_pass(gluon_launches):
-    """The Gluon pass sums no dQ: with atomic_dq the fused Triton programs run (5 matmuls)."""
-    case = Case(1, 2, 2, 300, 300, 128, causal=True, dtype=torch.bfloat16, layout="bhsd")
+DQ_CASES = [c for c in CASES if c.head_dim == 128] + [
+    Case(1, 2, 2, 200, 70, 128, layout="bhsd", dtype=torch.bfloat16),  # a ragged key block, a tile past Sk
+    Case(2, 4, 1, 300, 300, 128, causal=True, dtype=torch.bfloat16),  # GQA 4/1 causal, block-major
+    Case(1, 2, 2, 129, 129, 128, causal=True, lse_grad=True, dtype=torch.float16),
+]
+
+
+@pytest.mark.parametrize("pingpong", [0, 1])
+@pytest.mark.parametrize("case", DQ_CASES, ids=[c.id for c in DQ_CASES])
+def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, pingpong, gluon_launches):
+    """atomic_dq at D=128: the 5-matmul Gluon pass sums dQ too (TMA reduce-adds), no Triton pass."""
+    with pinned_dkdv(case, dkdv(2, pingpong), atomic_dq=True, dq_tma=True):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches)
+
+
+def test_dq_by_atomics_at_d64_runs_the_triton_pass(gluon_launches):
+    """The Gluon pass sums dQ only at D=128 with two warpgroups: elsewhere atomic_dq runs the fused
+    Triton programs (5 matmuls)."""
+    case = Case(1, 2, 2, 300, 300, 64, causal=True, dtype=torch.bfloat16, layout="bhsd")
     with pinned_dkdv(case, dkdv(2, 1), atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")
     assert not gluon_launches

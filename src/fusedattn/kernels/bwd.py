@@ -12,7 +12,8 @@ dQ is summed one of two ways, as the launch config says (tuning/configs.py):
   padding (so p = 0 there), and delta = rowsum(dO * O) - dlse (0 in padding). A gradient on lse
   enters only here: d lse / d s = p, so ds = p * (dp - delta).
 - on Hopper, where the dK/dV config names it and the problem allows (``hopper.supports``): the
-  warp-specialised Gluon dK/dV pass of ``hopper_bwd.py``, then the dQ programs below alone;
+  warp-specialised Gluon pass of ``hopper_bwd.py``: dK/dV, then the dQ programs below alone; or,
+  with dQ by atomics at D=128, the whole backward in that pass (dQ by TMA reduce-adds);
 - ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
   - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
     registers and walks the query blocks of every query head of its KV group (one flat
@@ -395,14 +396,17 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     atomic_dq = configs.atomic_dq and not spec.deterministic
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
     block_major = dkdv_block_major(spec, heads_q // heads_kv)
-    # The Gluon dK/dV pass, where the config names it and it takes the problem (it sums no dQ).
-    gluon_dkdv = not atomic_dq and hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg, block_major)
-    if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
-        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     if atomic_dq:
         # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
         padded_d = triton.cdiv(head_dim, 4) * 4
         dq_buffer = torch.zeros((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
+    # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
+    # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
+    gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg, block_major,
+                                  dq_buffer if atomic_dq else None)
+    if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
+        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
+    if atomic_dq:
         dq_strides = dq_buffer.stride()[:3]
         dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if configs.dq_tma else dq_buffer
     else:
@@ -439,7 +443,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
             DQ_TMA_LOADS=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
 
     if gluon_dkdv:
-        launch(dq_programs, 0, False, True, dq_cfg)  # dK, dV came from the Gluon pass: the dQ pass alone
+        if not atomic_dq:
+            launch(dq_programs, 0, False, True, dq_cfg)  # dK, dV came from the Gluon pass: the dQ pass alone
     elif configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
         launch(dkdv_programs + dq_programs, dkdv_programs, True, not atomic_dq, dkdv_cfg)
     else:
@@ -457,14 +462,17 @@ def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
 
 
 def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-                     block_major: bool) -> bool:
-    """Run the Gluon dK/dV pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and
-    it takes the problem; False, nothing launched, where not or where TMA cannot address a tensor."""
+                     block_major: bool, dq_accum: torch.Tensor | None = None) -> bool:
+    """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
+    takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
+    nothing launched, where not (or where TMA cannot address a tensor)."""
     if config.hopper_overlap is None or not hopper_supports(q, k, v, spec):
         return False
     from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
-    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major)
+    if dq_accum is not None and not hopper_bwd.computes_dq(q.shape[-1], config):
+        return False
+    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major, dq_accum)
 
 
 DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order

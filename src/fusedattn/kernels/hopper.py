@@ -12,8 +12,10 @@ from __future__ import annotations
 import functools
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -90,3 +92,13 @@ def turn_pass(turn_bars, WG: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
         NWG: gl.constexpr = turn_bars.shape[0]
         mbarrier.arrive(turn_bars.index((WG + 1) % NWG), count=1)
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA bulk reduce-add (cp.reduce.async.bulk.tensor .add) of shared-memory tile ``src`` into
+    ``tensor_desc`` at ``coord``, out-of-bounds elements dropped; commits a bulk async group that
+    ``tma.store_wait`` waits for. Gluon 3.6 has no wrapper for it: this calls the builder's
+    create_async_tma_reduce, the op Triton's own ``descriptor.atomic_add`` lowers to."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)

@@ -37,11 +37,17 @@ the masked ones. Rows past Sq give p = 0 (lse2 = +inf); keys past Sk (zero-fille
 dK, dV rows that the TMA store clips.
 
 Gradients are bitwise reproducible: each key's dK, dV is summed by one warpgroup in a fixed
-order. The dQ pass stays the Triton kernel's (``bwd.py``).
+order. The dQ pass stays the Triton kernel's (``bwd.py``) -- except with DQ (dQ by atomics, i.e.
+not deterministic; D = 128, two warpgroups), FA3's 5-matmul form: every warpgroup runs every step,
+writes its dS^T half to shared memory, and once both halves are there computes 64 columns of
+dQ = scale * dS K over the program's 128 keys (``_dq_columns``); a 1-warp drain partition
+(``_drain``) sums those into an fp32 accumulator by TMA reduce-adds while the consumers go on
+(benchmarks/NOTES.md v19). dK, dV stay bitwise reproducible; dQ does not (the order of the adds).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,9 +59,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
-from .hopper import LOG2E, WG_ROWS, descriptor, row_stats_descriptor, turn_pass, turn_wait, ws_registers
+from .hopper import (LOG2E, WG_ROWS, descriptor, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait,
+                     ws_registers)
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -64,11 +73,13 @@ KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
 
 @gluon.jit
-def _query_walk(n0, seq_q, seq_k, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _query_walk(n0, seq_q, seq_k, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                DQ: gl.constexpr):
     """The query blocks the program's keys [n0, n0 + BLOCK_N) visit, over every head of the KV group:
     (n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag). Per head, blocks
     [int_begin, int_begin + n_int) see every key of the program with no mask; [msk_begin,
-    msk_begin + n_msk) straddle the causal diagonal; blocks before msk_begin see none of them."""
+    msk_begin + n_msk) straddle the causal diagonal (with DQ: or the key block crosses Sk); blocks
+    before msk_begin see none of them."""
     end = gl.cdiv(seq_q, BLOCK_M)
     if CAUSAL:
         diag = seq_k - seq_q  # query i sees key j iff j <= i + diag
@@ -79,6 +90,8 @@ def _query_walk(n0, seq_q, seq_k, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
         diag = seq_k * 0
         msk_begin = end * 0
         int_begin = end * 0
+    if DQ:  # keys past Sk must give p = 0 exactly (they reach dQ): a ragged key block masks every step
+        int_begin = gl.where(n0 + BLOCK_N > seq_k, end, int_begin)
     n_int = end - int_begin
     n_msk = int_begin - msk_begin
     n_interior_steps = group * n_int
@@ -105,16 +118,19 @@ def _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin):
 def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem, q_ring, do_ring,
               lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q, seq_k, heads_q, group,
               SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
+              CAUSAL: gl.constexpr, DQ: gl.constexpr):
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
-        live = nc < seq_k  # a tile entirely past Sk is not loaded (its consumer skips every step)
+        if DQ:  # every tile: dQ = dS K reads all of them, and TMA zero-fills rows past Sk
+            live = nc >= 0
+        else:  # a tile entirely past Sk is not loaded (its consumer skips every step)
+            live = nc < seq_k
         mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=live)
         tma.async_copy_global_to_shared(k_desc, [batch, head_kv, nc, 0], kv_bars.index(c), k_smem.index(c), pred=live)
         tma.async_copy_global_to_shared(v_desc, [batch, head_kv, nc, 0], kv_bars.index(c), v_smem.index(c), pred=live)
     n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag = _query_walk(
-        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL, DQ)
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + dl_desc.block_type.nbytes)
     head0 = head_kv * group
@@ -142,6 +158,26 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
     tma.store_wait(pendings=0)
 
 
+@gluon.jit
+def _drain(dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DQ: gl.constexpr):
+    """DQ: per step, each consumer's dQ columns (fp32, shared) into the fp32 accumulator by one TMA
+    reduce-add (rows past Sq clipped), then the staging buffers are handed back."""
+    ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
+    n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag = _query_walk(
+        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL, DQ)
+    head0 = head_kv * group
+    COLS: gl.constexpr = dq_desc.block_type.shape[3]
+    for t in range(n_steps):
+        member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
+        for w in gl.static_range(SPLIT):
+            mbarrier.wait(dq_full.index(w), t & 1)
+            tma_reduce_add(dq_desc, [batch, head0 + member, blk * BLOCK_M, w * COLS], dq_s.index(w))
+        tma.store_wait(pendings=0)
+        for w in gl.static_range(SPLIT):
+            mbarrier.arrive(dq_empty.index(w), count=1)
+
+
 # --------------------------------------------------------------------------- consumers
 
 
@@ -157,12 +193,41 @@ def _skip(t, ready, empty, turn_bars, WG: gl.constexpr, NUM_STAGES: gl.constexpr
 
 
 @gluon.jit
-def _step(t, k_s, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dk, dv, s_zero, keys, first_row,
-          diag, qk_scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-          s_layout: gl.constexpr, a_layout: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-          MASK: gl.constexpr):
+def _dq_columns(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """DQ: this warpgroup's dS^T into the step's shared dS buffer; once every warpgroup's is there,
+    dQ[:, 64 WG : 64 WG + 64] = scale * dS K over all the program's keys, staged for the drain.
+    dS is double-buffered by step parity: a warpgroup rewrites buffer t % 2 at step t + 2 only after
+    passing ds_bar at t + 1, which the others arrive on only after their dQ wgmmas of step t."""
+    ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
+    KEYS: gl.constexpr = k_smem.shape[3]
+    HEAD_D: gl.constexpr = k_smem.shape[4]
+    COLS: gl.constexpr = HEAD_D // SPLIT
+    ds_buf = ds_s.index(t % 2)
+    ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds16)
+    fence_async_shared()
+    gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
+    mbarrier.arrive(ds_bar.index(t % 2), count=1)
+    mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
+    dq = dq_zero
+    for c in gl.static_range(SPLIT):
+        k_cols = k_smem.index(c).reshape([KEYS, HEAD_D]).slice(WG * COLS, COLS, dim=1)
+        dq = warpgroup_mma(ds_buf.slice(c * KEYS, KEYS, dim=0).permute((1, 0)), k_cols, dq, use_acc=c > 0)
+    mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)  # the drain has reduced the previous step's
+    dq_s.index(WG).reshape([BLOCK_M, COLS]).store(dq * scale)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(WG), count=1)
+
+
+@gluon.jit
+def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk, dv, s_zero,
+          dq_zero, keys, first_row, diag, seq_k, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+          NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr, WG: gl.constexpr,
+          SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ: gl.constexpr):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    k_s = k_smem.index(WG).reshape([k_smem.shape[3], HEAD_D])
     slot = t % NUM_STAGES
     mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
     q = q_ring.index(slot).reshape([BLOCK_M, HEAD_D])
@@ -181,24 +246,32 @@ def _step(t, k_s, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_ba
         turn_pass(turn_bars, WG, PINGPONG)
     if MASK:
         rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
-        keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
+        if CAUSAL:
+            keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
+        else:
+            keep = gl.expand_dims(keys, 1) >= 0
+        if DQ:  # keys past Sk reach dQ: p = 0 exactly (without dQ, their dK/dV rows are not stored)
+            keep = keep & gl.expand_dims(keys < seq_k, 1)
         s = gl.where(keep, s, -float("inf"))
     lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
     if PINGPONG != 2:
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
         dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
-    ds = p * dp
+    ds16 = (p * dp).to(k_s.dtype)
     dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
-    dk = warpgroup_mma(gl.convert_layout(ds.to(k_s.dtype), a_layout), q, dk)
+    dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk)
     mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
+    if DQ:
+        _dq_columns(t, ds16, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M)
     return dk, dv
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars, n0, seq_q,
-              seq_k, group, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars, dq_state, n0,
+              seq_q, seq_k, group, qk_scale, scale, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              PINGPONG: gl.constexpr, DQ: gl.constexpr):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -209,37 +282,66 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     KEYS: gl.constexpr = k_smem.shape[3]
 
     n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag = _query_walk(
-        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL)
+        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL, DQ)
     nc = n0 + WG * KEYS
     k_s = k_smem.index(WG).reshape([KEYS, HEAD_D])
     v_s = v_smem.index(WG).reshape([KEYS, HEAD_D])
-    active = nc < seq_k  # else its keys are all past Sk: every step is skipped and nothing is stored
     keys = nc + gl.arange(0, KEYS, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
-    mbarrier.wait(kv_bars.index(WG), 0, pred=active)
-    interior_end = gl.where(active, n_interior_steps, 0)
-    for t in range(0, interior_end):
-        dk, dv = _step(t, k_s, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dk, dv, s_zero,
-                       keys, 0, diag, qk_scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, PINGPONG, False)
-    if CAUSAL:
-        # Query blocks before lo see none of this warpgroup's keys (every block, when inactive).
-        lo = gl.where(active, gl.maximum(nc - diag, 0) // BLOCK_M, 2147483647)
-        for t in range(interior_end, n_steps):
-            member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
-            if blk >= lo:
-                dk, dv = _step(t, k_s, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dk, dv,
-                               s_zero, keys, blk * BLOCK_M, diag, qk_scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout,
-                               a_layout, WG, PINGPONG, True)
-            else:
-                _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
+    if DQ:  # this warpgroup's dQ columns (only two warpgroups split D: a power of two)
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_D // SPLIT, 16])
+        dq_zero = gl.zeros([BLOCK_M, HEAD_D // SPLIT], gl.float32, layout=dq_layout)
     else:
-        for t in range(interior_end, n_steps):
-            _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
+        dq_zero = s_zero  # never read
+    if DQ:
+        # Every warpgroup runs every step (dQ needs all of dS; its keys past Sk or the diagonal
+        # give p = 0 on masked steps) and reads every K tile.
+        active = nc >= 0
+        for c in gl.static_range(SPLIT):
+            mbarrier.wait(kv_bars.index(c), 0)
+        for t in range(0, n_interior_steps):
+            dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
+                           dv, s_zero, dq_zero, keys, 0, diag, seq_k, qk_scale, scale, BLOCK_M, HEAD_D, NUM_STAGES,
+                           s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, DQ)
+        for t in range(n_interior_steps, n_steps):
+            member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
+            dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
+                           dv, s_zero, dq_zero, keys, blk * BLOCK_M, diag, seq_k, qk_scale, scale, BLOCK_M, HEAD_D,
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, DQ)
+        # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
+        # is overwritten with dK.
+        ds_bar = dq_state[2]
+        mbarrier.arrive(ds_bar.index(n_steps % 2), count=1)
+        mbarrier.wait(ds_bar.index(n_steps % 2), (n_steps // 2) & 1)
+    else:
+        active = nc < seq_k  # else its keys are all past Sk: every step is skipped and nothing is stored
+        mbarrier.wait(kv_bars.index(WG), 0, pred=active)
+        interior_end = gl.where(active, n_interior_steps, 0)
+        for t in range(0, interior_end):
+            dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
+                           dv, s_zero, dq_zero, keys, 0, diag, seq_k, qk_scale, scale, BLOCK_M, HEAD_D, NUM_STAGES,
+                           s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, DQ)
+        if CAUSAL:
+            # Query blocks before lo see none of this warpgroup's keys (every block, when inactive).
+            lo = gl.where(active, gl.maximum(nc - diag, 0) // BLOCK_M, 2147483647)
+            for t in range(interior_end, n_steps):
+                member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
+                if blk >= lo:
+                    dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars,
+                                   dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, diag, seq_k, qk_scale,
+                                   scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True,
+                                   CAUSAL, DQ)
+                else:
+                    _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
+        else:
+            for t in range(interior_end, n_steps):
+                _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
     if active:
         # dK (* scale) and dV into this warpgroup's K/V buffers (its wgmmas have all retired); the
-        # producer stores them.
+        # producer stores them (those of keys past Sk are not stored).
         k_s.store((dk * scale).to(dtype))
         v_s.store(dv.to(dtype))
         fence_async_shared()
@@ -251,16 +353,17 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group"])
-def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, seq_q, seq_k, heads_q,
-                    heads_kv, group, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
+                    heads_q, heads_kv, group, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
                     CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
-                    BLOCK_MAJOR: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    BLOCK_MAJOR: gl.constexpr, DQ: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
-    2), 4 warps each, and the 1-warp producer."""
+    2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 2, "at least two ring slots")
+    gl.static_assert(not DQ or SPLIT == 2, "dQ: two consumer warpgroups")
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     gl.static_assert(KEYS == 64, "K/V descriptors: 64-key blocks (one wgmma M of a warpgroup)")
     BLOCK_N: gl.constexpr = SPLIT * KEYS
@@ -294,63 +397,110 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=SPLIT)  # one release per consumer warpgroup
+    if DQ:
+        # dS (keys x queries, both warpgroups' halves, double-buffered) and each warpgroup's dQ columns.
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+        ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, BLOCK_M, HEAD_D // SPLIT], dq_desc.layout)
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_bar.index(i), count=SPLIT)
+        for i in gl.static_range(SPLIT):
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_empty.index(i), count=1)
+        dq_state = (ds_s, dq_s, ds_bar, dq_full, dq_empty)
+    else:
+        dq_state = (ready, ready, ready, ready, ready)  # never read
     fence_async_shared()
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
-    if SPLIT == 2:
+    if DQ:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         n0, seq_q, seq_k, group, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                         PINGPONG)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         n0, seq_q, seq_k, group, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                         PINGPONG)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
+            (_drain, (dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, SPLIT, BLOCK_M, BLOCK_N, CAUSAL,
+                      DQ)),
+        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    elif SPLIT == 2:
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
+                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
+                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         n0, seq_q, seq_k, group, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                         PINGPONG)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         n0, seq_q, seq_k, group, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                         PINGPONG)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         n0, seq_q, seq_k, group, qk_scale, scale, 2, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                         PINGPONG)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL)),
+                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- launcher
 
 
+def computes_dq(head_dim: int, config: KernelConfig) -> bool:
+    """Whether the pass can also sum dQ (the 5-matmul form): two warpgroups splitting D = 128 into
+    64-column halves (a half is one 128-byte swizzle atom of the K tile)."""
+    return head_dim == 128 and config.hopper_split == 2
+
+
+def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
+    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, block_m, D / 2): one warpgroup's columns."""
+    block = [1, 1, block_m, dq_accum.shape[-1] // 2]
+    return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()), block,
+                            gl.NVMMASharedLayout.get_default_for(block, gl.float32))
+
+
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-              block_major: bool) -> bool:
+              block_major: bool, dq_accum=None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
-    padded rows), rows a multiple of ``config.block_m``). Returns False, launching nothing, where
-    TMA cannot address a tensor (the caller then runs the Triton pass). The caller checked
-    ``hopper.supports``; ``config.hopper_split`` (2 or 3) and ``hopper_pingpong`` (0, 1, 2) pick
-    the schedule, ``block_m`` the query rows per step, ``num_stages`` the ring depth."""
+    padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
+    zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
+    Returns False, launching nothing, where TMA cannot address a tensor (the caller then runs the
+    Triton pass). The caller checked ``hopper.supports``; ``config.hopper_split`` (2 or 3) and
+    ``hopper_pingpong`` (0, 1, 2) pick the schedule, ``block_m`` the query rows per step,
+    ``num_stages`` the ring depth."""
     q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
     assert config.hopper_split in (2, 3) and lse2.shape[1] % config.block_m == 0
+    assert dq_accum is None or computes_dq(head_dim, config)
     descs = [descriptor(q4, config.block_m), descriptor(do4, config.block_m),
              *(descriptor(t, KEYS_PER_WG) for t in (k4, v4, dk4, dv4))]
     if any(d is None for d in descs):
         return False
     descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
+    dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
     key_blocks = triton.cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
     grid = (batch * heads_kv, key_blocks) if block_major else (key_blocks, batch * heads_kv)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
-    _dkdv_ws_kernel[grid](*descs, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.scale * LOG2E,
-                          spec.scale, BLOCK_M=config.block_m, HEAD_D=head_dim, CAUSAL=spec.window_right == 0,
-                          NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
-                          BLOCK_MAJOR=block_major, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
-                          num_warps=4, maxnreg=maxnreg)
+    _dkdv_ws_kernel[grid](*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv,
+                          spec.scale * LOG2E, spec.scale, BLOCK_M=config.block_m, HEAD_D=head_dim,
+                          CAUSAL=spec.window_right == 0, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
+                          PINGPONG=config.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq_accum is not None,
+                          PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return True
