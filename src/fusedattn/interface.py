@@ -3,8 +3,8 @@
 The forward and backward are ``torch.library`` custom ops with fake (meta)
 implementations, so ``torch.compile`` traces a model that calls ``attention``
 without graph breaks; eager calls skip the custom ops' dispatch (host time) through
-an ``autograd.Function`` over the same implementations. Each op dispatches to one of two backends that compute the
-same thing (SPEC 3): ``"triton"`` (the fused kernels: CUDA tensors, or CPU tensors
+an ``autograd.Function`` over the same implementations. Each op dispatches to one of
+two backends that compute the same thing (SPEC 3): ``"triton"`` (the fused kernels: CUDA tensors, or CPU tensors
 under ``TRITON_INTERPRET=1``) and ``"torch"`` (the chunked PyTorch path).
 """
 
@@ -151,11 +151,11 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """Eager mode: the two ops' implementations under a plain autograd.Function. The custom ops'
-    generic dispatch and autograd glue cost ~0.9 ms of host time per forward+backward (H200 host,
-    benchmarks/NOTES.md v17), more than the GPU work of an S=1k layer; this path costs a few tens
-    of microseconds. torch.compile traces the custom ops instead (``attention``); both run the
-    same code (``_forward_impl``, ``_backward_impl``)."""
+    """Eager mode: the two ops' implementations under a plain autograd.Function. Through the
+    custom ops a forward+backward step cost 1327 us of host time on the H200 host, 900 us this way
+    (benchmarks/NOTES.md v18), against ~0.8 ms of GPU work for an S=1k layer. torch.compile traces
+    the custom ops instead (``attention``); both run the same code (``_forward_impl``,
+    ``_backward_impl``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, *options):

@@ -404,6 +404,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg, block_major,
                                   dq_buffer if atomic_dq else None)
+    if gluon_dkdv and atomic_dq:  # the Gluon pass computed all three gradients
+        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
         dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     if atomic_dq:
@@ -443,8 +445,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
             DQ_TMA_LOADS=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
 
     if gluon_dkdv:
-        if not atomic_dq:
-            launch(dq_programs, 0, False, True, dq_cfg)  # dK, dV came from the Gluon pass: the dQ pass alone
+        launch(dq_programs, 0, False, True, dq_cfg)  # dK, dV came from the Gluon pass: the dQ pass alone
     elif configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
         launch(dkdv_programs + dq_programs, dkdv_programs, True, not atomic_dq, dkdv_cfg)
     else:
