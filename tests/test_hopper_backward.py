@@ -3,8 +3,8 @@ config may name (2 or 3 consumer warpgroups, ping-pong 0/1/2, 64- and 128-row qu
 ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA in both program
 orders, a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
 scale and a gradient on lse -- every gradient against the float64 reference (SPEC 4). A spy proves
-each backward really ran the Gluon pass; problems and tensors it does not take, and dQ by atomics,
-must run the Triton pass; results are bitwise reproducible."""
+each backward really ran the Gluon pass; problems and tensors it does not take must run the Triton
+pass; with atomic_dq it sums dQ too where it can (D=128), elsewhere the dQ pass runs; dK and dV are bitwise reproducible (dQ too where a dQ pass sums it)."""
 
 from dataclasses import replace
 
@@ -66,14 +66,16 @@ CASE_SCHEDULES = [(case, config) for case in CASES for config in SCHEDULES if fi
 @pytest.mark.parametrize("case,config", CASE_SCHEDULES,
                          ids=[f"{case.id}-{schedule_id(config)}" for case, config in CASE_SCHEDULES])
 def test_gluon_dkdv_matches_reference(case, config, gluon_launches):
-    with pinned_dkdv(case, config):
+    with pinned_dkdv(case, config, atomic_dq=False):  # the dK/dV pass alone (dQ: its own pass)
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches), "the Gluon dK/dV pass did not run"
 
 
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-pass", "dq-reduce-adds"])
 @pytest.mark.parametrize("block_major", [False, True])
-def test_both_program_orders_give_the_same_bits(block_major, gluon_launches, monkeypatch):
-    """GQA causal launches block-major by default; either order, and a second run, is bitwise equal."""
+def test_both_program_orders_give_the_same_bits(block_major, atomic_dq, gluon_launches, monkeypatch):
+    """GQA causal launches block-major by default; either order, and a second run, gives the same
+    dK and dV bits, and the same dQ bits where a dQ pass sums it (reduce-adds sum in arrival order)."""
     case = Case(2, 6, 2, 400, 400, 128, causal=True, dtype=torch.bfloat16)
     q, k, v, dout, _ = make_inputs(case, "cuda")
 
@@ -82,12 +84,13 @@ def test_both_program_orders_give_the_same_bits(block_major, gluon_launches, mon
         fusedattn.attention(*leaves, causal=True).backward(dout)
         return [t.grad for t in leaves]
 
-    with pinned_dkdv(case, dkdv(2, 1)):
+    with pinned_dkdv(case, dkdv(2, 1), atomic_dq=atomic_dq, dq_tma=atomic_dq):
         default = grads()
         monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", block_major)
         first, second = grads(), grads()
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
-    assert all(torch.equal(a, b) for a, b in zip(first, default))
+    reproducible = slice(1 if atomic_dq else 0, 3)
+    assert all(torch.equal(a, b) for a, b in zip(first[reproducible], second[reproducible]))
+    assert all(torch.equal(a, b) for a, b in zip(first[reproducible], default[reproducible]))
     assert len(gluon_launches) == 3 and all(gluon_launches)
 
 
@@ -141,19 +144,33 @@ def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, pingpong, glu
     assert gluon_launches and all(gluon_launches)
 
 
-def test_dq_by_atomics_at_d64_runs_the_triton_pass(gluon_launches):
-    """The Gluon pass sums dQ only at D=128 with two warpgroups: elsewhere atomic_dq runs the fused
-    Triton programs (5 matmuls)."""
-    case = Case(1, 2, 2, 300, 300, 64, causal=True, dtype=torch.bfloat16, layout="bhsd")
-    with pinned_dkdv(case, dkdv(2, 1), atomic_dq=True, dq_tma=True):
+@pytest.mark.parametrize("head_dim,config", [(64, dkdv(3, 1)), (128, dkdv(2, 2, 128))], ids=["d64", "d128-m128"])
+def test_dq_by_atomics_the_gluon_pass_cannot_sum_runs_the_dq_pass(head_dim, config, gluon_launches):
+    """The Gluon pass sums dQ only at D=128 with two warpgroups and 64-row steps (shared memory):
+    with other Gluon configs atomic_dq gives way, the Gluon pass computes dK, dV and the dQ pass dQ."""
+    case = Case(1, 2, 2, 300, 300, head_dim, causal=True, dtype=torch.bfloat16, layout="bhsd")
+    with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")
-    assert not gluon_launches
+    assert gluon_launches == [True]
 
 
-def test_the_default_backward_runs_the_gluon_pass(gluon_launches):
-    """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not)."""
-    for head_dim, causal in [(64, False), (128, True)]:
-        config = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim).dkdv
-        assert config.hopper_overlap is not None and config.hopper_split in (2, 3)
-        check_case(Case(1, 2, 2, 250, 250, head_dim, causal=causal, dtype=torch.bfloat16), "triton", "cuda")
-    assert gluon_launches == [True, True]
+def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
+    """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not); at
+    D=128 outside deterministic mode it sums dQ too (no Triton launch), else the dQ pass runs."""
+    triton_launches = []
+
+    class CountedKernel:  # kernel[grid](...) is how bwd.py launches the Triton backward programs
+        def __getitem__(self, grid):
+            triton_launches.append(grid)
+            return real_kernel[grid]
+
+    real_kernel = bwd._backward_kernel
+    monkeypatch.setattr(bwd, "_backward_kernel", CountedKernel())
+    for head_dim, causal, deterministic in [(64, False, False), (128, True, False), (128, False, True)]:
+        configs = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim)
+        assert configs.dkdv.hopper_overlap is not None and configs.dkdv.hopper_split in (2, 3)
+        assert configs.atomic_dq == configs.dq_tma == (head_dim == 128)
+        check_case(Case(1, 2, 2, 250, 250, head_dim, causal=causal, deterministic=deterministic,
+                        dtype=torch.bfloat16), "triton", "cuda")
+    assert gluon_launches == [True, True, True]
+    assert len(triton_launches) == 2  # the dQ pass at D=64 and in deterministic mode

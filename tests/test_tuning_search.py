@@ -17,16 +17,18 @@ CANDIDATES = dict(forward=[SMALL, TALL], dkdv=[SMALL, WIDE], dq=[TALL, SMALL])
 CHECK_LENGTHS = (37, 53)
 
 
-def scripted_timer(fast: dict[str, KernelConfig]):
+def scripted_timer(fast: dict[str, KernelConfig], atomic_dq_ms: float = 2.0):
     """A model GPU: each kernel takes 1 ms with its 'fast' config, else 2 ms; a backward is the
-    dK/dV pass plus the dQ pass."""
+    dK/dV pass plus the dQ pass, or plus ``atomic_dq_ms`` when the dK/dV pass sums dQ by atomics."""
     def cost(configs_, kernel):
         return 1.0 if getattr(configs_, kernel) == fast.get(kernel) else 2.0
 
     def timer(phase, candidate_configs, fn):
         fn()  # the launch must work, whatever the script says
-        kernels = ("forward",) if phase == "forward" else ("dkdv", "dq")
-        return sum(cost(candidate_configs, kernel) for kernel in kernels)
+        if phase == "forward":
+            return cost(candidate_configs, "forward")
+        dq_ms = atomic_dq_ms if candidate_configs.atomic_dq else cost(candidate_configs, "dq")
+        return cost(candidate_configs, "dkdv") + dq_ms
     return timer
 
 
@@ -37,9 +39,21 @@ def test_keeps_the_fastest_correct_candidate_of_each_kernel():
                          check_lengths=CHECK_LENGTHS)
     assert result.configs.forward == TALL and result.configs.dkdv == WIDE
     assert result.configs.dq == INTERPRETER_CONFIGS.dq  # a tie with the start keeps the start
-    assert not result.configs.atomic_dq and not result.configs.fuse_dq_pass  # reproducible schedule
+    assert not result.configs.atomic_dq and not result.configs.fuse_dq_pass  # atomics tie: reproducible schedule
     assert result.before_ms == dict(forward=2.0, backward=4.0) and result.after_ms == dict(forward=1.0, backward=3.0)
     assert all(isinstance(ms, float) for trials in result.trials.values() for _, ms in trials)
+
+
+@requires_interpreter
+def test_dq_by_atomics_is_kept_when_faster_with_the_tuned_dq_pass_for_deterministic_mode():
+    timer = scripted_timer(dict(dkdv=WIDE, dq=TALL), atomic_dq_ms=0.5)  # 1 + 0.5 ms against 1 + 1 ms
+    result = search.tune(PROBLEM, INTERPRETER_CONFIGS, "cpu", candidates=CANDIDATES, timer=timer,
+                         check_lengths=CHECK_LENGTHS)
+    assert result.configs.atomic_dq and not result.configs.dq_tma  # no TMA reduce-add on the CPU
+    assert (result.configs.dkdv, result.configs.dq) == (WIDE, TALL)  # deterministic calls run this dQ pass
+    (candidate, outcome), = result.trials[search.DQ_SCHEME]
+    assert candidate == WIDE and outcome == 1.5
+    assert result.after_ms["backward"] == 1.5
 
 
 @requires_interpreter

@@ -21,7 +21,7 @@ import torch
 
 from .tuning.cache import TuningCache, cache_path, config_key
 from .tuning.configs import SHORT_KEYS, AttentionConfigs, _cuda_configs, reload_tuning_cache, select_configs
-from .tuning.search import KERNELS, TuningProblem, TuningResult, length_class_seqlen, tune
+from .tuning.search import DQ_SCHEME, KERNELS, TuningProblem, TuningResult, length_class_seqlen, tune
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,7 +40,8 @@ def tune_entry(problem: TuningProblem, device, gpu: str, capability: tuple[int, 
     """Tune one cache entry (from the heuristic's configs unless ``start`` is given) and store it
     under the key that ``select_configs`` will look up for this problem's class."""
     spec = problem.spec
-    start = start or _cuda_configs(problem.dtype, problem.head_dim, problem.head_dim_v, problem.seqlen, capability)
+    start = start or _cuda_configs(problem.dtype, problem.head_dim, problem.head_dim_v, problem.seqlen, capability,
+                                   spec.has_window_left, spec.has_window_right, spec.has_softcap)
     result = tune(problem, start, device, **tune_options)
     key = config_key(gpu, capability, problem.dtype, problem.head_dim, problem.head_dim_v, problem.seqlen,
                      spec.has_window_left, spec.has_window_right, spec.has_softcap)
@@ -86,6 +87,9 @@ def main(argv=None) -> int:
                 skipped = [(c, why) for c, why in result.trials[kernel] if isinstance(why, str)]
                 for c, why in skipped:
                     print(f"           skipped ({c.block_m},{c.block_n},{c.num_warps},{c.num_stages}): {why}")
+            (_, atomics_ms), = result.trials[DQ_SCHEME]
+            print(f"  dQ       {'by atomics from the dK/dV pass' if result.configs.atomic_dq else 'its own pass'} "
+                  f"outside deterministic mode (atomics: {atomics_ms if isinstance(atomics_ms, str) else f'{atomics_ms:.3f} ms'})")
     reload_tuning_cache()
     spec = problem.spec
     check = select_configs(device, dtype, problem.head_dim, problem.head_dim_v, problem.seqlen,

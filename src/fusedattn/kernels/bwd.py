@@ -393,8 +393,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
     )
 
-    atomic_dq = configs.atomic_dq and not spec.deterministic
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
+    atomic_dq = configs.atomic_dq and not spec.deterministic and not gluon_pass_leaves_dq(q, k, v, spec, dkdv_cfg)
     block_major = dkdv_block_major(spec, heads_q // heads_kv)
     if atomic_dq:
         # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
@@ -460,6 +460,18 @@ def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
     """The Triton dK/dV programs' tiles where a Gluon dK/dV config cannot run (problem, tensors or
     dQ by atomics): its query step and depth, 64-key tiles on 4 warps (the Triton default)."""
     return KernelConfig(config.block_m, 64, 4, config.num_stages, config.tma_loads)
+
+
+def gluon_pass_leaves_dq(q, k, v, spec: AttentionSpec, config: KernelConfig) -> bool:
+    """Whether ``config`` names a Gluon dK/dV pass that takes this problem but cannot also sum dQ
+    (hopper_bwd.computes_dq: D=128, 2 warpgroups, 64-row steps). dQ then runs as its own pass: the
+    fused Triton atomic programs are not what the Gluon config's tiles were chosen for (with
+    128-row steps they do not even fit shared memory)."""
+    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec):
+        return False
+    from . import hopper_bwd
+
+    return not hopper_bwd.computes_dq(q.shape[-1], config)
 
 
 def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,

@@ -464,8 +464,9 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
 
 def computes_dq(head_dim: int, config: KernelConfig) -> bool:
     """Whether the pass can also sum dQ (the 5-matmul form): two warpgroups splitting D = 128 into
-    64-column halves (a half is one 128-byte swizzle atom of the K tile)."""
-    return head_dim == 128 and config.hopper_split == 2
+    64-column halves (a half is one 128-byte swizzle atom of the K tile), 64-row query steps (with
+    128 the dS^T and fp32 dQ staging tiles need 330 KB of shared memory, the SM has 227 KB)."""
+    return head_dim == 128 and config.hopper_split == 2 and config.block_m == 64
 
 
 def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):

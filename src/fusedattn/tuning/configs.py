@@ -89,9 +89,10 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
     wide = dtype == torch.float32  # 4-byte tiles need half the rows to fit shared memory
     hopper = capability[0] >= 9  # TMA: descriptor loads and bulk reduce-adds
     # 16-bit winners of benchmarks/tune.py and benchmarks/variants.py on an H200 (SPEC 5 shapes;
-    # benchmarks/NOTES.md v8-v11); fp32 halves the tiles. Every default sums dQ in a separate pass
-    # (bitwise reproducible): once ptxas pipelined the dK/dV pass's wgmmas (v11), dQ by TMA
-    # reduce-adds stopped paying at D<=64 (it still is an option: AttentionConfigs.atomic_dq).
+    # benchmarks/NOTES.md v8-v11); fp32 halves the tiles. The Triton defaults sum dQ in a separate
+    # pass: once ptxas pipelined the dK/dV pass's wgmmas (v11), dQ by TMA reduce-adds from the
+    # Triton dK/dV programs stopped paying (it still is an option: AttentionConfigs.atomic_dq).
+    # Only the Gluon pass at D=128 below sums dQ itself by default.
     if width <= 64:
         fwd = KernelConfig(64, 32, 4, 3) if wide else KernelConfig(64, 64, 4, 3)
         dkdv = KernelConfig(32, 64, 4, 2) if wide else KernelConfig(64, 64, 4, 3)
@@ -129,6 +130,12 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         split = 2 if head_dim == 128 else 3
         dkdv = KernelConfig(64, 64 * split, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=split,
                             hopper_pingpong=1)
+        # At D=128 the same pass also computes dQ (5 matmuls) and a drain warp sums it with TMA
+        # reduce-adds (NOTES.md v19/v20): the whole backward -10 to -14% vs the dQ pass. That only
+        # applies with deterministic=False; deterministic calls keep the dQ pass above (bwd.py).
+        dq_by_atomics = head_dim == 128
+        return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64,
+                                atomic_dq=dq_by_atomics, dq_tma=dq_by_atomics)
     return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
 
 

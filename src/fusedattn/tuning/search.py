@@ -48,6 +48,7 @@ DKDV_CANDIDATES = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4
 DQ_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
                  (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)]
 KERNELS = ("forward", "dkdv", "dq")
+DQ_SCHEME = "dq_scheme"  # the last stage: the tuned reproducible schedule, or dQ by atomics from the dK/dV pass
 
 
 def candidate_config(candidate: tuple, tma_loads: bool) -> KernelConfig:
@@ -72,8 +73,11 @@ class TuningProblem:
 
     @property
     def spec(self) -> AttentionSpec:
+        return self.spec_for(deterministic=True)
+
+    def spec_for(self, deterministic: bool) -> AttentionSpec:
         return resolve_spec(self.head_dim, layout="bhsd", causal=self.causal, window=self.window, scale=None,
-                            softcap=self.softcap, deterministic=True)
+                            softcap=self.softcap, deterministic=deterministic)
 
     @property
     def options(self) -> dict:
@@ -100,6 +104,12 @@ class TuningResult:
     after_ms: dict[str, float] = field(default_factory=dict)
 
 
+def mode_spec(problem: TuningProblem, configs: AttentionConfigs) -> AttentionSpec:
+    """The spec of the mode ``configs`` serve: a dQ-by-atomics schedule only runs outside
+    deterministic mode (kernels/bwd.py ignores it there), so it is checked and timed there."""
+    return problem.spec_for(deterministic=not configs.atomic_dq)
+
+
 def run_kernels(configs: AttentionConfigs, spec: AttentionSpec, q, k, v, dout):
     """Forward and backward kernels as the interface launches them: (out, lse, dq, dk, dv)."""
     out, lse = attention_forward(q, k, v, spec, configs.forward)
@@ -112,7 +122,7 @@ CHECK_LENGTHS = (157, 203)  # off every tile size; queries and keys of different
 def correctness_failure(configs: AttentionConfigs, problem: TuningProblem, device, lengths=CHECK_LENGTHS) -> str:
     """'' if ``configs`` meet the SPEC 4 rule on a small odd-length problem, else what failed."""
     q, k, v, dout = problem.inputs(device, batch=2, heads=2, seqlen_q=lengths[0], seqlen_k=lengths[1], seed=1)
-    ours = run_kernels(configs, problem.spec, q, k, v, dout)
+    ours = run_kernels(configs, mode_spec(problem, configs), q, k, v, dout)
 
     def reference(dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
@@ -139,46 +149,56 @@ MIN_GAIN = 0.02  # a candidate replaces the current config only when this much f
 def tune(problem: TuningProblem, start: AttentionConfigs, device, *, candidates=None,
          timer: Callable[[str, AttentionConfigs, Callable], float] | None = None,
          progress: Callable = lambda items, desc: items, check_lengths=CHECK_LENGTHS) -> TuningResult:
-    """Coordinate search from ``start``: forward, then dK/dV, then dQ. ``candidates`` maps a kernel
-    name to KernelConfigs (default: the lists above, with ``start``'s TMA choice); ``timer(phase,
-    configs, fn)`` returns the milliseconds of ``fn``, the forward or the whole backward (phase
-    "forward" / "backward"; default: ``triton.testing.do_bench``'s median)."""
+    """Coordinate search from ``start``'s reproducible schedule (dQ in its own pass): forward, then
+    dK/dV, then dQ; last, whether dQ by atomics from the dK/dV pass (TMA reduce-adds on Hopper) is
+    faster -- that choice only applies outside deterministic mode, deterministic calls keep the
+    tuned dQ pass. ``candidates`` maps a kernel name to KernelConfigs (default: the lists above,
+    with ``start``'s TMA choice); ``timer(phase, configs, fn)`` returns the milliseconds of ``fn``,
+    the forward or the whole backward (phase "forward" / "backward"; default:
+    ``triton.testing.do_bench``'s median)."""
     timer = timer or (lambda phase, configs, fn: default_timer(fn))
     tma = start.forward.tma_loads
     hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     candidates = candidates or {
         name: [candidate_config(c, tma) for c in grid if len(c) == 4 or hopper]
         for name, grid in zip(KERNELS, (FORWARD_CANDIDATES, DKDV_CANDIDATES, DQ_CANDIDATES))}
-    spec = problem.spec
     q, k, v, dout = problem.inputs(device)
-    out, lse = attention_forward(q, k, v, spec, start.forward)
+    out, lse = attention_forward(q, k, v, problem.spec, start.forward)
 
     def timed(phase: str, configs: AttentionConfigs) -> float:
+        spec = mode_spec(problem, configs)
         if phase == "forward":
             return timer(phase, configs, lambda: attention_forward(q, k, v, spec, configs.forward))
         # dK/dV and dQ are timed as the whole backward (pre-pass, dK/dV pass, dQ pass).
         return timer(phase, configs, lambda: attention_backward(dout, None, q, k, v, out, lse, spec, configs))
 
-    start = replace(start, atomic_dq=False, dq_tma=False, fuse_dq_pass=False)  # the reproducible schedule
-    best = start
+    def trial(phase: str, configs: AttentionConfigs) -> float | str:
+        """The milliseconds of a correct candidate, else why it is not one."""
+        try:
+            failure = correctness_failure(configs, problem, device, check_lengths)
+            return f"wrong result ({failure})" if failure else timed(phase, configs)
+        except Exception as e:  # does not compile (shared memory, registers): not a candidate
+            return f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+
+    best = replace(start, atomic_dq=False, dq_tma=False, fuse_dq_pass=False)
     result = TuningResult(best)
     for kernel in KERNELS:
         phase = "forward" if kernel == "forward" else "backward"
         current_ms = timed(phase, best)
         trials = result.trials.setdefault(kernel, [])
         for candidate in progress(candidates[kernel], f"tuning {kernel}"):
-            configs = replace(best, **{kernel: candidate})
-            try:
-                failure = correctness_failure(configs, problem, device, check_lengths)
-                outcome = f"wrong result ({failure})" if failure else timed(phase, configs)
-            except Exception as e:  # does not compile (shared memory, registers): not a candidate
-                outcome = f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
-            trials.append((candidate, outcome))
+            trials.append((candidate, trial(phase, replace(best, **{kernel: candidate}))))
         timed_trials = [(ms, c) for c, ms in trials if isinstance(ms, float)]
         if timed_trials:
             fastest_ms, fastest = min(timed_trials, key=lambda t: t[0])
             if fastest_ms < current_ms * (1 - MIN_GAIN):
                 best = replace(best, **{kernel: fastest})
+    # TMA reduce-adds where there is TMA; the Gluon dK/dV pass sums dQ itself where it can.
+    atomics = replace(best, atomic_dq=True, dq_tma=hopper)
+    outcome = trial("backward", atomics)
+    result.trials[DQ_SCHEME] = [(atomics.dkdv, outcome)]
+    if isinstance(outcome, float) and outcome < timed("backward", best) * (1 - MIN_GAIN):
+        best = atomics
     result.configs = best
     for phase in ("forward", "backward"):
         pairs = [(timed(phase, start), timed(phase, best)) for _ in range(3)]
