@@ -31,33 +31,48 @@ def make_inputs(case: Case, device, seed: int | None = None):
     return q, k, v, dout, dlse
 
 
-def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False):
-    """(out, lse, dq, dk, dv) of ``fn(q, k, v) -> (out, lse)``; inputs cast to ``dtype``."""
+def make_sinks(case: Case, device) -> torch.Tensor | None:
+    """(Hq,) float32 sink logits spread around the scores' range (some rows lose most of their
+    mass to the sink, some almost none), or None when the case has none."""
+    if not case.sinks:
+        return None
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 1)
+    return (2.0 * torch.randn(case.heads_q, generator=gen) + 1.0).to(device)
+
+
+def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False, sinks=None):
+    """(out, lse, dq, dk, dv[, dsinks]) of ``fn(q, k, v[, sinks]) -> (out, lse)``; inputs cast to
+    ``dtype`` (the sinks stay float32 unless it is float64)."""
     leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().to(torch.float64 if dtype == torch.float64 else sinks.dtype).requires_grad_())
     out, lse = fn(*leaves)
     outputs, grads = [out], [dout.to(out.dtype)]
     if lse_grad:
         outputs.append(lse)
         grads.append(dlse.to(lse.dtype))
-    dq, dk, dv = torch.autograd.grad(outputs, leaves, grads)
-    return out, lse, dq, dk, dv
+    return (out, lse, *torch.autograd.grad(outputs, leaves, grads))
 
 
 def check_case(case: Case, backend: str, device, inputs=None) -> None:
     q, k, v, dout, dlse = make_inputs(case, device) if inputs is None else inputs
     opts = case.options()
 
-    def ours(q_, k_, v_):
+    sinks = make_sinks(case, q.device)
+
+    def ours(q_, k_, v_, sinks_=None):
         with fusedattn.use_backend(backend):
-            return fusedattn.attention(q_, k_, v_, deterministic=case.deterministic, return_lse=True, **opts)
+            return fusedattn.attention(q_, k_, v_, sinks=sinks_, deterministic=case.deterministic, return_lse=True,
+                                       **opts)
 
-    def reference(q_, k_, v_):
-        return reference_attention(q_, k_, v_, return_lse=True, **opts)
+    def reference(q_, k_, v_, sinks_=None):
+        return reference_attention(q_, k_, v_, sinks=sinks_, return_lse=True, **opts)
 
-    got = forward_backward(ours, q, k, v, dout, dlse, lse_grad=case.lse_grad)
-    lowp = forward_backward(reference, q, k, v, dout, dlse, lse_grad=case.lse_grad)
-    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=case.lse_grad)
-    for name, ours_t, lowp_t, ref_t in zip(("out", "lse", "dq", "dk", "dv"), got, lowp, ref64):
+    got = forward_backward(ours, q, k, v, dout, dlse, lse_grad=case.lse_grad, sinks=sinks)
+    lowp = forward_backward(reference, q, k, v, dout, dlse, lse_grad=case.lse_grad, sinks=sinks)
+    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=case.lse_grad,
+                             sinks=sinks)
+    for name, ours_t, lowp_t, ref_t in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, lowp, ref64):
         assert_close_to_reference(f"{case.id} {name}", ours_t, lowp_t, ref_t)
 
 

@@ -33,6 +33,7 @@ class Case:
     layout: str = "bshd"
     deterministic: bool = False
     lse_grad: bool = False  # put lse into the loss as well
+    sinks: bool = False  # learnable per-head sink logits (SPEC 3.5), with their gradient
     dtype: torch.dtype = torch.float16
 
     @property
@@ -56,6 +57,8 @@ class Case:
             parts.append("det")
         if self.lse_grad:
             parts.append("dlse")
+        if self.sinks:
+            parts.append("sinks")
         return "-".join(parts)
 
     def options(self) -> dict:
@@ -92,6 +95,12 @@ QUICK: list[Case] = [
     Case(batch=3, seqlen_q=31, seqlen_k=31, scale=0.3, lse_grad=True, deterministic=True),
     Case(seqlen_q=31, seqlen_k=45, scale=0.9, softcap=4.0, causal=True, dtype=torch.float32),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=17, seqlen_k=129, window=(3, 0), lse_grad=True, layout="bhsd"),
+    # sinks alone, with GQA + causal rows that see no key (Sq > Sk) + lse in the loss, with
+    # softcap + window, and deterministic in fp32
+    Case(seqlen_q=33, seqlen_k=47, sinks=True),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=17, causal=True, sinks=True, lse_grad=True,
+         layout="bhsd"),
+    Case(seqlen_q=65, seqlen_k=65, softcap=5.0, window=(9, 4), sinks=True, dtype=torch.float32, deterministic=True),
 ]
 
 FULL_LENGTHS = [(1, 1), (17, 17), (113, 255), (255, 113), (127, 129), (1000, 1000), (1, 1000), (1000, 17)]
@@ -116,6 +125,14 @@ FULL: list[Case] = [
     Case(batch=1, heads_q=16, heads_kv=1, seqlen_q=777, seqlen_k=2048, head_dim=64, window=(100, 100),
          softcap=15.0, scale=0.2, deterministic=True, dtype=torch.bfloat16, layout="bhsd"),
     Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=300, seqlen_k=300, head_dim=96, scale=0.05, dtype=torch.float16),
+    # sinks: on the Gluon shapes (the forward falls back to Triton, the Gluon dK/dV pass runs),
+    # with GQA, causal Sq > Sk, softcap + window, and D=128 dQ by reduce-adds
+    Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128, causal=True, sinks=True,
+         lse_grad=True, dtype=torch.bfloat16),
+    Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=255, seqlen_k=113, head_dim=64, causal=True, sinks=True,
+         dtype=torch.bfloat16, layout="bhsd"),
+    Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=300, seqlen_k=517, head_dim=80, softcap=20.0, window=(64, 8),
+         sinks=True, deterministic=True, dtype=torch.float16),
 ]
 
 

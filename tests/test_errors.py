@@ -49,7 +49,11 @@ BAD_INPUTS = [
     ("bias before its release", lambda: (qkv(), {"bias": torch.zeros(1, 2, 8, 8)}), NotImplementedError, ["`bias`"]),
     ("mask before its release", lambda: (qkv(), {"mask": torch.ones(1, 2, 8, 8, dtype=torch.bool)}),
      NotImplementedError, ["`mask`"]),
-    ("sinks before their release", lambda: (qkv(), {"sinks": torch.zeros(2)}), NotImplementedError, ["`sinks`"]),
+    ("sinks per kv head", lambda: (qkv(hq=4, hkv=2), {"sinks": torch.zeros(2)}), ValueError,
+     ["`sinks`", "(4,)", "(2,)"]),
+    ("sinks 2-D", lambda: (qkv(), {"sinks": torch.zeros(1, 2)}), ValueError, ["`sinks`", "(2,)", "(1, 2)"]),
+    ("sinks int", lambda: (qkv(), {"sinks": torch.zeros(2, dtype=torch.int64)}), TypeError, ["`sinks`", "int64"]),
+    ("sinks a list", lambda: (qkv(), {"sinks": [0.0, 0.0]}), TypeError, ["`sinks`", "list"]),
 ]
 
 

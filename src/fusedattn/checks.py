@@ -109,10 +109,26 @@ def check_qkv(q, k, v, layout: str) -> Shapes:
     return Shapes(bq, hq, hk, sq, sk, d, dv)
 
 
-def check_unsupported(bias, mask, sinks) -> None:
-    for name, value in (("bias", bias), ("mask", mask), ("sinks", sinks)):
+def check_sinks(sinks, q: torch.Tensor, heads_q: int) -> None:
+    """sinks: None or a floating (Hq,) tensor on q's device (SPEC 2, 3.5)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"fusedattn.attention: `sinks` must be a torch.Tensor of shape ({heads_q},), "
+                        f"got {type(sinks).__name__}")
+    if sinks.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"fusedattn.attention: `sinks` must be float16, bfloat16 or float32, got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"fusedattn.attention: `sinks` must have shape ({heads_q},) (one logit per query head), "
+                         f"got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"fusedattn.attention: `sinks` is on {sinks.device} but q is on {q.device}")
+
+
+def check_unsupported(bias, mask) -> None:
+    for name, value in (("bias", bias), ("mask", mask)):
         if value is not None:
             raise NotImplementedError(
                 f"fusedattn.attention: `{name}` is not supported in this release; "
-                "bias, mask and sinks arrive together with their gradients in the next feature release"
+                "bias and mask arrive together with their gradients in the next feature release"
             )

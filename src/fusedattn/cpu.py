@@ -44,13 +44,17 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
     return from_bhsd(t_grouped.reshape(b, hkv * g, s, d), layout).to(dtype).contiguous()
 
 
-def forward(q, k, v, spec: AttentionSpec):
+def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None):
     heads_kv = to_bhsd(k, spec.layout).shape[1]
     qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
     b, hkv, g, seqlen_q, _ = qg.shape
     seqlen_k, head_dim_v = kg.shape[-2], vg.shape[-1]
-    row_max = qg.new_full((b, hkv, g, seqlen_q, 1), float("-inf"))
-    row_sum = qg.new_zeros((b, hkv, g, seqlen_q, 1))
+    if sinks is None:
+        row_max = qg.new_full((b, hkv, g, seqlen_q, 1), float("-inf"))
+        row_sum = qg.new_zeros((b, hkv, g, seqlen_q, 1))
+    else:  # the sink is one more logit of every row (SPEC 3.5): start as if it had been seen
+        row_max = sinks.float().view(1, hkv, g, 1, 1).expand(b, hkv, g, seqlen_q, 1)
+        row_sum = qg.new_ones((b, hkv, g, seqlen_q, 1))
     acc = qg.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
     for start in range(0, seqlen_k, KEY_CHUNK):
         end = min(start + KEY_CHUNK, seqlen_k)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import cpu
-from .checks import check_options, check_qkv, check_unsupported
+from .checks import check_options, check_qkv, check_sinks, check_unsupported
 from .kernels.bwd import attention_backward
 from .kernels.fwd import attention_forward, _forward_kernel
 from .spec import AttentionSpec, resolve_spec, to_bhsd
@@ -69,27 +69,29 @@ def _unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- custom ops
 
 
-def _forward_impl(q, k, v, layout, window_left, window_right, scale, softcap, deterministic, backend):
+def _forward_impl(q, k, v, sinks, layout, window_left, window_right, scale, softcap, deterministic, backend):
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
+    if sinks is not None:
+        sinks = sinks.detach().float().contiguous()
     if backend == "torch":
-        return cpu.forward(q, k, v, spec)
+        return cpu.forward(q, k, v, spec, sinks)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, to_bhsd(k, layout).shape[2],
                              spec.has_window_left, spec.has_window_right, spec.has_softcap)
-    return attention_forward(q, k, v, spec, configs.forward)
+    return attention_forward(q, k, v, spec, configs.forward, sinks)
 
 
 @torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
 def _forward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
     layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_impl(q, k, v, layout, window_left, window_right, scale, softcap, deterministic, backend)
+    return _forward_impl(q, k, v, sinks, layout, window_left, window_right, scale, softcap, deterministic, backend)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, layout, window_left, window_right, scale, softcap, deterministic, backend):
+def _forward_fake(q, k, v, sinks, layout, window_left, window_right, scale, softcap, deterministic, backend):
     batch, heads_q, seqlen_q, _ = to_bhsd(q, layout).shape
     head_dim_v = v.shape[-1]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -125,22 +127,36 @@ def _backward_fake(dout, dlse, q, k, v, out, lse, *options):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *options = inputs
+    q, k, v, sinks, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.options = options
     ctx.set_materialize_grads(False)
 
 
+def sink_gradient(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
+    """SPEC 3.5: dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i], p_sink = exp(sink[h] - lse),
+    delta = rowsum(dout * out) - dlse (d lse / d sink = p_sink brings the lse gradient in). Both
+    backends share it: O(B * H * Sq) work on what the forward saved, in a fixed order."""
+    delta = (to_bhsd(dout, layout).float() * to_bhsd(out, layout).float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse
+    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+
+
 def _backward_with(backward_fn, ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dout = _unit_stride_head_dim(dout)  # e.g. the expanded ones of out.sum() have stride 0
     if dlse is not None:
         dlse = dlse.float().contiguous()
     dq, dk, dv = backward_fn(dout, dlse, q, k, v, out, lse, *ctx.options)
-    return (dq, dk, dv) + (None,) * len(ctx.options)
+    layout = ctx.options[0]
+    dsinks = sink_gradient(sinks, out, dout, lse, dlse, layout) if sinks is not None and ctx.needs_input_grad[3] \
+        else None
+    return (dq, dk, dv, dsinks) + (None,) * len(ctx.options)
 
 
 def _backward(ctx, dout, dlse):
@@ -158,9 +174,9 @@ class _EagerAttention(torch.autograd.Function):
     ``_backward_impl``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *options):
-        out, lse = _forward_impl(q, k, v, *options)
-        _setup_context(ctx, (q, k, v, *options), (out, lse))
+    def forward(ctx, q, k, v, sinks, *options):
+        out, lse = _forward_impl(q, k, v, sinks, *options)
+        _setup_context(ctx, (q, k, v, sinks, *options), (out, lse))
         return out, lse
 
     @staticmethod
@@ -196,11 +212,12 @@ def attention(
     """
     check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
                   deterministic=deterministic, return_lse=return_lse)
-    check_unsupported(bias, mask, sinks)
-    check_qkv(q, k, v, layout)
+    check_unsupported(bias, mask)
+    shapes = check_qkv(q, k, v, layout)
+    check_sinks(sinks, q, shapes.heads_q)
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic)
-    args = (q, k, v, *spec.op_args(), _resolve_backend(q.device))
+    args = (q, k, v, sinks, *spec.op_args(), _resolve_backend(q.device))
     out, lse = _forward_op(*args) if torch.compiler.is_compiling() else _EagerAttention.apply(*args)
     return (out, lse) if return_lse else out

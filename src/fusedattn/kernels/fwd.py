@@ -17,7 +17,7 @@ from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .masking import apply_mask
 from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
-from .softmax import finalize_rows, log2_scores, online_softmax_step
+from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _forward_tiles(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, k_desc, v_desc,
+    Q, K, V, Out, Lse, Sinks, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -61,8 +61,8 @@ def _forward_kernel(
     qk_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA_LOADS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -85,8 +85,7 @@ def _forward_kernel(
     q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
                   offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_max, row_sum = initial_row_stats(Sinks, head, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     begin, interior_begin, interior_end, end = key_blocks_for_query_block(
         m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -156,9 +155,10 @@ def hopper_supports(q, k, v, spec: AttentionSpec) -> bool:
     return hopper.supports(q, k, v, spec)
 
 
-def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
+def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None):
     """Returns (out in the user layout, lse (B, Hq, Sq) float32). ``config.hopper_overlap`` set:
-    the Gluon kernel of hopper_fwd.py where it supports the problem, else this Triton kernel."""
+    the Gluon kernel of hopper_fwd.py where it supports the problem, else this Triton kernel.
+    ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator (SPEC 3.5)."""
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -166,10 +166,11 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if seqlen_k == 0:  # every row is empty (SPEC 3.1)
-        return out.zero_(), lse.fill_(float("-inf"))
+    if seqlen_k == 0:  # every row is empty (SPEC 3.1): only the sink, if any, is in the softmax
+        return out.zero_(), lse.copy_(sinks.view(1, heads_q, 1).expand_as(lse)) if sinks is not None \
+            else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
-        if hopper_supports(q, k, v, spec):
+        if sinks is None and hopper_supports(q, k, v, spec):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             result = hopper_fwd.attention_forward(q, k, v, spec, config)
@@ -181,7 +182,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads_q)
     _forward_kernel[grid](
-        q, k, v, out, lse, *(descs or (k, v)),
+        q, k, v, out, lse, sinks if sinks is not None else lse, *(descs or (k, v)),
         *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
         *bhs_strides(out, spec.layout),
         seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
@@ -189,7 +190,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
-        DOT_PRECISION=dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

@@ -2,7 +2,8 @@
 
 The softmax scale (and softcap) is folded with log2(e) on the host, so a score costs
 one multiply and ``exp2`` replaces ``exp``. Row statistics follow the convention of
-SPEC 3.1: a row with no kept key ends with sum 0, output 0 and lse -inf.
+SPEC 3.1: a row with no kept key ends with sum 0, output 0 and lse -inf (with a sink: sum 1,
+output 0, lse = the sink).
 """
 
 import triton
@@ -39,6 +40,17 @@ def log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr):
         return t * softcap_log2, t
     else:
         return qk * qk_scale, qk
+
+
+@triton.jit
+def initial_row_stats(Sinks, head, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """(row_max, row_sum) before the first key tile. A sink is one more logit in every row of its
+    head (SPEC 3.5): the online softmax starts as if it had seen it, max = sink, sum = exp2(0)."""
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32) * LOG2E
+        return tl.full([BLOCK_M], 0.0, dtype=tl.float32) + sink, tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        return tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
 
 
 @triton.jit
