@@ -40,6 +40,23 @@ def make_sinks(case: Case, device) -> torch.Tensor | None:
     return (2.0 * torch.randn(case.heads_q, generator=gen) + 1.0).to(device)
 
 
+def make_mask(case: Case, device) -> torch.Tensor | None:
+    """A random boolean mask of the case's shape (about 70% True), with a few rows and keys
+    switched off entirely (rows with no key: output 0, lse -inf or the sink)."""
+    if case.mask is None:
+        return None
+    from cases import MASK_SHAPES
+
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 2)
+    shape = MASK_SHAPES[case.mask](case)
+    mask = torch.rand(shape, generator=gen) < 0.7
+    if shape[-2] > 2:
+        mask[..., 1, :] = False  # a query row with no key
+    if shape[-1] > 2:
+        mask[..., -1] = False  # a key nobody attends
+    return mask.to(device)
+
+
 def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False, sinks=None):
     """(out, lse, dq, dk, dv[, dsinks]) of ``fn(q, k, v[, sinks]) -> (out, lse)``; inputs cast to
     ``dtype`` (the sinks stay float32 unless it is float64)."""
@@ -58,15 +75,16 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
     q, k, v, dout, dlse = make_inputs(case, device) if inputs is None else inputs
     opts = case.options()
 
-    sinks = make_sinks(case, q.device)
+    sinks, mask = make_sinks(case, q.device), make_mask(case, q.device)
 
     def ours(q_, k_, v_, sinks_=None):
         with fusedattn.use_backend(backend):
-            return fusedattn.attention(q_, k_, v_, sinks=sinks_, deterministic=case.deterministic, return_lse=True,
-                                       **opts)
+            return fusedattn.attention(q_, k_, v_, sinks=sinks_, mask=mask, deterministic=case.deterministic,
+                                       return_lse=True, **opts)
 
     def reference(q_, k_, v_, sinks_=None):
-        return reference_attention(q_, k_, v_, sinks=sinks_, return_lse=True, **opts)
+        mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        return reference_attention(q_, k_, v_, sinks=sinks_, mask=mask4, return_lse=True, **opts)
 
     got = forward_backward(ours, q, k, v, dout, dlse, lse_grad=case.lse_grad, sinks=sinks)
     lowp = forward_backward(reference, q, k, v, dout, dlse, lse_grad=case.lse_grad, sinks=sinks)

@@ -34,6 +34,7 @@ class Case:
     deterministic: bool = False
     lse_grad: bool = False  # put lse into the loss as well
     sinks: bool = False  # learnable per-head sink logits (SPEC 3.5), with their gradient
+    mask: str | None = None  # a boolean mask of one of the MASK_SHAPES forms (SPEC 3.3)
     dtype: torch.dtype = torch.float16
 
     @property
@@ -59,11 +60,22 @@ class Case:
             parts.append("dlse")
         if self.sinks:
             parts.append("sinks")
+        if self.mask:
+            parts.append(f"mask-{self.mask}")
         return "-".join(parts)
 
     def options(self) -> dict:
         return dict(layout=self.layout, causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale)
 
+
+# Boolean mask shapes (SPEC 3.3), by name: every broadcast the API allows.
+MASK_SHAPES = {
+    "full": lambda c: (c.batch, c.heads_q, c.seqlen_q, c.seqlen_k),
+    "kv-heads": lambda c: (c.batch, c.heads_kv, c.seqlen_q, c.seqlen_k),
+    "keys": lambda c: (c.batch, 1, 1, c.seqlen_k),  # key padding
+    "shared": lambda c: (c.seqlen_q, c.seqlen_k),  # 2-D: one (Sq, Sk) mask for every batch and head
+    "rows": lambda c: (1, c.heads_q, c.seqlen_q, 1),  # whole query rows on or off
+}
 
 MASK_FORMS = [
     dict(),
@@ -101,6 +113,13 @@ QUICK: list[Case] = [
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=17, causal=True, sinks=True, lse_grad=True,
          layout="bhsd"),
     Case(seqlen_q=65, seqlen_k=65, softcap=5.0, window=(9, 4), sinks=True, dtype=torch.float32, deterministic=True),
+    # boolean masks: every broadcast shape, alone and with causal/window/softcap/GQA/sinks/lse
+    Case(seqlen_q=33, seqlen_k=47, mask="full"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=33, causal=True, mask="kv-heads", layout="bhsd",
+         lse_grad=True),
+    Case(batch=2, seqlen_q=17, seqlen_k=65, mask="keys", softcap=5.0, dtype=torch.float32, deterministic=True),
+    Case(heads_q=6, heads_kv=1, seqlen_q=65, seqlen_k=47, window=(12, 7), mask="shared", sinks=True),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, mask="rows", lse_grad=True),
 ]
 
 FULL_LENGTHS = [(1, 1), (17, 17), (113, 255), (255, 113), (127, 129), (1000, 1000), (1, 1000), (1000, 17)]
@@ -133,6 +152,16 @@ FULL: list[Case] = [
          dtype=torch.bfloat16, layout="bhsd"),
     Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=300, seqlen_k=517, head_dim=80, softcap=20.0, window=(64, 8),
          sinks=True, deterministic=True, dtype=torch.float16),
+    # boolean masks on the Gluon shapes (both passes fall back to the Triton kernels) and beyond
+    Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128, causal=True, mask="full",
+         dtype=torch.bfloat16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=255, seqlen_k=257, head_dim=64, mask="kv-heads", sinks=True,
+         lse_grad=True, dtype=torch.bfloat16, layout="bhsd"),
+    Case(batch=3, heads_q=4, heads_kv=4, seqlen_q=113, seqlen_k=1000, head_dim=128, mask="keys", deterministic=True,
+         dtype=torch.float16),
+    Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=300, seqlen_k=300, head_dim=96, mask="shared", window=(64, 8),
+         softcap=20.0, dtype=torch.bfloat16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=129, seqlen_k=127, head_dim=64, mask="rows", dtype=torch.float32),
 ]
 
 

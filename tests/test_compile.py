@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fusedattn
-from attention_runner import forward_backward, make_inputs, make_sinks
+from attention_runner import forward_backward, make_inputs, make_mask, make_sinks
 from cases import Case
 from fusedattn.reference import reference_attention
 from numerics import assert_close_to_reference
@@ -39,20 +39,22 @@ def test_compiled_model_has_no_graph_break_and_matches_eager():
     assert torch.allclose(gx, gx_eager, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-def test_compiled_attention_matches_reference(sinks):
+@pytest.mark.parametrize("features", [dict(), dict(sinks=True), dict(mask="kv-heads", sinks=True)],
+                         ids=["plain", "sinks", "mask-sinks"])
+def test_compiled_attention_matches_reference(features):
     case = Case(heads_q=4, heads_kv=2, seqlen_q=19, seqlen_k=26, head_dim=16, window=(5, 2), dtype=torch.float32,
-                sinks=sinks)
+                **features)
     q, k, v, dout, dlse = make_inputs(case, "cpu")
-    sink_logits = make_sinks(case, "cpu")
+    sink_logits, mask = make_sinks(case, "cpu"), make_mask(case, "cpu")
+    sinks = sink_logits is not None
     torch._dynamo.reset()
     compiled = torch.compile(
-        lambda a, b, c, *s: fusedattn.attention(a, b, c, sinks=s[0] if s else None, return_lse=True,
+        lambda a, b, c, *s: fusedattn.attention(a, b, c, sinks=s[0] if s else None, mask=mask, return_lse=True,
                                                 **case.options()),
         fullgraph=True)
     got = forward_backward(compiled, q, k, v, dout, dlse, lse_grad=True, sinks=sink_logits)
     reference = lambda a, b, c, *s: reference_attention(  # noqa: E731
-        a, b, c, sinks=s[0] if s else None, return_lse=True, **case.options())
+        a, b, c, sinks=s[0] if s else None, mask=mask, return_lse=True, **case.options())
     lowp = forward_backward(reference, q, k, v, dout, dlse, lse_grad=True, sinks=sink_logits)
     ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=True, sinks=sink_logits)
     assert len(got) == (6 if sinks else 5)

@@ -125,10 +125,40 @@ def check_sinks(sinks, q: torch.Tensor, heads_q: int) -> None:
         raise ValueError(f"fusedattn.attention: `sinks` is on {sinks.device} but q is on {q.device}")
 
 
-def check_unsupported(bias, mask) -> None:
-    for name, value in (("bias", bias), ("mask", mask)):
-        if value is not None:
-            raise NotImplementedError(
-                f"fusedattn.attention: `{name}` is not supported in this release; "
-                "bias and mask arrive together with their gradients in the next feature release"
-            )
+def check_broadcast_4d(name: str, t, shapes: Shapes, q: torch.Tensor) -> torch.Tensor:
+    """A mask or bias broadcastable to (B, Hq, Sq, Sk) (SPEC 3.3), returned as a 4-D view: fewer
+    dims are leading 1s (as torch broadcasting); B, Sq, Sk each 1 or full, H one of 1, Hkv, Hq."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"fusedattn.attention: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != q.device:
+        raise ValueError(f"fusedattn.attention: `{name}` is on {t.device} but q is on {q.device}")
+    full = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k)
+    if t.dim() > 4:
+        raise ValueError(f"fusedattn.attention: `{name}` must have at most 4 dims (B, H, Sq, Sk), "
+                         f"got shape {tuple(t.shape)}")
+    t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
+    allowed = [(1, shapes.batch), (1, shapes.heads_kv, shapes.heads_q), (1, shapes.seqlen_q), (1, shapes.seqlen_k)]
+    for axis, (size, ok) in enumerate(zip(t4.shape, allowed)):
+        if size not in ok:
+            raise ValueError(
+                f"fusedattn.attention: `{name}` of shape {tuple(t.shape)} does not broadcast to (B, Hq, Sq, Sk) = "
+                f"{full}: dim {'BHQK'[axis]} is {size}, expected one of {sorted(set(ok))} (H may also be Hkv)")
+    return t4
+
+
+def check_mask(mask, shapes: Shapes, q: torch.Tensor) -> torch.Tensor | None:
+    """None, or the mask as a 4-D bool view (True = attend)."""
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+        raise TypeError(f"fusedattn.attention: `mask` must be a bool tensor (True = attend), got {mask.dtype}; "
+                        "an additive float mask is `bias`")
+    return check_broadcast_4d("mask", mask, shapes, q)
+
+
+def check_unsupported(bias) -> None:
+    if bias is not None:
+        raise NotImplementedError(
+            "fusedattn.attention: `bias` is not supported in this release; "
+            "it arrives together with its gradient in the next feature release"
+        )

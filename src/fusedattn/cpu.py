@@ -26,7 +26,18 @@ def _kv(t: torch.Tensor, layout: str) -> torch.Tensor:
     return to_bhsd(t, layout).float().unsqueeze(2)  # (B, Hkv, 1, Sk, D)
 
 
-def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seqlen_k: int):
+def _grouped_mask(mask: torch.Tensor | None, heads_q: int, heads_kv: int) -> torch.Tensor | None:
+    """The 4-D (B|1, Hq|Hkv|1, Sq|1, Sk|1) mask as (B|1, Hkv|1, G|1, Sq|1, Sk|1), to broadcast
+    against the grouped (B, Hkv, G, Sq, chunk) scores."""
+    if mask is None:
+        return None
+    b, h, sq, sk = mask.shape
+    if h == heads_q and heads_q != heads_kv:
+        return mask.reshape(b, heads_kv, heads_q // heads_kv, sq, sk)
+    return mask.unsqueeze(2)  # one per KV group (h = Hkv) or shared (h = 1)
+
+
+def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seqlen_k: int, mask=None):
     """Scores of one key chunk after softcap and masking; also tanh for the softcap gradient."""
     s = torch.matmul(q, k_chunk.transpose(-1, -2)) * spec.scale
     t = None
@@ -36,6 +47,8 @@ def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seql
     keep = keep_mask(
         seqlen_q, seqlen_k, spec.window_left, spec.window_right, q.device, key_start, key_start + k_chunk.shape[-2]
     )
+    if mask is not None:  # the user's mask: its key columns of this chunk (or its one broadcast column)
+        keep = keep & (mask if mask.shape[-1] == 1 else mask[..., key_start:key_start + k_chunk.shape[-2]])
     return s.masked_fill(~keep, float("-inf")), t
 
 
@@ -44,10 +57,11 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
     return from_bhsd(t_grouped.reshape(b, hkv * g, s, d), layout).to(dtype).contiguous()
 
 
-def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None):
+def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: torch.Tensor | None = None):
     heads_kv = to_bhsd(k, spec.layout).shape[1]
     qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
     b, hkv, g, seqlen_q, _ = qg.shape
+    mask = _grouped_mask(mask, hkv * g, hkv)
     seqlen_k, head_dim_v = kg.shape[-2], vg.shape[-1]
     if sinks is None:
         row_max = qg.new_full((b, hkv, g, seqlen_q, 1), float("-inf"))
@@ -58,7 +72,7 @@ def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None):
     acc = qg.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
     for start in range(0, seqlen_k, KEY_CHUNK):
         end = min(start + KEY_CHUNK, seqlen_k)
-        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k)
+        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k, mask)
         new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
         shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
         p = torch.exp(s - shift)
@@ -73,11 +87,12 @@ def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None):
     return _user_layout(out, spec.layout, q.dtype), lse
 
 
-def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec):
+def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: torch.Tensor | None = None):
     heads_kv = to_bhsd(k, spec.layout).shape[1]
     qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
     dog, og = _grouped(dout, spec.layout, heads_kv), _grouped(out, spec.layout, heads_kv)
     b, hkv, g, seqlen_q, _ = qg.shape
+    mask = _grouped_mask(mask, hkv * g, hkv)
     seqlen_k = kg.shape[-2]
     # d lse / d s = p, so a gradient on lse folds into delta: ds = p * (dp - (delta - dlse)).
     delta = (dog * og).sum(dim=-1, keepdim=True)
@@ -92,7 +107,7 @@ def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec):
     for start in range(0, seqlen_k, KEY_CHUNK):
         end = min(start + KEY_CHUNK, seqlen_k)
         k_chunk, v_chunk = kg[..., start:end, :], vg[..., start:end, :]
-        s, tanh_s = _scores(qg, k_chunk, spec, start, seqlen_q, seqlen_k)
+        s, tanh_s = _scores(qg, k_chunk, spec, start, seqlen_q, seqlen_k, mask)
         p = torch.exp(s - lse_g)
         dv[..., start:end, :] = torch.matmul(p.transpose(-1, -2), dog).sum(dim=2)
         dp = torch.matmul(dog, v_chunk.transpose(-1, -2))

@@ -35,8 +35,8 @@ import triton.language as tl
 from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
-from .fwd import bhs_strides, dot_precision, hopper_supports, padded_dim, score_constants
-from .masking import apply_mask
+from .fwd import bhs_strides, broadcast_args, dot_precision, hopper_supports, padded_dim, score_constants
+from .masking import apply_mask, apply_user_mask
 from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
 
@@ -44,7 +44,8 @@ from .softmax import log2_scores, lse_for_backward
 @triton.jit
 def _probabilities(
     qk, lse2, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    mask_base, stride_mq, stride_mk,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
@@ -52,6 +53,9 @@ def _probabilities(
     if IS_MASKED:
         scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT, TRANSPOSED)
+    if HAS_MASK:
+        scores = apply_user_mask(scores, mask_base, offs_q, offs_k, seqlen_q, seqlen_k, stride_mq, stride_mk,
+                                 TRANSPOSED)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -104,10 +108,10 @@ def _dkdv_tiles(
     dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
     stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_stats, block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, softcap_log2, scale,
+    qk_scale, softcap_log2, scale, batch_mask, stride_mh, stride_mq, stride_mk, mask_head_div,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
@@ -136,8 +140,10 @@ def _dkdv_tiles(
         lse2 = tl.load(Lse2 + stats_offset + offs_m)
         delta = tl.load(Delta + stats_offset + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        mask_base = batch_mask + (head // mask_head_div).to(tl.int64) * stride_mh
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                     qk_scale, softcap_log2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, IS_MASKED, True)
+                                     qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
+                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, IS_MASKED, True)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = _score_grad(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True).to(q.dtype)
@@ -157,7 +163,7 @@ def _dkdv_tiles(
 @triton.jit
 def _dkdv_program(
     n_block, batch, head_kv,
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, q_desc, do_desc, dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, q_desc, do_desc, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -165,15 +171,17 @@ def _dkdv_program(
     stride_dkb, stride_dkh, stride_dks,
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head, summed over the query heads of its group."""
+    batch_mask = Mask + batch.to(tl.int64) * stride_mb
     start_n = n_block * BLOCK_N
     offs_tile = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_tile
@@ -196,15 +204,17 @@ def _dkdv_program(
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
         stride_stats,
         interior_begin, interior_end, interior_end, interior_end, offs_n, seqlen_q, seqlen_k, window_left,
-        window_right, qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
+        window_right, qk_scale, softcap_log2, scale, batch_mask, stride_mh, stride_mq, stride_mk, mask_head_div,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_MASK, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
     dk, dv = _dkdv_tiles(
         dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
         stride_stats,
         begin, end, interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2, scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
+        qk_scale, softcap_log2, scale, batch_mask, stride_mh, stride_mq, stride_mk, mask_head_div,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
                dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -216,9 +226,10 @@ def _dkdv_program(
 def _dq_tiles(
     dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
     block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+    mask_base, stride_mq, stride_mk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_N)
     for n_block in range(block_begin, block_end):
@@ -230,7 +241,8 @@ def _dq_tiles(
                        IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                     qk_scale, softcap_log2, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, IS_MASKED, False)
+                                     qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
+                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, IS_MASKED, False)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = _score_grad(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -240,20 +252,22 @@ def _dq_tiles(
 @triton.jit
 def _dq_program(
     m_block, batch, head,
-    Q, K, V, DOut, Lse2, Delta, DQ, k_desc, v_desc,
+    Q, K, V, DOut, Lse2, Delta, DQ, Mask, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos,
     stride_dqb, stride_dqh, stride_dqs,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA_LOADS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """dQ of one query block of one query head, in registers: a fixed summation order."""
+    mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
     batch_head = batch * heads_q + head
     head_kv = head // group_size
     start_m = m_block * BLOCK_M
@@ -277,18 +291,21 @@ def _dq_program(
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False,
+        mask_base, stride_mq, stride_mk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_MASK,
         DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
             begin, interior_begin, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+            mask_base, stride_mq, stride_mk,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
             DOT_PRECISION, TMA_LOADS)
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_end, end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+        mask_base, stride_mq, stride_mk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
         DOT_PRECISION, TMA_LOADS)
     store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
@@ -298,7 +315,7 @@ def _dq_program(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks"])
 def _backward_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, q_desc, do_desc, k_desc, v_desc, dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, q_desc, do_desc, k_desc, v_desc, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -306,11 +323,12 @@ def _backward_kernel(
     stride_dkb, stride_dkh, stride_dks,
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
     seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale, key_blocks, query_blocks, dkdv_programs, dkdv_block_major,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
@@ -336,14 +354,14 @@ def _backward_kernel(
                 batch_head_kv = pid // key_blocks
             _dkdv_program(
                 n_block, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
-                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, q_desc, do_desc, dq_desc,
+                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, q_desc, do_desc, dq_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
-                stride_dvs, stride_dqb, stride_dqh, stride_dqs,
+                stride_dvs, stride_dqb, stride_dqh, stride_dqs, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
+                HAS_MASK, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -353,20 +371,23 @@ def _backward_kernel(
                 m_block = query_blocks - 1 - m_block
             _dq_program(
                 m_block, batch_head // heads_q, batch_head % heads_q,
-                Q, K, V, DOut, Lse2, Delta, DQ, k_desc, v_desc,
+                Q, K, V, DOut, Lse2, Delta, DQ, Mask, k_desc, v_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+                stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                DOT_PRECISION, DQ_TMA_LOADS)
+                HAS_MASK, DOT_PRECISION, DQ_TMA_LOADS)
 
 
 # ----------------------------------------------------------------------------- launcher
 
 
-def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs):
-    """Returns (dq, dk, dv), each in the layout and dtype of its input."""
+def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
+                       mask: torch.Tensor | None = None):
+    """Returns (dq, dk, dv), each in the layout and dtype of its input. ``mask``: as for
+    ``fwd.attention_forward`` (4-D uint8, 1 = attend)."""
     layout = spec.layout
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, layout).shape[1:]
@@ -378,7 +399,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     flags = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_dim(head_dim), BLOCK_DV=padded_dim(head_dim_v),
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
-        DOT_PRECISION=dot_precision(q.dtype),
+        HAS_MASK=mask is not None, DOT_PRECISION=dot_precision(q.dtype),
     )
 
     # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
@@ -394,7 +415,11 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     )
 
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
-    atomic_dq = configs.atomic_dq and not spec.deterministic and not gluon_pass_leaves_dq(q, k, v, spec, dkdv_cfg)
+    atomic_dq = configs.atomic_dq and not spec.deterministic
+    if dkdv_cfg.hopper_overlap is not None and (mask is not None or gluon_pass_leaves_dq(q, k, v, spec, dkdv_cfg)):
+        atomic_dq = False  # chosen for the Gluon pass summing dQ itself; otherwise dQ gets its own pass
+    if mask is not None and dkdv_cfg.hopper_overlap is not None:
+        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)  # the Gluon pass takes no user mask (yet)
     block_major = dkdv_block_major(spec, heads_q // heads_kv)
     if atomic_dq:
         # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
@@ -422,9 +447,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass), K, V (dQ pass).
     dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m, dkdv_cfg.tma_loads)
     dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n, dq_cfg.tma_loads)
-    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer)
+    mask_args = broadcast_args(mask, heads_q, heads_kv, lse2)
+    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, mask_args[0])
     scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-               *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides,
+               *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides, *mask_args[1:],
                # group_size is passed, not derived in the kernel: Triton specialises an int argument
                # equal to 1, which removes the group walk's index arithmetic for MHA.
                seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,

@@ -15,7 +15,7 @@ import triton.language as tl
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
-from .masking import apply_mask
+from .masking import apply_mask, apply_user_mask
 from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 
@@ -24,10 +24,10 @@ from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softm
 def _forward_tiles(
     acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
     block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, softcap_log2,
+    qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_N)
     for n_block in range(block_begin, block_end):
@@ -40,6 +40,8 @@ def _forward_tiles(
         if IS_MASKED:
             scores = apply_mask(scores, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                 HAS_LEFT, HAS_RIGHT, False)
+        if HAS_MASK:
+            scores = apply_user_mask(scores, mask_base, offs_m, offs_n, seqlen_q, seqlen_k, stride_mq, stride_mk, False)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
@@ -52,17 +54,18 @@ def _forward_tiles(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, Sinks, k_desc, v_desc,
+    Q, K, V, Out, Lse, Sinks, Mask, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
     qk_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -82,6 +85,7 @@ def _forward_kernel(
     q_base = head_base(Q, batch, head, stride_qb, stride_qh)
     k_base = head_base(K, batch, head_kv, stride_kb, stride_kh)
     v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
+    mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
     q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
                   offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
@@ -92,19 +96,22 @@ def _forward_kernel(
     acc, row_max, row_sum = _forward_tiles(
         acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False,
+        qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
+        HAS_MASK,  # a user mask can empty a row on any tile: the softmax then guards every tile
         DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
             begin, interior_begin, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+            mask_base, stride_mq, stride_mk,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
             DOT_PRECISION, TMA_LOADS)
     acc, row_max, row_sum = _forward_tiles(
         acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_end, end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+        mask_base, stride_mq, stride_mk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
         DOT_PRECISION, TMA_LOADS)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
@@ -141,6 +148,18 @@ def bhs_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return sb, sh, ss
 
 
+def broadcast_args(t: torch.Tensor | None, heads_q: int, heads_kv: int, placeholder: torch.Tensor) -> tuple:
+    """(tensor, stride_b, stride_h, stride_q, stride_k, head_div) of a (B|1, Hq|Hkv|1, Sq|1, Sk|1)
+    mask or bias as the kernels address it: size-1 dims get stride 0 (broadcast), and query head
+    h reads head h // head_div (head_div = Hq / Hkv for one entry per KV group). None: a
+    placeholder the kernels never read."""
+    if t is None:
+        return (placeholder, 0, 0, 0, 0, 1)
+    strides = [0 if size == 1 else stride for size, stride in zip(t.shape, t.stride())]
+    head_div = heads_q // heads_kv if t.shape[1] == heads_kv and heads_kv != heads_q else 1
+    return (t, *strides, head_div)
+
+
 def triton_fallback(config: KernelConfig) -> KernelConfig:
     """The Triton kernel's tiles where a Gluon forward config cannot run (problem or tensors it
     does not take): its key tiles and depth, 128-row query tiles on 8 warps."""
@@ -155,10 +174,12 @@ def hopper_supports(q, k, v, spec: AttentionSpec) -> bool:
     return hopper.supports(q, k, v, spec)
 
 
-def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None):
+def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None):
     """Returns (out in the user layout, lse (B, Hq, Sq) float32). ``config.hopper_overlap`` set:
     the Gluon kernel of hopper_fwd.py where it supports the problem, else this Triton kernel.
-    ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator (SPEC 3.5)."""
+    ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator (SPEC 3.5).
+    ``mask``: the user's boolean mask as 4-D uint8 (B|1, Hq|Hkv|1, Sq|1, Sk|1), 1 = attend."""
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -170,7 +191,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         return out.zero_(), lse.copy_(sinks.view(1, heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
-        if sinks is None and hopper_supports(q, k, v, spec):
+        if sinks is None and mask is None and hopper_supports(q, k, v, spec):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             result = hopper_fwd.attention_forward(q, k, v, spec, config)
@@ -182,15 +203,16 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads_q)
     _forward_kernel[grid](
-        q, k, v, out, lse, sinks if sinks is not None else lse, *(descs or (k, v)),
+        q, k, v, out, lse, sinks if sinks is not None else lse, mask if mask is not None else lse,
+        *(descs or (k, v)),
         *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
-        *bhs_strides(out, spec.layout),
+        *bhs_strides(out, spec.layout), *broadcast_args(mask, heads_q, heads_kv, lse)[1:],
         seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
         qk_scale, softcap_log2,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
-        HAS_SINKS=sinks is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None, HAS_MASK=mask is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

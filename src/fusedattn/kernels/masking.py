@@ -1,4 +1,5 @@
-"""The one masking function: the keep rule of SPEC 3.2 applied to a score tile.
+"""The masking functions: the keep rule of SPEC 3.2 applied to a score tile, and the user's
+boolean mask (SPEC 3.3) on top of it.
 
 Interior tiles (see ``block_range``) never call it. The backward's dK/dV pass holds
 tiles transposed -- keys along rows -- and asks for ``TRANSPOSED=True``.
@@ -32,4 +33,20 @@ def apply_mask(
         keep = offs_k[None, :] <= last_key[:, None]
         if HAS_LEFT:
             keep = keep & (offs_k[None, :] >= (offs_q + (diag - window_left))[:, None])
+    return tl.where(keep, scores, float("-inf"))
+
+
+@triton.jit
+def apply_user_mask(scores, mask_base, offs_q, offs_k, seqlen_q, seqlen_k, stride_mq, stride_mk,
+                    TRANSPOSED: tl.constexpr):
+    """The user's boolean mask (True = attend) on a score tile. ``mask_base`` points at this
+    (batch, head) of the mask viewed as (B, H, Sq, Sk) bytes; broadcast dims have stride 0.
+    Entries past Sq or Sk read as False, so padding rows and keys stay masked."""
+    if TRANSPOSED:
+        offsets = offs_k[:, None].to(tl.int64) * stride_mk + offs_q[None, :].to(tl.int64) * stride_mq
+        inside = (offs_k[:, None] < seqlen_k) & (offs_q[None, :] < seqlen_q)
+    else:
+        offsets = offs_q[:, None].to(tl.int64) * stride_mq + offs_k[None, :].to(tl.int64) * stride_mk
+        inside = (offs_q[:, None] < seqlen_q) & (offs_k[None, :] < seqlen_k)
+    keep = tl.load(mask_base + offsets, mask=inside, other=0) != 0
     return tl.where(keep, scores, float("-inf"))
