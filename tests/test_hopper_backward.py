@@ -4,7 +4,8 @@ ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA i
 orders, a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
 scale and a gradient on lse -- every gradient against the float64 reference (SPEC 4). A spy proves
 each backward really ran the Gluon pass; problems and tensors it does not take must run the Triton
-pass; with atomic_dq it sums dQ too where it can (D=128), elsewhere the dQ pass runs; dK and dV are bitwise reproducible (dQ too where a dQ pass sums it)."""
+pass; with atomic_dq it sums dQ too where it can (D=128), elsewhere the dQ pass runs; dK and dV
+are bitwise reproducible (dQ too where a dQ pass sums it)."""
 
 from dataclasses import replace
 

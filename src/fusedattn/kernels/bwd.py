@@ -108,11 +108,11 @@ def _dkdv_tiles(
     dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
     stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_stats, block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, softcap_log2, scale, batch_mask, stride_mh, stride_mq, stride_mk, mask_head_div,
+    qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
     loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV.
@@ -140,7 +140,7 @@ def _dkdv_tiles(
         lse2 = tl.load(Lse2 + stats_offset + offs_m)
         delta = tl.load(Delta + stats_offset + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        mask_base = batch_mask + (head // mask_head_div).to(tl.int64) * stride_mh
+        mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
                                      qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
                                      HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, IS_MASKED, True)
@@ -181,7 +181,6 @@ def _dkdv_program(
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head, summed over the query heads of its group."""
-    batch_mask = Mask + batch.to(tl.int64) * stride_mb
     start_n = n_block * BLOCK_N
     offs_tile = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_tile
@@ -204,17 +203,18 @@ def _dkdv_program(
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
         stride_stats,
         interior_begin, interior_end, interior_end, interior_end, offs_n, seqlen_q, seqlen_k, window_left,
-        window_right, qk_scale, softcap_log2, scale, batch_mask, stride_mh, stride_mq, stride_mk, mask_head_div,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_MASK, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
+        window_right, qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
+        mask_head_div, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
+        HAS_MASK,  # a user mask can empty a row on any tile: the interior walk takes the guarded path too
+        ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
     dk, dv = _dkdv_tiles(
         dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
         stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
         stride_stats,
         begin, end, interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2, scale, batch_mask, stride_mh, stride_mq, stride_mk, mask_head_div,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
+        qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
+        ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
                dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -292,7 +292,8 @@ def _dq_program(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
         mask_base, stride_mq, stride_mk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_MASK,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
+        HAS_MASK,  # a user mask can empty a row on any tile: the interior walk is guarded too
         DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         dq = _dq_tiles(
@@ -416,10 +417,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
 
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
     atomic_dq = configs.atomic_dq and not spec.deterministic
-    if dkdv_cfg.hopper_overlap is not None and (mask is not None or gluon_pass_leaves_dq(q, k, v, spec, dkdv_cfg)):
-        atomic_dq = False  # chosen for the Gluon pass summing dQ itself; otherwise dQ gets its own pass
-    if mask is not None and dkdv_cfg.hopper_overlap is not None:
-        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)  # the Gluon pass takes no user mask (yet)
+    if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask):
+        atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     block_major = dkdv_block_major(spec, heads_q // heads_kv)
     if atomic_dq:
         # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
@@ -428,7 +427,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg, block_major,
-                                  dq_buffer if atomic_dq else None)
+                                  dq_buffer if atomic_dq else None, mask)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed all three gradients
         return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
@@ -488,24 +487,24 @@ def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
     return KernelConfig(config.block_m, 64, 4, config.num_stages, config.tma_loads)
 
 
-def gluon_pass_leaves_dq(q, k, v, spec: AttentionSpec, config: KernelConfig) -> bool:
-    """Whether ``config`` names a Gluon dK/dV pass that takes this problem but cannot also sum dQ
-    (hopper_bwd.computes_dq: D=128, 2 warpgroups, 64-row steps). dQ then runs as its own pass: the
-    fused Triton atomic programs are not what the Gluon config's tiles were chosen for (with
-    128-row steps they do not even fit shared memory)."""
-    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec):
+def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=None) -> bool:
+    """Whether ``config`` names a Gluon dK/dV pass that takes this problem and can also sum dQ
+    (hopper_bwd.computes_dq: D=128, 2 warpgroups, 64-row steps). Where a Gluon config's pass does
+    not, dQ runs as its own pass: the fused Triton atomic programs are not what the Gluon config's
+    tiles were chosen for (with 128-row steps they do not even fit shared memory)."""
+    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask):
         return False
     from . import hopper_bwd
 
-    return not hopper_bwd.computes_dq(q.shape[-1], config)
+    return hopper_bwd.computes_dq(q.shape[-1], config)
 
 
 def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-                     block_major: bool, dq_accum: torch.Tensor | None = None) -> bool:
+                     block_major: bool, dq_accum: torch.Tensor | None = None, mask=None) -> bool:
     """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
     takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
     nothing launched, where not (or where TMA cannot address a tensor)."""
-    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec):
+    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask):
         return False
     from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
 

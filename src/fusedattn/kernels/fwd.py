@@ -166,8 +166,9 @@ def triton_fallback(config: KernelConfig) -> KernelConfig:
     return KernelConfig(128, config.block_n, 8, config.num_stages, config.tma_loads)
 
 
-def hopper_supports(q, k, v, spec: AttentionSpec) -> bool:
-    if not q.is_cuda:
+def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None) -> bool:
+    """Whether the Gluon kernels take the problem; they take neither sinks nor a user mask (yet)."""
+    if not q.is_cuda or sinks is not None or mask is not None:
         return False
     from . import hopper  # Gluon: imported only where it runs (not under the interpreter)
 
@@ -191,7 +192,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         return out.zero_(), lse.copy_(sinks.view(1, heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
-        if sinks is None and mask is None and hopper_supports(q, k, v, spec):
+        if hopper_supports(q, k, v, spec, sinks, mask):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             result = hopper_fwd.attention_forward(q, k, v, spec, config)
