@@ -94,13 +94,15 @@ def _resource_usage(cubin: bytes) -> dict:
 def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     """Prints one line per kernel; returns how many failed to compile or had their wgmmas serialised."""
     torch_dtype = TYPES[dtype]
-    flags = dict(dict(HAS_MASK=False, HAS_SINKS=False), **flags)
+    flags = dict(dict(HAS_MASK=False, HAS_SINKS=False, HAS_BIAS=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False),
+                 **flags)
     configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
                             flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
                   DOT_PRECISION=fwd.dot_precision(torch_dtype), **flags)
-    fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32", Sinks="fp32", Mask="u8")
+    fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32", Sinks="fp32", Mask="u8",
+                     DBias="fp32" if flags["DBIAS"] == bwd.DBIAS_ATOMIC else dtype)
 
     def descs(rows: int, *names: str) -> dict:
         return {n: f"tensordesc<{dtype}[1,1,{rows},{block_d}]>" for n in names} if tma_loads else {}
@@ -261,7 +263,7 @@ def main() -> None:
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtype", default="bf16", choices=sorted(TYPES))
     p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
-    p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,window,causal+mask+sinks")
+    p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,window,causal+mask+sinks,bias,causal+bias-atomic")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
@@ -274,6 +276,10 @@ def main() -> None:
         "window": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=False),
         # a user mask and sinks: the Triton kernels (the Gluon ones decline them)
         "causal+mask+sinks": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True, HAS_SINKS=True),
+        # a trainable bias: full shape (its gradient stored), and shared by the batch (added by atomics)
+        "bias": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True, DBIAS=bwd.DBIAS_STORE),
+        "causal+bias-atomic": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_BIAS=True,
+                                   DBIAS=bwd.DBIAS_ATOMIC),
     }
     problems = 0
     for d in map(int, args.head_dims.split(",")):

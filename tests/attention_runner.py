@@ -45,10 +45,10 @@ def make_mask(case: Case, device) -> torch.Tensor | None:
     switched off entirely (rows with no key: output 0, lse -inf or the sink)."""
     if case.mask is None:
         return None
-    from cases import MASK_SHAPES
+    from cases import BROADCAST_SHAPES
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 2)
-    shape = MASK_SHAPES[case.mask](case)
+    shape = BROADCAST_SHAPES[case.mask](case)
     mask = torch.rand(shape, generator=gen) < 0.7
     if shape[-2] > 2:
         mask[..., 1, :] = False  # a query row with no key
@@ -57,13 +57,32 @@ def make_mask(case: Case, device) -> torch.Tensor | None:
     return mask.to(device)
 
 
-def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False, sinks=None):
-    """(out, lse, dq, dk, dv[, dsinks]) of ``fn(q, k, v[, sinks]) -> (out, lse)``; inputs cast to
-    ``dtype`` (the sinks stay float32 unless it is float64)."""
+def make_bias(case: Case, device) -> torch.Tensor | None:
+    """A random bias of the case's shape and dtype, scaled like the scores, with a few -inf
+    entries (masked like mask=False) and, where it has more than two query rows, one row that is
+    -inf throughout (a row with no key: output 0, lse -inf or the sink)."""
+    if case.bias is None:
+        return None
+    from cases import BROADCAST_SHAPES
+
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 3)
+    bias = 2.0 * torch.randn(BROADCAST_SHAPES[case.bias](case), generator=gen)
+    bias.view(-1)[::11] = float("-inf")
+    if bias.shape[-2] > 2:
+        bias[..., 2, :] = float("-inf")
+    return bias.to(device=device, dtype=case.bias_dtype or case.dtype)
+
+
+def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False, sinks=None, bias=None):
+    """(out, lse, dq, dk, dv[, dsinks][, dbias]) of ``fn(q, k, v, sinks_=..., bias_=...) -> (out, lse)``
+    (the keywords only when given); q/k/v cast to ``dtype``, the sinks and bias only to float64."""
     leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
-    if sinks is not None:
-        leaves.append(sinks.detach().to(torch.float64 if dtype == torch.float64 else sinks.dtype).requires_grad_())
-    out, lse = fn(*leaves)
+    named = {}
+    for name, extra in (("sinks_", sinks), ("bias_", bias)):
+        if extra is not None:
+            named[name] = extra.detach().to(torch.float64 if dtype == torch.float64 else extra.dtype).requires_grad_()
+            leaves.append(named[name])
+    out, lse = fn(*leaves[:3], **named)
     outputs, grads = [out], [dout.to(out.dtype)]
     if lse_grad:
         outputs.append(lse)
@@ -75,22 +94,27 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
     q, k, v, dout, dlse = make_inputs(case, device) if inputs is None else inputs
     opts = case.options()
 
-    sinks, mask = make_sinks(case, q.device), make_mask(case, q.device)
+    sinks, mask, bias = make_sinks(case, q.device), make_mask(case, q.device), make_bias(case, q.device)
 
-    def ours(q_, k_, v_, sinks_=None):
+    def ours(q_, k_, v_, sinks_=None, bias_=None):
         with fusedattn.use_backend(backend):
-            return fusedattn.attention(q_, k_, v_, sinks=sinks_, mask=mask, deterministic=case.deterministic,
-                                       return_lse=True, **opts)
+            return fusedattn.attention(q_, k_, v_, sinks=sinks_, mask=mask, bias=bias_,
+                                       deterministic=case.deterministic, return_lse=True, **opts)
 
-    def reference(q_, k_, v_, sinks_=None):
-        mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        return reference_attention(q_, k_, v_, sinks=sinks_, mask=mask4, return_lse=True, **opts)
+    def as_4d(t):
+        return None if t is None else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
 
-    got = forward_backward(ours, q, k, v, dout, dlse, lse_grad=case.lse_grad, sinks=sinks)
-    lowp = forward_backward(reference, q, k, v, dout, dlse, lse_grad=case.lse_grad, sinks=sinks)
-    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=case.lse_grad,
-                             sinks=sinks)
-    for name, ours_t, lowp_t, ref_t in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, lowp, ref64):
+    def reference(q_, k_, v_, sinks_=None, bias_=None):
+        return reference_attention(q_, k_, v_, sinks=sinks_, mask=as_4d(mask), bias=as_4d(bias_), return_lse=True,
+                                   **opts)
+
+    extras = dict(lse_grad=case.lse_grad, sinks=sinks, bias=bias)
+    got = forward_backward(ours, q, k, v, dout, dlse, **extras)
+    lowp = forward_backward(reference, q, k, v, dout, dlse, **extras)
+    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, **extras)
+    names = ["out", "lse", "dq", "dk", "dv"] + ["dsinks"] * (sinks is not None) + ["dbias"] * (bias is not None)
+    assert len(names) == len(got) == len(ref64)
+    for name, ours_t, lowp_t, ref_t in zip(names, got, lowp, ref64):
         assert_close_to_reference(f"{case.id} {name}", ours_t, lowp_t, ref_t)
 
 

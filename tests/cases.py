@@ -34,7 +34,9 @@ class Case:
     deterministic: bool = False
     lse_grad: bool = False  # put lse into the loss as well
     sinks: bool = False  # learnable per-head sink logits (SPEC 3.5), with their gradient
-    mask: str | None = None  # a boolean mask of one of the MASK_SHAPES forms (SPEC 3.3)
+    mask: str | None = None  # a boolean mask of one of the BROADCAST_SHAPES forms (SPEC 3.3)
+    bias: str | None = None  # a trainable float bias of one of the BROADCAST_SHAPES forms, with its gradient
+    bias_dtype: torch.dtype | None = None  # None: the dtype of q, k, v
     dtype: torch.dtype = torch.float16
 
     @property
@@ -62,19 +64,22 @@ class Case:
             parts.append("sinks")
         if self.mask:
             parts.append(f"mask-{self.mask}")
+        if self.bias:
+            parts.append(f"bias-{self.bias}" + (str(self.bias_dtype).replace("torch.", "-") if self.bias_dtype else ""))
         return "-".join(parts)
 
     def options(self) -> dict:
         return dict(layout=self.layout, causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale)
 
 
-# Boolean mask shapes (SPEC 3.3), by name: every broadcast the API allows.
-MASK_SHAPES = {
+# Mask and bias shapes (SPEC 3.3), by name: every broadcast the API allows.
+BROADCAST_SHAPES = {
     "full": lambda c: (c.batch, c.heads_q, c.seqlen_q, c.seqlen_k),
     "kv-heads": lambda c: (c.batch, c.heads_kv, c.seqlen_q, c.seqlen_k),
+    "heads": lambda c: (1, c.heads_q, c.seqlen_q, c.seqlen_k),  # one per head, shared by the batch (ALiBi-like)
     "keys": lambda c: (c.batch, 1, 1, c.seqlen_k),  # key padding
-    "shared": lambda c: (c.seqlen_q, c.seqlen_k),  # 2-D: one (Sq, Sk) mask for every batch and head
-    "rows": lambda c: (1, c.heads_q, c.seqlen_q, 1),  # whole query rows on or off
+    "shared": lambda c: (c.seqlen_q, c.seqlen_k),  # 2-D: one (Sq, Sk) tensor for every batch and head
+    "rows": lambda c: (1, c.heads_q, c.seqlen_q, 1),  # whole query rows
 }
 
 MASK_FORMS = [
@@ -120,6 +125,21 @@ QUICK: list[Case] = [
     Case(batch=2, seqlen_q=17, seqlen_k=65, mask="keys", softcap=5.0, dtype=torch.float32, deterministic=True),
     Case(heads_q=6, heads_kv=1, seqlen_q=65, seqlen_k=47, window=(12, 7), mask="shared", sinks=True),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, mask="rows", lse_grad=True),
+    # trainable bias: every broadcast shape (the gradient stored, summed by atomics, or summed by
+    # the deterministic pass), bias dtypes, with causal/window/softcap/GQA/sinks/mask/lse
+    Case(seqlen_q=33, seqlen_k=47, bias="full"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=33, causal=True, bias="full", bias_dtype=torch.float32,
+         softcap=5.0, layout="bhsd", deterministic=True),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="kv-heads", window=(9, 4), lse_grad=True),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="heads", causal=True, deterministic=True,
+         dtype=torch.float32),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="heads", sinks=True, mask="keys"),
+    Case(batch=2, seqlen_q=17, seqlen_k=65, bias="keys", bias_dtype=torch.float32, deterministic=True),
+    Case(batch=2, seqlen_q=17, seqlen_k=65, bias="keys", softcap=5.0, mask="rows"),
+    Case(heads_q=6, heads_kv=1, seqlen_q=65, seqlen_k=47, window=(12, 7), bias="shared", deterministic=True,
+         lse_grad=True),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, bias="rows", causal=True, dtype=torch.float32),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, bias="rows", deterministic=True, sinks=True),
 ]
 
 FULL_LENGTHS = [(1, 1), (17, 17), (113, 255), (255, 113), (127, 129), (1000, 1000), (1, 1000), (1000, 17)]
@@ -162,6 +182,23 @@ FULL: list[Case] = [
     Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=300, seqlen_k=300, head_dim=96, mask="shared", window=(64, 8),
          softcap=20.0, dtype=torch.bfloat16),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=129, seqlen_k=127, head_dim=64, mask="rows", dtype=torch.float32),
+    # trainable bias on the Gluon shapes (both passes fall back to the Triton kernels) and beyond
+    Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128, bias="full",
+         dtype=torch.bfloat16),
+    Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128, causal=True, bias="full",
+         bias_dtype=torch.float32, deterministic=True, dtype=torch.bfloat16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=255, seqlen_k=257, head_dim=64, bias="heads", causal=True,
+         sinks=True, dtype=torch.bfloat16, layout="bhsd"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=255, seqlen_k=257, head_dim=128, bias="heads", deterministic=True,
+         softcap=30.0, dtype=torch.float16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=517, head_dim=80, bias="kv-heads",
+         window=(64, 8), lse_grad=True, dtype=torch.bfloat16),
+    Case(batch=3, heads_q=4, heads_kv=4, seqlen_q=113, seqlen_k=1000, head_dim=128, bias="keys", mask="keys",
+         deterministic=True, dtype=torch.float16),
+    Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=300, seqlen_k=300, head_dim=96, bias="shared", causal=True,
+         bias_dtype=torch.float32, dtype=torch.bfloat16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=129, seqlen_k=127, head_dim=64, bias="rows", dtype=torch.float32,
+         deterministic=True),
 ]
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fusedattn
-from attention_runner import forward_backward, make_inputs, make_mask, make_sinks
+from attention_runner import forward_backward, make_bias, make_inputs, make_mask, make_sinks
 from cases import Case
 from fusedattn.reference import reference_attention
 from numerics import assert_close_to_reference
@@ -39,24 +39,30 @@ def test_compiled_model_has_no_graph_break_and_matches_eager():
     assert torch.allclose(gx, gx_eager, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("features", [dict(), dict(sinks=True), dict(mask="kv-heads", sinks=True)],
-                         ids=["plain", "sinks", "mask-sinks"])
+@pytest.mark.parametrize("features", [dict(), dict(sinks=True), dict(mask="kv-heads", sinks=True),
+                                      dict(bias="heads", mask="keys")],
+                         ids=["plain", "sinks", "mask-sinks", "bias-mask"])
 def test_compiled_attention_matches_reference(features):
     case = Case(heads_q=4, heads_kv=2, seqlen_q=19, seqlen_k=26, head_dim=16, window=(5, 2), dtype=torch.float32,
                 **features)
     q, k, v, dout, dlse = make_inputs(case, "cpu")
-    sink_logits, mask = make_sinks(case, "cpu"), make_mask(case, "cpu")
-    sinks = sink_logits is not None
+    sink_logits, mask, bias = make_sinks(case, "cpu"), make_mask(case, "cpu"), make_bias(case, "cpu")
     torch._dynamo.reset()
     compiled = torch.compile(
-        lambda a, b, c, *s: fusedattn.attention(a, b, c, sinks=s[0] if s else None, mask=mask, return_lse=True,
-                                                **case.options()),
+        lambda a, b, c, sinks_=None, bias_=None: fusedattn.attention(
+            a, b, c, sinks=sinks_, mask=mask, bias=bias_, return_lse=True, **case.options()),
         fullgraph=True)
-    got = forward_backward(compiled, q, k, v, dout, dlse, lse_grad=True, sinks=sink_logits)
-    reference = lambda a, b, c, *s: reference_attention(  # noqa: E731
-        a, b, c, sinks=s[0] if s else None, mask=mask, return_lse=True, **case.options())
-    lowp = forward_backward(reference, q, k, v, dout, dlse, lse_grad=True, sinks=sink_logits)
-    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=True, sinks=sink_logits)
-    assert len(got) == (6 if sinks else 5)
-    for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, lowp, ref64):
+    extras = dict(lse_grad=True, sinks=sink_logits, bias=bias)
+    got = forward_backward(compiled, q, k, v, dout, dlse, **extras)
+
+    def reference(a, b, c, sinks_=None, bias_=None):
+        as_4d = (lambda t: None if t is None else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)))
+        return reference_attention(a, b, c, sinks=sinks_, mask=as_4d(mask), bias=as_4d(bias_), return_lse=True,
+                                   **case.options())
+
+    lowp = forward_backward(reference, q, k, v, dout, dlse, **extras)
+    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, **extras)
+    names = ["out", "lse", "dq", "dk", "dv"] + ["dsinks"] * case.sinks + ["dbias"] * (case.bias is not None)
+    assert len(got) == len(names)
+    for name, a, b, c in zip(names, got, lowp, ref64):
         assert_close_to_reference(name, a, b, c)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fusedattn
-from attention_runner import check_case, forward_backward, make_inputs
+from attention_runner import check_case, forward_backward, make_bias, make_inputs
 from cases import Case
 
 ON_GPU = torch.cuda.is_available()
@@ -77,22 +77,28 @@ def test_rows_with_no_key_give_zero_output_minus_inf_lse_and_zero_grads(backend,
 @pytest.mark.parametrize("case", [
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=64, causal=True),
     Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=65, seqlen_k=65, head_dim=40, window=(9, 9), softcap=4.0),
+    Case(batch=3, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=64, causal=True, bias="heads"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=64, bias="full"),
 ], ids=lambda c: c.id)
 def test_repeated_calls_are_bitwise_identical(backend, device, case):
-    """Forward and dK/dV are always reproducible; with deterministic=True dQ is too.
-    A result that changes between runs on the same input would be a race."""
+    """Forward, dK/dV and a full-shape bias's gradient are always reproducible; with
+    deterministic=True dQ and a broadcast bias's gradient are too. A result that changes between
+    runs on the same input would be a race."""
     case = replace(case, dtype=_dtype(device))
     q, k, v, dout, dlse = make_inputs(case, device)
+    bias = make_bias(case, device)
     for deterministic in (True, False):
         runs = []
         for _ in range(2):
             with fusedattn.use_backend(backend):
                 runs.append(forward_backward(
-                    lambda a, b, c: fusedattn.attention(a, b, c, return_lse=True, deterministic=deterministic,
-                                                        **case.options()), q, k, v, dout, dlse))
-        names = ("out", "lse", "dq", "dk", "dv")
+                    lambda a, b, c, bias_=None: fusedattn.attention(
+                        a, b, c, bias=bias_, return_lse=True, deterministic=deterministic, **case.options()),
+                    q, k, v, dout, dlse, bias=bias))
+        names = ("out", "lse", "dq", "dk", "dv", "dbias")
         for name, first, second in zip(names, *runs):
-            if name == "dq" and not deterministic:
+            summed_by_atomics = name == "dq" or (name == "dbias" and case.bias != "full")
+            if summed_by_atomics and not deterministic:
                 continue  # fp32 atomics: reproducible only up to summation order
             assert torch.equal(first, second), f"{name} differs between runs (deterministic={deterministic})"
 

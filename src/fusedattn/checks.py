@@ -156,9 +156,11 @@ def check_mask(mask, shapes: Shapes, q: torch.Tensor) -> torch.Tensor | None:
     return check_broadcast_4d("mask", mask, shapes, q)
 
 
-def check_unsupported(bias) -> None:
-    if bias is not None:
-        raise NotImplementedError(
-            "fusedattn.attention: `bias` is not supported in this release; "
-            "it arrives together with its gradient in the next feature release"
-        )
+def check_bias(bias, shapes: Shapes, q: torch.Tensor) -> torch.Tensor | None:
+    """None, or the bias as a 4-D view (a view keeps autograd's gradient in the bias's own shape)."""
+    if bias is None:
+        return None
+    if isinstance(bias, torch.Tensor) and bias.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"fusedattn.attention: `bias` must be float16, bfloat16 or float32, got {bias.dtype}"
+                        + ("; a boolean mask is `mask`" if bias.dtype == torch.bool else ""))
+    return check_broadcast_4d("bias", bias, shapes, q)

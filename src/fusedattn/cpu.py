@@ -27,8 +27,8 @@ def _kv(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def _grouped_mask(mask: torch.Tensor | None, heads_q: int, heads_kv: int) -> torch.Tensor | None:
-    """The 4-D (B|1, Hq|Hkv|1, Sq|1, Sk|1) mask as (B|1, Hkv|1, G|1, Sq|1, Sk|1), to broadcast
-    against the grouped (B, Hkv, G, Sq, chunk) scores."""
+    """The 4-D (B|1, Hq|Hkv|1, Sq|1, Sk|1) mask or bias as (B|1, Hkv|1, G|1, Sq|1, Sk|1), to
+    broadcast against the grouped (B, Hkv, G, Sq, chunk) scores."""
     if mask is None:
         return None
     b, h, sq, sk = mask.shape
@@ -37,18 +37,25 @@ def _grouped_mask(mask: torch.Tensor | None, heads_q: int, heads_kv: int) -> tor
     return mask.unsqueeze(2)  # one per KV group (h = Hkv) or shared (h = 1)
 
 
-def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seqlen_k: int, mask=None):
-    """Scores of one key chunk after softcap and masking; also tanh for the softcap gradient."""
+def _chunk(t: torch.Tensor, key_start: int, key_end: int) -> torch.Tensor:
+    """The key columns [key_start, key_end) of a grouped mask or bias (or its one broadcast column)."""
+    return t if t.shape[-1] == 1 else t[..., key_start:key_end]
+
+
+def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seqlen_k: int, mask=None, bias=None):
+    """Scores of one key chunk after softcap, bias and masking; also tanh for the softcap gradient."""
     s = torch.matmul(q, k_chunk.transpose(-1, -2)) * spec.scale
     t = None
     if spec.has_softcap:
         t = torch.tanh(s / spec.softcap)
         s = spec.softcap * t
+    if bias is not None:
+        s = s + _chunk(bias, key_start, key_start + k_chunk.shape[-2]).float()
     keep = keep_mask(
         seqlen_q, seqlen_k, spec.window_left, spec.window_right, q.device, key_start, key_start + k_chunk.shape[-2]
     )
-    if mask is not None:  # the user's mask: its key columns of this chunk (or its one broadcast column)
-        keep = keep & (mask if mask.shape[-1] == 1 else mask[..., key_start:key_start + k_chunk.shape[-2]])
+    if mask is not None:  # the user's mask: its key columns of this chunk
+        keep = keep & _chunk(mask, key_start, key_start + k_chunk.shape[-2])
     return s.masked_fill(~keep, float("-inf")), t
 
 
@@ -57,11 +64,12 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
     return from_bhsd(t_grouped.reshape(b, hkv * g, s, d), layout).to(dtype).contiguous()
 
 
-def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: torch.Tensor | None = None):
+def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None):
     heads_kv = to_bhsd(k, spec.layout).shape[1]
     qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
     b, hkv, g, seqlen_q, _ = qg.shape
-    mask = _grouped_mask(mask, hkv * g, hkv)
+    mask, bias = _grouped_mask(mask, hkv * g, hkv), _grouped_mask(bias, hkv * g, hkv)
     seqlen_k, head_dim_v = kg.shape[-2], vg.shape[-1]
     if sinks is None:
         row_max = qg.new_full((b, hkv, g, seqlen_q, 1), float("-inf"))
@@ -72,7 +80,7 @@ def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mas
     acc = qg.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
     for start in range(0, seqlen_k, KEY_CHUNK):
         end = min(start + KEY_CHUNK, seqlen_k)
-        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k, mask)
+        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k, mask, bias)
         new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
         shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
         p = torch.exp(s - shift)
@@ -87,12 +95,16 @@ def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mas
     return _user_layout(out, spec.layout, q.dtype), lse
 
 
-def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: torch.Tensor | None = None):
+def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None, bias_grad: bool = False):
+    """(dq, dk, dv, dbias); dbias (with ``bias_grad``) has the bias's 4-D shape, summed over its
+    broadcast dims in a fixed order."""
     heads_kv = to_bhsd(k, spec.layout).shape[1]
     qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
     dog, og = _grouped(dout, spec.layout, heads_kv), _grouped(out, spec.layout, heads_kv)
     b, hkv, g, seqlen_q, _ = qg.shape
-    mask = _grouped_mask(mask, hkv * g, hkv)
+    mask, bias_g = _grouped_mask(mask, hkv * g, hkv), _grouped_mask(bias, hkv * g, hkv)
+    dbias = torch.zeros(bias_g.shape, dtype=torch.float32, device=q.device) if bias_grad else None
     seqlen_k = kg.shape[-2]
     # d lse / d s = p, so a gradient on lse folds into delta: ds = p * (dp - (delta - dlse)).
     delta = (dog * og).sum(dim=-1, keepdim=True)
@@ -107,11 +119,13 @@ def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: torch.Ten
     for start in range(0, seqlen_k, KEY_CHUNK):
         end = min(start + KEY_CHUNK, seqlen_k)
         k_chunk, v_chunk = kg[..., start:end, :], vg[..., start:end, :]
-        s, tanh_s = _scores(qg, k_chunk, spec, start, seqlen_q, seqlen_k, mask)
+        s, tanh_s = _scores(qg, k_chunk, spec, start, seqlen_q, seqlen_k, mask, bias_g)
         p = torch.exp(s - lse_g)
         dv[..., start:end, :] = torch.matmul(p.transpose(-1, -2), dog).sum(dim=2)
         dp = torch.matmul(dog, v_chunk.transpose(-1, -2))
         ds = p * (dp - delta)
+        if dbias is not None:  # the logit's gradient, summed down to the bias's broadcast shape
+            _chunk(dbias, start, end).add_(_sum_to(ds, dbias.shape))
         if tanh_s is not None:
             ds = ds * (1.0 - tanh_s * tanh_s)
         dq += torch.matmul(ds, k_chunk) * spec.scale
@@ -120,4 +134,11 @@ def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: torch.Ten
         _user_layout(dq, spec.layout, q.dtype),
         from_bhsd(dk, spec.layout).to(k.dtype).contiguous(),
         from_bhsd(dv, spec.layout).to(v.dtype).contiguous(),
+        dbias.reshape(bias.shape).to(bias.dtype) if dbias is not None else None,
     )
+
+
+def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t`` summed over the dims where ``shape`` has 1 (the last dim only up to the chunk)."""
+    dims = tuple(i for i, size in enumerate(shape) if size == 1 and t.shape[i] != 1)
+    return t.sum(dim=dims, keepdim=True) if dims else t

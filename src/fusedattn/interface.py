@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import cpu
-from .checks import check_mask, check_options, check_qkv, check_sinks, check_unsupported
+from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
 from .kernels.bwd import attention_backward
 from .kernels.fwd import attention_forward, _forward_kernel
 from .spec import AttentionSpec, resolve_spec, to_bhsd
@@ -74,69 +74,80 @@ def _kernel_mask(mask):
     return None if mask is None else mask.view(torch.uint8)
 
 
-def _forward_impl(q, k, v, sinks, mask, layout, window_left, window_right, scale, softcap, deterministic, backend):
+def _forward_impl(q, k, v, sinks, mask, bias, layout, window_left, window_right, scale, softcap, deterministic,
+                  backend):
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
+    if bias is not None:
+        bias = bias.detach()
     if backend == "torch":
-        return cpu.forward(q, k, v, spec, sinks, mask)
+        return cpu.forward(q, k, v, spec, sinks, mask, bias)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, to_bhsd(k, layout).shape[2],
                              spec.has_window_left, spec.has_window_right, spec.has_softcap)
-    return attention_forward(q, k, v, spec, configs.forward, sinks, _kernel_mask(mask))
+    return attention_forward(q, k, v, spec, configs.forward, sinks, _kernel_mask(mask), bias)
 
 
 @torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-    layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
-    backend: str,
+    bias: Optional[torch.Tensor], layout: str, window_left: int, window_right: int, scale: float, softcap: float,
+    deterministic: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_impl(q, k, v, sinks, mask, layout, window_left, window_right, scale, softcap, deterministic,
+    return _forward_impl(q, k, v, sinks, mask, bias, layout, window_left, window_right, scale, softcap, deterministic,
                          backend)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, sinks, mask, layout, window_left, window_right, scale, softcap, deterministic, backend):
+def _forward_fake(q, k, v, sinks, mask, bias, layout, window_left, window_right, scale, softcap, deterministic,
+                  backend):
     batch, heads_q, seqlen_q, _ = to_bhsd(q, layout).shape
     head_dim_v = v.shape[-1]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
     return q.new_empty(out_shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-def _backward_impl(dout, dlse, q, k, v, out, lse, mask, layout, window_left, window_right, scale, softcap,
-                   deterministic, backend):
+def _backward_impl(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, layout, window_left, window_right, scale,
+                   softcap, deterministic, backend):
+    """(dq, dk, dv, dbias); dbias is an empty tensor unless ``bias_grad`` (custom ops return tensors)."""
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
+    if bias is not None:
+        bias = bias.detach()
     if backend == "torch":
-        return cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask)
-    configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2],
-                             spec.has_window_left, spec.has_window_right, spec.has_softcap)
-    return attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, _kernel_mask(mask))
+        dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
+    else:
+        configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2],
+                                 spec.has_window_left, spec.has_window_right, spec.has_softcap)
+        dq, dk, dv, dbias = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, _kernel_mask(mask),
+                                               bias, bias_grad)
+    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
 @torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
 def _backward_op(
     dout: torch.Tensor, dlse: Optional[torch.Tensor],
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    mask: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], bias_grad: bool,
     layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(dout, dlse, q, k, v, out, lse, mask, layout, window_left, window_right, scale, softcap,
-                          deterministic, backend)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, layout, window_left, window_right,
+                          scale, softcap, deterministic, backend)
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, dlse, q, k, v, out, lse, mask, *options):
+def _backward_fake(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, *options):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+        torch.empty_like(v, memory_format=torch.contiguous_format), \
+        torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, mask, *options = inputs
+    q, k, v, sinks, mask, bias, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks, mask)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, mask, bias)
     ctx.options = options
     ctx.set_materialize_grads(False)
 
@@ -153,17 +164,18 @@ def sink_gradient(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
 
 
 def _backward_with(backward_fn, ctx, dout, dlse):
-    q, k, v, out, lse, sinks, mask = ctx.saved_tensors
+    q, k, v, out, lse, sinks, mask, bias = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dout = _unit_stride_head_dim(dout)  # e.g. the expanded ones of out.sum() have stride 0
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    dq, dk, dv = backward_fn(dout, dlse, q, k, v, out, lse, mask, *ctx.options)
+    bias_grad = bias is not None and ctx.needs_input_grad[5]
+    dq, dk, dv, dbias = backward_fn(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, *ctx.options)
     layout = ctx.options[0]
     dsinks = sink_gradient(sinks, out, dout, lse, dlse, layout) if sinks is not None and ctx.needs_input_grad[3] \
         else None
-    return (dq, dk, dv, dsinks, None) + (None,) * len(ctx.options)
+    return (dq, dk, dv, dsinks, None, dbias if bias_grad else None) + (None,) * len(ctx.options)
 
 
 def _backward(ctx, dout, dlse):
@@ -181,9 +193,9 @@ class _EagerAttention(torch.autograd.Function):
     ``_backward_impl``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, mask, *options):
-        out, lse = _forward_impl(q, k, v, sinks, mask, *options)
-        _setup_context(ctx, (q, k, v, sinks, mask, *options), (out, lse))
+    def forward(ctx, q, k, v, sinks, mask, bias, *options):
+        out, lse = _forward_impl(q, k, v, sinks, mask, bias, *options)
+        _setup_context(ctx, (q, k, v, sinks, mask, bias, *options), (out, lse))
         return out, lse
 
     @staticmethod
@@ -219,13 +231,13 @@ def attention(
     """
     check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
                   deterministic=deterministic, return_lse=return_lse)
-    check_unsupported(bias)
     shapes = check_qkv(q, k, v, layout)
     check_sinks(sinks, q, shapes.heads_q)
     mask = check_mask(mask, shapes, q)
+    bias = check_bias(bias, shapes, q)
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic)
-    args = (q, k, v, sinks, mask, *spec.op_args(), _resolve_backend(q.device))
+    args = (q, k, v, sinks, mask, bias, *spec.op_args(), _resolve_backend(q.device))
     out, lse = _forward_op(*args) if torch.compiler.is_compiling() else _EagerAttention.apply(*args)
     return (out, lse) if return_lse else out

@@ -3,6 +3,7 @@
     python -m fusedattn.bench                 # SPEC 5 standard shapes, all installed peers
     python -m fusedattn.bench --quick         # D=128, S in {1k, 4k}
     python -m fusedattn.bench --systems fusedattn,sdpa-cudnn,flex
+    python -m fusedattn.bench --variants      # bias, softcap, window, sinks, GQA, mask rows (bench/variants.py)
 
 Writes ``benchmarks/results/<gpu>-<date>.json`` (and a PNG plot when matplotlib is
 there) and prints a table. Times are medians of ``triton.testing.do_bench`` on CUDA.
@@ -208,7 +209,11 @@ def main(argv=None) -> None:
     parser.add_argument("--seqlens", default=None, help="e.g. 1024,4096 (default: SPEC 5's 1k, 4k, 16k)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
+    parser.add_argument("--variants", action="store_true",
+                        help="the variant rows (bias, softcap, window, sinks, GQA, mask) instead of the shapes")
     args = parser.parse_args(argv)
+    if args.variants:
+        return _main_variants(args)
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -241,6 +246,27 @@ def main(argv=None) -> None:
     print(f"wrote {json_path}")
     if plot(rows, out_dir / f"{stem}.png", f"{env['device']}: forward+backward, bf16, 16k tokens"):
         print(f"wrote {out_dir / f'{stem}.png'}")
+
+
+def _main_variants(args) -> None:
+    from . import variants
+
+    if not torch.cuda.is_available():
+        print("fusedattn benchmark --variants: needs a CUDA device (its peers and shapes are GPU-sized)")
+        return
+    env = environment()
+    stem = f"variants-{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
+    json_path = Path(args.out) / f"{stem}.json"
+
+    def save(rows):
+        if not args.no_save:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+
+    rows = variants.run(on_row=save)
+    print(variants.table(rows))
+    if not args.no_save:
+        print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from .fwd import bhs_strides, broadcast_args, dot_precision, hopper_supports, padded_dim, score_constants
-from .masking import apply_mask, apply_user_mask
+from .masking import adjust_scores, broadcast_tile_offsets
 from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
 
@@ -44,18 +44,15 @@ from .softmax import log2_scores, lse_for_backward
 @triton.jit
 def _probabilities(
     qk, lse2, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-    mask_base, stride_mq, stride_mk,
+    mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
-    IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
     scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
-    if IS_MASKED:
-        scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
-                            HAS_LEFT, HAS_RIGHT, TRANSPOSED)
-    if HAS_MASK:
-        scores = apply_user_mask(scores, mask_base, offs_q, offs_k, seqlen_q, seqlen_k, stride_mq, stride_mk,
-                                 TRANSPOSED)
+    scores = adjust_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
+                           mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+                           HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, IS_MASKED, TRANSPOSED)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -64,15 +61,54 @@ def _probabilities(
 
 
 @triton.jit
-def _score_grad(p, dp, delta, tanh_arg, HAS_SOFTCAP: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """dL/d(scale * qk): softmax gradient, then the softcap chain rule (SPEC 3.4)."""
+def _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """(dL/d logit, dL/d(scale * qk)): the softmax gradient -- which is also the bias gradient,
+    the bias being added to the logit -- then the softcap chain rule (SPEC 3.4)."""
     if TRANSPOSED:
-        ds = p * (dp - delta[None, :])
+        ds_logit = p * (dp - delta[None, :])
     else:
-        ds = p * (dp - delta[:, None])
+        ds_logit = p * (dp - delta[:, None])
     if HAS_SOFTCAP:
-        ds = ds * (1.0 - tanh_arg * tanh_arg)
-    return ds
+        return ds_logit, ds_logit * (1.0 - tanh_arg * tanh_arg)
+    else:
+        return ds_logit, ds_logit
+
+
+# How the dK/dV pass writes the bias gradient (DBIAS constexpr); DBIAS_PASS: it writes none, the
+# deterministic ``_bias_grad_kernel`` does (host side only).
+DBIAS_OFF, DBIAS_STORE, DBIAS_ATOMIC, DBIAS_PASS = 0, 1, 2, 3
+
+
+@triton.jit
+def _write_bias_grad(ds_logit, base, offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k,
+                     MODE: tl.constexpr, SUM_Q: tl.constexpr, SUM_K: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A tile's bias gradient into one (batch, head) of the (B|1, H|1, Sq|1, Sk|1) gradient at
+    ``base``: summed over the tile's rows (``SUM_Q``: the bias has one query row) and/or keys
+    (``SUM_K``), then stored (``MODE == DBIAS_STORE``: the caller owns these entries) or added
+    with fp32 atomics (``DBIAS_ATOMIC``: other programs add to them too)."""
+    if SUM_Q and SUM_K:
+        total = tl.sum(tl.sum(ds_logit, axis=1), axis=0)
+        if MODE == 1:  # DBIAS_STORE
+            tl.store(base, total)
+        else:
+            tl.atomic_add(base, total, sem="relaxed")
+    elif SUM_Q or SUM_K:
+        if SUM_Q:
+            values = tl.sum(ds_logit, axis=1 if TRANSPOSED else 0)
+            ptrs, inside = base + offs_k.to(tl.int64) * stride_k, offs_k < seqlen_k
+        else:
+            values = tl.sum(ds_logit, axis=0 if TRANSPOSED else 1)
+            ptrs, inside = base + offs_q.to(tl.int64) * stride_q, offs_q < seqlen_q
+        if MODE == 1:
+            tl.store(ptrs, values, mask=inside)
+        else:
+            tl.atomic_add(ptrs, values, mask=inside, sem="relaxed")
+    else:
+        offsets, inside = broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k, TRANSPOSED)
+        if MODE == 1:
+            tl.store(base + offsets, ds_logit, mask=inside)
+        else:
+            tl.atomic_add(base + offsets, ds_logit, mask=inside, sem="relaxed")
 
 
 @triton.jit
@@ -109,9 +145,12 @@ def _dkdv_tiles(
     stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_stats, block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh, stride_dbq,
+    stride_dbk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
+    DBIAS_SUM_K: tl.constexpr, IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
@@ -141,12 +180,18 @@ def _dkdv_tiles(
         delta = tl.load(Delta + stats_offset + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
+        bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                     qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
-                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, IS_MASKED, True)
+                                     qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_base, stride_bq,
+                                     stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, IS_MASKED, True)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds_t = _score_grad(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True).to(q.dtype)
+        dlogit_t, ds_t = _score_grads(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True)
+        if DBIAS != 0:
+            _write_bias_grad(dlogit_t, head_base(DBias, batch, head // bias_head_div, stride_dbb, stride_dbh),
+                             offs_m, offs_n, seqlen_q, seqlen_k, stride_dbq, stride_dbk, DBIAS, DBIAS_SUM_Q,
+                             DBIAS_SUM_K, True)
+        ds_t = ds_t.to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
@@ -163,7 +208,7 @@ def _dkdv_tiles(
 @triton.jit
 def _dkdv_program(
     n_block, batch, head_kv,
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, q_desc, do_desc, dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, Bias, DBias, q_desc, do_desc, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -172,11 +217,13 @@ def _dkdv_program(
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
     stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr, DBIAS_SUM_K: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
@@ -204,8 +251,10 @@ def _dkdv_program(
         stride_stats,
         interior_begin, interior_end, interior_end, interior_end, offs_n, seqlen_q, seqlen_k, window_left,
         window_right, qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
-        mask_head_div, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
-        HAS_MASK,  # a user mask can empty a row on any tile: the interior walk takes the guarded path too
+        mask_head_div, Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh,
+        stride_dbq, stride_dbk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_MASK, HAS_BIAS, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
+        HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: the interior walk is guarded too
         ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
     dk, dv = _dkdv_tiles(
         dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
@@ -213,7 +262,9 @@ def _dkdv_program(
         stride_stats,
         begin, end, interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
         qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
+        Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh, stride_dbq,
+        stride_dbk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
+        HAS_BIAS, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True,
         ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
@@ -226,10 +277,11 @@ def _dkdv_program(
 def _dq_tiles(
     dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
     block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-    mask_base, stride_mq, stride_mk,
+    mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_N)
     for n_block in range(block_begin, block_end):
@@ -241,10 +293,10 @@ def _dq_tiles(
                        IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                     qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
-                                     HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, IS_MASKED, False)
+                                     qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_base, stride_bq,
+                                     stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, IS_MASKED, False)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = _score_grad(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
+        _, ds = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -252,22 +304,24 @@ def _dq_tiles(
 @triton.jit
 def _dq_program(
     m_block, batch, head,
-    Q, K, V, DOut, Lse2, Delta, DQ, Mask, k_desc, v_desc,
+    Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos,
     stride_dqb, stride_dqh, stride_dqs,
     stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """dQ of one query block of one query head, in registers: a fixed summation order."""
     mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
+    bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
     batch_head = batch * heads_q + head
     head_kv = head // group_size
     start_m = m_block * BLOCK_M
@@ -291,22 +345,23 @@ def _dq_program(
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
-        HAS_MASK,  # a user mask can empty a row on any tile: the interior walk is guarded too
+        mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+        HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: the interior walk is guarded too
         DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
             begin, interior_begin, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            mask_base, stride_mq, stride_mk,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
+            mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+            True,
             DOT_PRECISION, TMA_LOADS)
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_end, end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
+        mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, True,
         DOT_PRECISION, TMA_LOADS)
     store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
@@ -316,7 +371,7 @@ def _dq_program(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks"])
 def _backward_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, q_desc, do_desc, k_desc, v_desc, dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, q_desc, do_desc, k_desc, v_desc, dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -325,11 +380,13 @@ def _backward_kernel(
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
     stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale, key_blocks, query_blocks, dkdv_programs, dkdv_block_major,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr, DBIAS_SUM_K: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
@@ -355,14 +412,15 @@ def _backward_kernel(
                 batch_head_kv = pid // key_blocks
             _dkdv_program(
                 n_block, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
-                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, q_desc, do_desc, dq_desc,
+                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, q_desc, do_desc, dq_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
                 stride_dvs, stride_dqb, stride_dqh, stride_dqs, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+                stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
+                HAS_MASK, HAS_BIAS, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -372,36 +430,117 @@ def _backward_kernel(
                 m_block = query_blocks - 1 - m_block
             _dq_program(
                 m_block, batch_head // heads_q, batch_head % heads_q,
-                Q, K, V, DOut, Lse2, Delta, DQ, Mask, k_desc, v_desc,
+                Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, k_desc, v_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
                 stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+                stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, DOT_PRECISION, DQ_TMA_LOADS)
+                HAS_MASK, HAS_BIAS, DOT_PRECISION, DQ_TMA_LOADS)
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _bias_grad_kernel(
+    Q, K, V, DOut, Lse2, Delta, Mask, Bias, DBias,
+    stride_qb, stride_qh, stride_qs,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_dob, stride_doh, stride_dos,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
+    seqlen_q, seqlen_k, batch_size, heads_q, group_size, window_left, window_right, stride_stats,
+    qk_scale, softcap_log2, bias_batches, bias_heads, q_tiles, k_tiles,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr, DBIAS_SUM_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The bias gradient of a broadcast bias, bitwise reproducible (``deterministic=True``): one
+    program per output tile -- (bias batch, bias head, query block, key block), a broadcast query
+    or key dim counting as one block -- sums, in a fixed order, the softmax gradient of every tile
+    that maps onto it: each batch (bias batch dim 1), each query head of the bias head, each query
+    block (bias Sq = 1) and each key block (bias Sk = 1). It recomputes p and dp (2 matmuls per
+    tile), which is the price of not summing with atomics in the dK/dV pass."""
+    pid = tl.program_id(0)
+    out_n = pid % k_tiles
+    out_m = (pid // k_tiles) % q_tiles
+    bias_head = (pid // (k_tiles * q_tiles)) % bias_heads
+    bias_batch = pid // (k_tiles * q_tiles * bias_heads)
+    batches = batch_size // bias_batches  # 1, or every batch for a bias shared by the batch
+    heads_per_bias_head = heads_q // bias_heads
+    m_count = tl.cdiv(seqlen_q, BLOCK_M) if DBIAS_SUM_Q else 1
+    n_count = tl.cdiv(seqlen_k, BLOCK_N) if DBIAS_SUM_K else 1
+    offs_m_tile = tl.arange(0, BLOCK_M)
+    offs_n_tile = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(batches * heads_per_bias_head * m_count * n_count):
+        n_block = out_n + step % n_count
+        m_block = out_m + (step // n_count) % m_count
+        member = step // (n_count * m_count)
+        head = bias_head * heads_per_bias_head + member % heads_per_bias_head
+        batch = bias_batch + member // heads_per_bias_head
+        begin, _, _, end = key_blocks_for_query_block(
+            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        if (n_block >= begin) & (n_block < end):  # a tile with a kept pair
+            head_kv = head // group_size
+            start_m = m_block * BLOCK_M
+            start_n = n_block * BLOCK_N
+            offs_m = start_m + offs_m_tile
+            offs_n = start_n + offs_n_tile
+            q = load_tile(tile_ptrs(head_base(Q, batch, head, stride_qb, stride_qh), start_m, stride_qs, offs_m_tile,
+                                    offs_d), offs_m, seqlen_q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+            do = load_tile(tile_ptrs(head_base(DOut, batch, head, stride_dob, stride_doh), start_m, stride_dos,
+                                     offs_m_tile, offs_dv), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True,
+                           HEAD_DIM_V != BLOCK_DV)
+            k = load_tile(tile_ptrs(head_base(K, batch, head_kv, stride_kb, stride_kh), start_n, stride_ks,
+                                    offs_n_tile, offs_d), offs_n, seqlen_k, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+            v = load_tile(tile_ptrs(head_base(V, batch, head_kv, stride_vb, stride_vh), start_n, stride_vs,
+                                    offs_n_tile, offs_dv), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True,
+                          HEAD_DIM_V != BLOCK_DV)
+            stats_offset = (batch * heads_q + head).to(tl.int64) * stride_stats
+            lse2 = tl.load(Lse2 + stats_offset + offs_m, mask=offs_m < stride_stats, other=float("inf"))
+            delta = tl.load(Delta + stats_offset + offs_m, mask=offs_m < stride_stats, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            p, tanh_arg = _probabilities(
+                qk, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+                head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh), stride_mq, stride_mk,
+                head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), stride_bq, stride_bk,
+                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, True, False)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            dlogit, _ = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
+            acc += dlogit
+    _write_bias_grad(acc, head_base(DBias, bias_batch, bias_head, stride_dbb, stride_dbh),
+                     out_m * BLOCK_M + offs_m_tile, out_n * BLOCK_N + offs_n_tile, seqlen_q, seqlen_k,
+                     stride_dbq, stride_dbk, 1, DBIAS_SUM_Q, DBIAS_SUM_K, False)  # 1: DBIAS_STORE
 
 
 # ----------------------------------------------------------------------------- launcher
 
 
 def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
-                       mask: torch.Tensor | None = None):
-    """Returns (dq, dk, dv), each in the layout and dtype of its input. ``mask``: as for
-    ``fwd.attention_forward`` (4-D uint8, 1 = attend)."""
+                       mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False):
+    """Returns (dq, dk, dv, dbias), dq/dk/dv each in the layout and dtype of its input. ``mask``,
+    ``bias``: as for ``fwd.attention_forward``. ``dbias`` (with ``bias_grad``, else None) has the
+    bias's 4-D shape and dtype: the gradient summed over the bias's broadcast dims (SPEC 3.3)."""
     layout = spec.layout
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, layout).shape[1:]
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_()
+        dbias = torch.zeros_like(bias) if bias_grad else None
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_(), dbias
     qk_scale, softcap_log2 = score_constants(spec)
     flags = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_dim(head_dim), BLOCK_DV=padded_dim(head_dim_v),
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
-        HAS_MASK=mask is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
     )
+    dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec)
 
     # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
     pre_block_m = configs.preprocess_block_m
@@ -417,7 +556,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
 
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
     atomic_dq = configs.atomic_dq and not spec.deterministic
-    if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask):
+    if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias):
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     block_major = dkdv_block_major(spec, heads_q // heads_kv)
     if atomic_dq:
@@ -427,9 +566,9 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg, block_major,
-                                  dq_buffer if atomic_dq else None, mask)
-    if gluon_dkdv and atomic_dq:  # the Gluon pass computed all three gradients
-        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv
+                                  dq_buffer if atomic_dq else None, mask, bias)
+    if gluon_dkdv and atomic_dq:  # the Gluon pass computed all three gradients (it takes no bias)
+        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, None
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
         dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     if atomic_dq:
@@ -447,9 +586,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m, dkdv_cfg.tma_loads)
     dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n, dq_cfg.tma_loads)
     mask_args = broadcast_args(mask, heads_q, heads_kv, lse2)
-    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, mask_args[0])
+    bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
+    dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
+    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, mask_args[0], bias_args[0], dbias_args[0])
     scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-               *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides, *mask_args[1:],
+               *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides, *mask_args[1:], *bias_args[1:],
+               *dbias_args[1:5],
                # group_size is passed, not derived in the kernel: Triton specialises an int argument
                # equal to 1, which removes the group walk's index arithmetic for MHA.
                seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,
@@ -458,6 +600,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     constexprs = dict(
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
         DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and configs.dq_tma,
+        DBIAS=dbias_mode if dbias_mode != DBIAS_PASS else DBIAS_OFF, **bias_grad_sums(bias),
         # Boundary stretches of the dK/dV pass run a few tiles per program: pipelining them buys
         # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
@@ -476,9 +619,56 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     else:
         launch(dkdv_programs, dkdv_programs, True, False, dkdv_cfg)
         launch(dq_programs, 0, False, True, dq_cfg)
+    if dbias_mode == DBIAS_PASS:
+        _bias_grad_pass(q, k, v, dout, lse2, delta, mask_args, bias_args, dbias_args, spec, dq_cfg, flags)
+    elif dbias_mode == DBIAS_ATOMIC:
+        dbias = dbias.to(bias.dtype)
     if atomic_dq:
-        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv
-    return dq_buffer, dk, dv
+        dq_buffer = from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype)
+    return dq_buffer, dk, dv, dbias
+
+
+def bias_grad_plan(bias: torch.Tensor | None, full_shape: tuple, spec: AttentionSpec):
+    """(how the dK/dV pass writes the bias gradient, the buffer it writes). A bias of the full
+    (B, Hq, Sq, Sk) shape gets one value per entry from one program: stored, in the bias dtype.
+    A broadcast bias sums over programs: fp32 atomics, or with ``deterministic`` a pass of its own
+    that sums in a fixed order (``_bias_grad_kernel``)."""
+    if bias is None:
+        return DBIAS_OFF, None
+    if tuple(bias.shape) == full_shape:
+        # Tiles outside the window are never visited: they keep the zeros they start with.
+        windowed = spec.has_window_left or spec.has_window_right
+        return DBIAS_STORE, (torch.zeros_like if windowed else torch.empty_like)(bias, memory_format=torch.contiguous_format)
+    if spec.deterministic:
+        return DBIAS_PASS, torch.empty_like(bias, memory_format=torch.contiguous_format)
+    return DBIAS_ATOMIC, torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+
+
+def bias_grad_sums(bias: torch.Tensor | None) -> dict:
+    """The constexprs that say over which of a tile's axes the bias gradient sums (the bias has
+    one query row / one key column)."""
+    return dict(DBIAS_SUM_Q=bias is not None and bias.shape[2] == 1,
+                DBIAS_SUM_K=bias is not None and bias.shape[3] == 1)
+
+
+def _bias_grad_pass(q, k, v, dout, lse2, delta, mask_args, bias_args, dbias_args, spec: AttentionSpec,
+                    cfg: KernelConfig, flags: dict):
+    """Launch ``_bias_grad_kernel``: one program per output tile of the (broadcast) bias gradient."""
+    layout = spec.layout
+    batch, heads_q, seqlen_q, _ = to_bhsd(q, layout).shape
+    heads_kv, seqlen_k = to_bhsd(k, layout).shape[1:3]
+    bias = bias_args[0]
+    sums = bias_grad_sums(bias)
+    q_tiles = 1 if sums["DBIAS_SUM_Q"] else triton.cdiv(seqlen_q, cfg.block_m)
+    k_tiles = 1 if sums["DBIAS_SUM_K"] else triton.cdiv(seqlen_k, cfg.block_n)
+    bias_batches, bias_heads = bias.shape[0], bias.shape[1]
+    _bias_grad_kernel[(bias_batches * bias_heads * q_tiles * k_tiles,)](
+        q, k, v, dout, lse2, delta, mask_args[0], bias, dbias_args[0],
+        *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
+        *mask_args[1:], *bias_args[1:], *dbias_args[1:5],
+        seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right, lse2.shape[1],
+        *score_constants(spec), bias_batches, bias_heads, q_tiles, k_tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **sums, **flags, num_warps=cfg.num_warps, num_stages=1)
 
 
 def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
@@ -487,12 +677,12 @@ def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
     return KernelConfig(config.block_m, 64, 4, config.num_stages, config.tma_loads)
 
 
-def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=None) -> bool:
+def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=None, bias=None) -> bool:
     """Whether ``config`` names a Gluon dK/dV pass that takes this problem and can also sum dQ
     (hopper_bwd.computes_dq: D=128, 2 warpgroups, 64-row steps). Where a Gluon config's pass does
     not, dQ runs as its own pass: the fused Triton atomic programs are not what the Gluon config's
     tiles were chosen for (with 128-row steps they do not even fit shared memory)."""
-    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask):
+    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias):
         return False
     from . import hopper_bwd
 
@@ -500,11 +690,11 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
 
 
 def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-                     block_major: bool, dq_accum: torch.Tensor | None = None, mask=None) -> bool:
+                     block_major: bool, dq_accum: torch.Tensor | None = None, mask=None, bias=None) -> bool:
     """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
     takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
     nothing launched, where not (or where TMA cannot address a tensor)."""
-    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask):
+    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias):
         return False
     from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
 

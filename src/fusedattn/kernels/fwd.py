@@ -15,7 +15,7 @@ import triton.language as tl
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
-from .masking import apply_mask, apply_user_mask
+from .masking import adjust_scores
 from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 
@@ -24,10 +24,11 @@ from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softm
 def _forward_tiles(
     acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
     block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
+    qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_N)
     for n_block in range(block_begin, block_end):
@@ -37,11 +38,9 @@ def _forward_tiles(
                        IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores, _ = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
-        if IS_MASKED:
-            scores = apply_mask(scores, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                HAS_LEFT, HAS_RIGHT, False)
-        if HAS_MASK:
-            scores = apply_user_mask(scores, mask_base, offs_m, offs_n, seqlen_q, seqlen_k, stride_mq, stride_mk, False)
+        scores = adjust_scores(scores, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
+                               mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+                               HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, IS_MASKED, False)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
@@ -54,18 +53,19 @@ def _forward_tiles(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, Sinks, Mask, k_desc, v_desc,
+    Q, K, V, Out, Lse, Sinks, Mask, Bias, k_desc, v_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
     stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
     qk_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -86,6 +86,7 @@ def _forward_kernel(
     k_base = head_base(K, batch, head_kv, stride_kb, stride_kh)
     v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
     mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
+    bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
     q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
                   offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
@@ -96,22 +97,23 @@ def _forward_kernel(
     acc, row_max, row_sum = _forward_tiles(
         acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
-        HAS_MASK,  # a user mask can empty a row on any tile: the softmax then guards every tile
+        qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+        HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: guard every tile
         DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
             begin, interior_begin, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            mask_base, stride_mq, stride_mk,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
+            mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+            True,
             DOT_PRECISION, TMA_LOADS)
     acc, row_max, row_sum = _forward_tiles(
         acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
         interior_end, end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, True,
+        mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, True,
         DOT_PRECISION, TMA_LOADS)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
@@ -166,9 +168,9 @@ def triton_fallback(config: KernelConfig) -> KernelConfig:
     return KernelConfig(128, config.block_n, 8, config.num_stages, config.tma_loads)
 
 
-def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None) -> bool:
-    """Whether the Gluon kernels take the problem; they take neither sinks nor a user mask (yet)."""
-    if not q.is_cuda or sinks is not None or mask is not None:
+def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None) -> bool:
+    """Whether the Gluon kernels take the problem; they take no sinks, user mask or bias (yet)."""
+    if not q.is_cuda or sinks is not None or mask is not None or bias is not None:
         return False
     from . import hopper  # Gluon: imported only where it runs (not under the interpreter)
 
@@ -176,11 +178,12 @@ def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None) -> bool
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None):
+                      mask: torch.Tensor | None = None, bias: torch.Tensor | None = None):
     """Returns (out in the user layout, lse (B, Hq, Sq) float32). ``config.hopper_overlap`` set:
     the Gluon kernel of hopper_fwd.py where it supports the problem, else this Triton kernel.
     ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator (SPEC 3.5).
-    ``mask``: the user's boolean mask as 4-D uint8 (B|1, Hq|Hkv|1, Sq|1, Sk|1), 1 = attend."""
+    ``mask``: the user's boolean mask as 4-D uint8 (B|1, Hq|Hkv|1, Sq|1, Sk|1), 1 = attend.
+    ``bias``: the user's additive bias, 4-D and broadcast the same way, any float dtype."""
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -192,7 +195,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         return out.zero_(), lse.copy_(sinks.view(1, heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
-        if hopper_supports(q, k, v, spec, sinks, mask):
+        if hopper_supports(q, k, v, spec, sinks, mask, bias):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             result = hopper_fwd.attention_forward(q, k, v, spec, config)
@@ -205,15 +208,18 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads_q)
     _forward_kernel[grid](
         q, k, v, out, lse, sinks if sinks is not None else lse, mask if mask is not None else lse,
+        bias if bias is not None else lse,
         *(descs or (k, v)),
         *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
         *bhs_strides(out, spec.layout), *broadcast_args(mask, heads_q, heads_kv, lse)[1:],
+        *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
         seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
         qk_scale, softcap_log2,
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
-        HAS_SINKS=sinks is not None, HAS_MASK=mask is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
+        HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

@@ -1,7 +1,8 @@
-"""The masking functions: the keep rule of SPEC 3.2 applied to a score tile, and the user's
-boolean mask (SPEC 3.3) on top of it.
+"""The masking functions: ``adjust_scores`` applies, to a score tile, the user's bias, the keep
+rule of SPEC 3.2 (``apply_mask``) and the user's boolean mask (SPEC 3.3); forward and both
+backward passes call it, so every path modifies scores the same way.
 
-Interior tiles (see ``block_range``) never call it. The backward's dK/dV pass holds
+Interior tiles (see ``block_range``) skip the keep rule. The backward's dK/dV pass holds
 tiles transposed -- keys along rows -- and asks for ``TRANSPOSED=True``.
 Masked scores become -inf, never a large negative number: a finite stand-in leaks
 probability into masked keys on long rows.
@@ -14,6 +15,8 @@ the whole tile (boundary tiles are register-bound in the backward).
 
 import triton
 import triton.language as tl
+
+from .softmax import LOG2E
 
 
 @triton.jit
@@ -37,16 +40,37 @@ def apply_mask(
 
 
 @triton.jit
-def apply_user_mask(scores, mask_base, offs_q, offs_k, seqlen_q, seqlen_k, stride_mq, stride_mk,
-                    TRANSPOSED: tl.constexpr):
-    """The user's boolean mask (True = attend) on a score tile. ``mask_base`` points at this
-    (batch, head) of the mask viewed as (B, H, Sq, Sk) bytes; broadcast dims have stride 0.
-    Entries past Sq or Sk read as False, so padding rows and keys stay masked."""
+def broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k, TRANSPOSED: tl.constexpr):
+    """(offsets, inside) of a score tile's entries in one (batch, head) of a (B, H, Sq, Sk) mask,
+    bias or bias gradient; broadcast dims have stride 0. ``inside``: within Sq x Sk."""
     if TRANSPOSED:
-        offsets = offs_k[:, None].to(tl.int64) * stride_mk + offs_q[None, :].to(tl.int64) * stride_mq
+        offsets = offs_k[:, None].to(tl.int64) * stride_k + offs_q[None, :].to(tl.int64) * stride_q
         inside = (offs_k[:, None] < seqlen_k) & (offs_q[None, :] < seqlen_q)
     else:
-        offsets = offs_q[:, None].to(tl.int64) * stride_mq + offs_k[None, :].to(tl.int64) * stride_mk
+        offsets = offs_q[:, None].to(tl.int64) * stride_q + offs_k[None, :].to(tl.int64) * stride_k
         inside = (offs_q[:, None] < seqlen_q) & (offs_k[None, :] < seqlen_k)
-    keep = tl.load(mask_base + offsets, mask=inside, other=0) != 0
-    return tl.where(keep, scores, float("-inf"))
+    return offsets, inside
+
+
+@triton.jit
+def adjust_scores(
+    scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
+    mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    """Everything SPEC 3 does to a log2-domain score tile after scale and softcap: the user's
+    bias (times log2 e; -inf entries mask), the keep rule (boundary tiles only: ``IS_MASKED``)
+    and the user's boolean mask (True = attend). ``mask_base`` / ``bias_base`` point at this
+    (batch, head) of their 4-D tensor. Entries past Sq or Sk read bias 0 and mask False."""
+    if HAS_BIAS:
+        offsets, inside = broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_bq, stride_bk, TRANSPOSED)
+        scores += tl.load(bias_base + offsets, mask=inside, other=0.0).to(tl.float32) * LOG2E
+    if IS_MASKED:
+        scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
+                            HAS_LEFT, HAS_RIGHT, TRANSPOSED)
+    if HAS_MASK:
+        offsets, inside = broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_mq, stride_mk, TRANSPOSED)
+        keep = tl.load(mask_base + offsets, mask=inside, other=0) != 0
+        scores = tl.where(keep, scores, float("-inf"))
+    return scores
