@@ -94,8 +94,8 @@ def _resource_usage(cubin: bytes) -> dict:
 def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     """Prints one line per kernel; returns how many failed to compile or had their wgmmas serialised."""
     torch_dtype = TYPES[dtype]
-    flags = dict(dict(HAS_MASK=False, HAS_SINKS=False, HAS_BIAS=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False),
-                 **flags)
+    flags = dict(dict(HAS_MASK=False, HAS_SINKS=False, HAS_BIAS=False, BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False,
+                      DBIAS_SUM_K=False), **flags)
     configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
                             flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)
@@ -119,6 +119,19 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     split = dict(ATOMIC_DQ=False, DQ_TMA=False)
     triton_forward = fwd.triton_fallback(configs.forward) if configs.forward.hopper_overlap is not None \
         else configs.forward
+    if flags["HAS_BIAS"]:  # as fwd.attention_forward launches it
+        triton_forward = replace(triton_forward, block_n=min(triton_forward.block_n, 64))
+    bias_descs = {}
+    if flags["BIAS_TMA"]:  # the bias and its gradient through TMA (memory.bias_descriptor)
+        dbias_type = "fp32" if flags["DBIAS"] == bwd.DBIAS_ATOMIC else dtype
+
+        def tile(rows, cols, ty=dtype):
+            return f"tensordesc<{ty}[1,1,{rows},{cols}]>"
+
+        bias_descs = dict(bias_desc=tile(triton_forward.block_m, triton_forward.block_n),
+                          bias_dkdv_desc=tile(configs.dkdv.block_m, configs.dkdv.block_n),
+                          bias_dq_desc=tile(configs.dq.block_m, configs.dq.block_n),
+                          dbias_desc=tile(configs.dkdv.block_m, configs.dkdv.block_n, dbias_type))
     jobs = [
         ("forward", fwd._forward_kernel, triton_forward, {}, descs(triton_forward.block_n, "k_desc", "v_desc")),
         ("bwd dkdv", bwd._backward_kernel, configs.dkdv, dict(split, group_size=1, RUN_DKDV=True, RUN_DQ=False),
@@ -146,7 +159,8 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
             constexprs = dict(common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA_LOADS=tma_loads, **extra)
         shown = f"{name:<13} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
         try:
-            r = compile_kernel(kernel, dtype, constexprs, cfg.num_warps, cfg.num_stages, fp32_ptrs, descriptors)
+            r = compile_kernel(kernel, dtype, constexprs, cfg.num_warps, cfg.num_stages, fp32_ptrs,
+                               {**descriptors, **bias_descs})
             sass_hint = "wgmma" if "wgmma" in r["asm"].get("ptx", "") else "mma"
             serial = f"  WGMMA SERIALIZED: {r['serialized']}" if r["serialized"] else ""
             problems += bool(r["serialized"])
@@ -276,10 +290,13 @@ def main() -> None:
         "window": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=False),
         # a user mask and sinks: the Triton kernels (the Gluon ones decline them)
         "causal+mask+sinks": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True, HAS_SINKS=True),
-        # a trainable bias: full shape (its gradient stored), and shared by the batch (added by atomics)
-        "bias": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True, DBIAS=bwd.DBIAS_STORE),
-        "causal+bias-atomic": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_BIAS=True,
+        # a trainable bias: full shape (its gradient stored; through TMA, as on the GPU where the bias is aligned), and shared by the batch (added by atomics)
+        "bias": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True, BIAS_TMA=True,
+                     DBIAS=bwd.DBIAS_STORE),
+        "causal+bias-atomic": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_BIAS=True, BIAS_TMA=True,
                                    DBIAS=bwd.DBIAS_ATOMIC),
+        "bias-pointers": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True,
+                              DBIAS=bwd.DBIAS_STORE),
     }
     problems = 0
     for d in map(int, args.head_dims.split(",")):

@@ -36,23 +36,23 @@ from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from .fwd import bhs_strides, broadcast_args, dot_precision, hopper_supports, padded_dim, score_constants
-from .masking import adjust_scores, broadcast_tile_offsets
-from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
+from .masking import adjust_scores, bias_indices, broadcast_tile_offsets
+from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
 
 
 @triton.jit
 def _probabilities(
-    qk, lse2, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-    mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+    qk, lse2, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+    softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
     scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
-    scores = adjust_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
-                           mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-                           HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, IS_MASKED, TRANSPOSED)
+    scores = adjust_scores(scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
+                           mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq,
+                           stride_bk, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED, TRANSPOSED)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -80,12 +80,15 @@ DBIAS_OFF, DBIAS_STORE, DBIAS_ATOMIC, DBIAS_PASS = 0, 1, 2, 3
 
 
 @triton.jit
-def _write_bias_grad(ds_logit, base, offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k,
-                     MODE: tl.constexpr, SUM_Q: tl.constexpr, SUM_K: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _write_bias_grad(ds_logit, desc, base, bias_batch, bias_head, start_q, start_k, offs_q, offs_k, seqlen_q,
+                     seqlen_k, stride_q, stride_k, MODE: tl.constexpr, SUM_Q: tl.constexpr, SUM_K: tl.constexpr,
+                     USE_DESC: tl.constexpr, TRANSPOSED: tl.constexpr):
     """A tile's bias gradient into one (batch, head) of the (B|1, H|1, Sq|1, Sk|1) gradient at
     ``base``: summed over the tile's rows (``SUM_Q``: the bias has one query row) and/or keys
     (``SUM_K``), then stored (``MODE == DBIAS_STORE``: the caller owns these entries) or added
-    with fp32 atomics (``DBIAS_ATOMIC``: other programs add to them too)."""
+    with fp32 atomics (``DBIAS_ATOMIC``: other programs add to them too). ``USE_DESC`` (no sums): a
+    TMA descriptor over the gradient's own shape, written at (``bias_batch``, ``bias_head``), as
+    ``masking.load_bias_tile`` reads the bias."""
     if SUM_Q and SUM_K:
         total = tl.sum(tl.sum(ds_logit, axis=1), axis=0)
         if MODE == 1:  # DBIAS_STORE
@@ -103,6 +106,13 @@ def _write_bias_grad(ds_logit, base, offs_q, offs_k, seqlen_q, seqlen_k, stride_
             tl.store(ptrs, values, mask=inside)
         else:
             tl.atomic_add(ptrs, values, mask=inside, sem="relaxed")
+    elif USE_DESC:  # the copy engine drops the entries past Sq and Sk
+        tile = tl.trans(ds_logit) if TRANSPOSED else ds_logit
+        tile = tile.reshape(1, 1, desc.block_shape[2], desc.block_shape[3]).to(desc.dtype)
+        if MODE == 1:
+            desc.store([bias_batch, bias_head, start_q, start_k], tile)
+        else:
+            desc.atomic_add([bias_batch, bias_head, start_q, start_k], tile)
     else:
         offsets, inside = broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k, TRANSPOSED)
         if MODE == 1:
@@ -146,10 +156,10 @@ def _dkdv_tiles(
     stride_stats, block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
     Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh, stride_dbq,
-    stride_dbk,
+    stride_dbk, bias_desc, dbias_desc, start_n,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
     DBIAS_SUM_K: tl.constexpr, IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
@@ -181,16 +191,20 @@ def _dkdv_tiles(
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
         bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
-        p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                     qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_base, stride_bq,
-                                     stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, IS_MASKED, True)
+        bias_batch, bias_head = bias_indices(batch, head, stride_bb, stride_bh, bias_head_div)
+        p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
+                                     window_right, qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc,
+                                     bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT,
+                                     HAS_SOFTCAP, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED, True)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dlogit_t, ds_t = _score_grads(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True)
         if DBIAS != 0:
-            _write_bias_grad(dlogit_t, head_base(DBias, batch, head // bias_head_div, stride_dbb, stride_dbh),
+            # the gradient has the bias's shape: the same slice indices
+            _write_bias_grad(dlogit_t, dbias_desc, head_base(DBias, batch, head // bias_head_div, stride_dbb,
+                                                             stride_dbh), bias_batch, bias_head, start_m, start_n,
                              offs_m, offs_n, seqlen_q, seqlen_k, stride_dbq, stride_dbk, DBIAS, DBIAS_SUM_Q,
-                             DBIAS_SUM_K, True)
+                             DBIAS_SUM_K, BIAS_TMA, True)
         ds_t = ds_t.to(q.dtype)
         dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
@@ -208,7 +222,7 @@ def _dkdv_tiles(
 @triton.jit
 def _dkdv_program(
     n_block, batch, head_kv,
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, Bias, DBias, q_desc, do_desc, dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, Bias, DBias, q_desc, do_desc, dq_desc, bias_desc, dbias_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -223,8 +237,8 @@ def _dkdv_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr, DBIAS_SUM_K: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
+    DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head, summed over the query heads of its group."""
@@ -252,8 +266,8 @@ def _dkdv_program(
         interior_begin, interior_end, interior_end, interior_end, offs_n, seqlen_q, seqlen_k, window_left,
         window_right, qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
         mask_head_div, Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh,
-        stride_dbq, stride_dbk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        HAS_MASK, HAS_BIAS, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
+        stride_dbq, stride_dbk, bias_desc, dbias_desc, start_n, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
         HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: the interior walk is guarded too
         ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
     dk, dv = _dkdv_tiles(
@@ -263,8 +277,8 @@ def _dkdv_program(
         begin, end, interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
         qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
         Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh, stride_dbq,
-        stride_dbk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
-        HAS_BIAS, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True,
+        stride_dbk, bias_desc, dbias_desc, start_n, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT,
+        HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True,
         ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
@@ -276,11 +290,11 @@ def _dkdv_program(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-    block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-    mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+    block_begin, block_end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+    mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA_LOADS: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_N)
@@ -292,9 +306,10 @@ def _dq_tiles(
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                                     qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_base, stride_bq,
-                                     stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, IS_MASKED, False)
+        p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
+                                     window_right, qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc,
+                                     bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT,
+                                     HAS_SOFTCAP, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED, False)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         _, ds = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -304,7 +319,7 @@ def _dq_tiles(
 @triton.jit
 def _dq_program(
     m_block, batch, head,
-    Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, k_desc, v_desc,
+    Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, k_desc, v_desc, bias_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -317,11 +332,12 @@ def _dq_program(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     """dQ of one query block of one query head, in registers: a fixed summation order."""
     mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
     bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
+    bias_batch, bias_head = bias_indices(batch, head, stride_bb, stride_bh, bias_head_div)
     batch_head = batch * heads_q + head
     head_kv = head // group_size
     start_m = m_block * BLOCK_M
@@ -344,24 +360,25 @@ def _dq_program(
         m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-        interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+        interior_begin, interior_end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+        mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-        HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: the interior walk is guarded too
+        BIAS_TMA, HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: guard every tile
         DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         dq = _dq_tiles(
             dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-            begin, interior_begin, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+            begin, interior_begin, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+            mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-            True,
+            BIAS_TMA, True,
             DOT_PRECISION, TMA_LOADS)
     dq = _dq_tiles(
         dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-        interior_end, end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, True,
+        interior_end, end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+        mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+        BIAS_TMA, True,
         DOT_PRECISION, TMA_LOADS)
     store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
@@ -372,6 +389,7 @@ def _dq_program(
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks"])
 def _backward_kernel(
     Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, q_desc, do_desc, k_desc, v_desc, dq_desc,
+    bias_dkdv_desc, bias_dq_desc, dbias_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -386,8 +404,8 @@ def _backward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr, DBIAS_SUM_K: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
+    DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
 ):
@@ -412,7 +430,8 @@ def _backward_kernel(
                 batch_head_kv = pid // key_blocks
             _dkdv_program(
                 n_block, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
-                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, q_desc, do_desc, dq_desc,
+                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, q_desc, do_desc, dq_desc, bias_dkdv_desc,
+                dbias_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
                 stride_dvs, stride_dqb, stride_dqh, stride_dqs, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
@@ -420,7 +439,7 @@ def _backward_kernel(
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, HAS_BIAS, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
+                HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -430,7 +449,7 @@ def _backward_kernel(
                 m_block = query_blocks - 1 - m_block
             _dq_program(
                 m_block, batch_head // heads_q, batch_head % heads_q,
-                Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, k_desc, v_desc,
+                Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, k_desc, v_desc, bias_dq_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
                 stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
@@ -438,7 +457,7 @@ def _backward_kernel(
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, HAS_BIAS, DOT_PRECISION, DQ_TMA_LOADS)
+                HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
@@ -483,7 +502,7 @@ def _bias_grad_kernel(
         member = step // (n_count * m_count)
         head = bias_head * heads_per_bias_head + member % heads_per_bias_head
         batch = bias_batch + member // heads_per_bias_head
-        begin, _, _, end = key_blocks_for_query_block(
+        begin, interior_begin, interior_end, end = key_blocks_for_query_block(
             m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
         if (n_block >= begin) & (n_block < end):  # a tile with a kept pair
             head_kv = head // group_size
@@ -506,16 +525,16 @@ def _bias_grad_kernel(
             delta = tl.load(Delta + stats_offset + offs_m, mask=offs_m < stride_stats, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             p, tanh_arg = _probabilities(
-                qk, lse2, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-                head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh), stride_mq, stride_mk,
-                head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), stride_bq, stride_bk,
-                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, True, False)
+                qk, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+                softcap_log2, head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh), stride_mq,
+                stride_mk, Bias, head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), 0, 0, stride_bq,
+                stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, False, True, False)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             dlogit, _ = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
             acc += dlogit
-    _write_bias_grad(acc, head_base(DBias, bias_batch, bias_head, stride_dbb, stride_dbh),
+    _write_bias_grad(acc, DBias, head_base(DBias, bias_batch, bias_head, stride_dbb, stride_dbh), 0, 0, 0, 0,
                      out_m * BLOCK_M + offs_m_tile, out_n * BLOCK_N + offs_n_tile, seqlen_q, seqlen_k,
-                     stride_dbq, stride_dbk, 1, DBIAS_SUM_Q, DBIAS_SUM_K, False)  # 1: DBIAS_STORE
+                     stride_dbq, stride_dbk, 1, DBIAS_SUM_Q, DBIAS_SUM_K, False, False)  # 1: DBIAS_STORE, pointers
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -588,6 +607,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     mask_args = broadcast_args(mask, heads_q, heads_kv, lse2)
     bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
     dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
+    # The bias (and its gradient) through TMA where all three descriptors can be made; else pointers.
+    bias_descs = [bias_descriptor(bias, dkdv_cfg.block_m, dkdv_cfg.block_n),
+                  bias_descriptor(bias, dq_cfg.block_m, dq_cfg.block_n),
+                  bias_descriptor(dbias, dkdv_cfg.block_m, dkdv_cfg.block_n) if dbias_mode in (DBIAS_STORE, DBIAS_ATOMIC)
+                  else lse2]
+    bias_tma = all(d is not None for d in bias_descs)
+    if not bias_tma:
+        bias_descs = [lse2] * 3
     tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, mask_args[0], bias_args[0], dbias_args[0])
     scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
                *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides, *mask_args[1:], *bias_args[1:],
@@ -600,7 +627,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     constexprs = dict(
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
         DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and configs.dq_tma,
-        DBIAS=dbias_mode if dbias_mode != DBIAS_PASS else DBIAS_OFF, **bias_grad_sums(bias),
+        DBIAS=dbias_mode if dbias_mode != DBIAS_PASS else DBIAS_OFF, **bias_grad_sums(bias), BIAS_TMA=bias_tma,
         # Boundary stretches of the dK/dV pass run a few tiles per program: pipelining them buys
         # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
@@ -609,6 +636,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         dkdv_tma, dq_tma = run_dkdv and dkdv_descs is not None, run_dq and dq_descs is not None
         _backward_kernel[(programs,)](
             *tensors, *(dkdv_descs if dkdv_tma else (q, dout)), *(dq_descs if dq_tma else (k, v)), dq_target,
+            *bias_descs,
             *scalars, first_dq_program, int(block_major), RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma,
             DQ_TMA_LOADS=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
 

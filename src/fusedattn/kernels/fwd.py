@@ -8,6 +8,8 @@ three call ``_forward_tiles`` with ``IS_MASKED`` as a constexpr.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -15,19 +17,20 @@ import triton.language as tl
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
-from .masking import adjust_scores
-from .memory import head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
+from .masking import adjust_scores, bias_indices
+from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 
 
 @triton.jit
 def _forward_tiles(
     acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-    block_begin, block_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+    block_begin, block_end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right,
+    qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head,
+    stride_bq, stride_bk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, IS_MASKED: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     offs_tile = tl.arange(0, BLOCK_N)
@@ -38,9 +41,10 @@ def _forward_tiles(
                        IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores, _ = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
-        scores = adjust_scores(scores, offs_m, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-                               mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-                               HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, IS_MASKED, False)
+        scores = adjust_scores(scores, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left, window_right,
+                               mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head,
+                               stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED,
+                               False)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
@@ -53,7 +57,7 @@ def _forward_tiles(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, Sinks, Mask, Bias, k_desc, v_desc,
+    Q, K, V, Out, Lse, Sinks, Mask, Bias, k_desc, v_desc, bias_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -65,7 +69,8 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -87,6 +92,7 @@ def _forward_kernel(
     v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
     mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
     bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
+    bias_batch, bias_head = bias_indices(batch, head, stride_bb, stride_bh, bias_head_div)
     q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
                   offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
@@ -96,25 +102,25 @@ def _forward_kernel(
         m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, row_max, row_sum = _forward_tiles(
         acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-        interior_begin, interior_end, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+        interior_begin, interior_end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right,
+        qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head,
+        stride_bq, stride_bk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_MASK, HAS_BIAS, BIAS_TMA,
         HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: guard every tile
         DOT_PRECISION, TMA_LOADS)
     if HAS_LEFT:
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-            begin, interior_begin, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-            True,
-            DOT_PRECISION, TMA_LOADS)
+            begin, interior_begin, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+            softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq,
+            stride_bk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
+            HAS_BIAS, BIAS_TMA, True, DOT_PRECISION, TMA_LOADS)
     acc, row_max, row_sum = _forward_tiles(
         acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-        interior_end, end, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, True,
-        DOT_PRECISION, TMA_LOADS)
+        interior_end, end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
+        mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+        BIAS_TMA, True, DOT_PRECISION, TMA_LOADS)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     o_base = head_base(Out, batch, head, stride_ob, stride_oh)
@@ -202,6 +208,10 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
             if result is not None:
                 return result
         config = triton_fallback(config)
+    if bias is not None and config.block_n > 64:
+        # A 128x128 bias tile per stage on top of the K/V stages would overflow shared memory.
+        config = replace(config, block_n=64)
+    bias_desc = bias_descriptor(bias, config.block_m, config.block_n)
     qk_scale, softcap_log2 = score_constants(spec)
     block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
     descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)
@@ -209,7 +219,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     _forward_kernel[grid](
         q, k, v, out, lse, sinks if sinks is not None else lse, mask if mask is not None else lse,
         bias if bias is not None else lse,
-        *(descs or (k, v)),
+        *(descs or (k, v)), bias_desc if bias_desc is not None else lse,
         *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
         *bhs_strides(out, spec.layout), *broadcast_args(mask, heads_q, heads_kv, lse)[1:],
         *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
@@ -219,7 +229,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
         HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
-        HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

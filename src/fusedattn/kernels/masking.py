@@ -53,19 +53,48 @@ def broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_
 
 
 @triton.jit
+def bias_indices(batch, head, stride_b, stride_h, head_div):
+    """(batch, head) of a query head's slice in a bias's own (B|1, Hq|Hkv|1, ...) shape: 0 on a
+    broadcast dim (stride 0), ``head // head_div`` for one bias per KV group."""
+    return tl.where(stride_b == 0, 0, batch), tl.where(stride_h == 0, 0, head // head_div)
+
+
+@triton.jit
+def load_bias_tile(desc, base, bias_batch, bias_head, start_q, start_k, offs_q, offs_k, seqlen_q, seqlen_k,
+                   stride_q, stride_k, USE_DESC: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The bias of a score tile as float32, 0 past Sq or Sk (keys along rows when ``TRANSPOSED``).
+
+    ``USE_DESC``: ``desc`` is a TMA descriptor over the bias's own (B|1, H|Hkv|1, Sq, Sk) shape with
+    block (1, 1, queries, keys), read at (``bias_batch``, ``bias_head``): the copy engine does the
+    addressing and the zero fill, so no tile of pointers lives in registers (with pointers the D=128
+    kernels spilled hundreds of bytes, benchmarks/NOTES.md v22). Otherwise pointers from ``base``,
+    this (batch, head)'s start, with broadcast dims at stride 0."""
+    if USE_DESC:
+        tile = desc.load([bias_batch, bias_head, start_q, start_k])
+        tile = tile.reshape(desc.block_shape[2], desc.block_shape[3]).to(tl.float32)
+        if TRANSPOSED:
+            return tl.trans(tile)
+        return tile
+    else:
+        offsets, inside = broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k, TRANSPOSED)
+        return tl.load(base + offsets, mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def adjust_scores(
-    scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
-    mask_base, stride_mq, stride_mk, bias_base, stride_bq, stride_bk,
+    scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
+    mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+    BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """Everything SPEC 3 does to a log2-domain score tile after scale and softcap: the user's
     bias (times log2 e; -inf entries mask), the keep rule (boundary tiles only: ``IS_MASKED``)
     and the user's boolean mask (True = attend). ``mask_base`` / ``bias_base`` point at this
-    (batch, head) of their 4-D tensor. Entries past Sq or Sk read bias 0 and mask False."""
+    (batch, head) of their 4-D tensor; the bias may come through a descriptor (``load_bias_tile``).
+    Entries past Sq or Sk read bias 0 and mask False."""
     if HAS_BIAS:
-        offsets, inside = broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_bq, stride_bk, TRANSPOSED)
-        scores += tl.load(bias_base + offsets, mask=inside, other=0.0).to(tl.float32) * LOG2E
+        scores += load_bias_tile(bias_desc, bias_base, bias_batch, bias_head, start_q, start_k, offs_q, offs_k,
+                                 seqlen_q, seqlen_k, stride_bq, stride_bk, BIAS_TMA, TRANSPOSED) * LOG2E
     if IS_MASKED:
         scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT, TRANSPOSED)

@@ -84,3 +84,17 @@ def loop_descriptors(pairs, layout: str, block_rows: int, use: bool):
         return None
     descs = [block_descriptor(to_bhsd(t, layout), block_rows, cols) for t, cols in pairs]
     return None if any(d is None for d in descs) else descs
+
+
+def bias_descriptor(t: torch.Tensor | None, block_q: int, block_k: int):
+    """A TMA descriptor over a 4-D bias (or its gradient) in its own (B|1, H|1, Sq, Sk) shape with
+    block (1, 1, block_q, block_k), or None where tiles cannot come through TMA: on CPU, a broadcast
+    query or key dim (those read one row or column, by pointers), an expanded dim (stride 0, size
+    > 1), or an unaligned tensor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if t is None or not t.is_cuda or t.shape[2] == 1 or t.shape[3] == 1 or not tma_addressable(t):
+        return None
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        return None
+    return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, block_q, block_k])
