@@ -199,6 +199,13 @@ FULL: list[Case] = [
          bias_dtype=torch.float32, dtype=torch.bfloat16),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=129, seqlen_k=127, head_dim=64, bias="rows", dtype=torch.float32,
          deterministic=True),
+    # aligned key lengths: the bias is read, and its gradient stored or added, through TMA
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_k=512, head_dim=128, bias="heads", causal=True,
+         dtype=torch.bfloat16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=333, seqlen_k=256, head_dim=64, bias="kv-heads", softcap=20.0,
+         bias_dtype=torch.float32, dtype=torch.float16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=320, seqlen_k=264, head_dim=96, bias="full", window=(40, 7),
+         lse_grad=True, dtype=torch.bfloat16),
 ]
 
 
