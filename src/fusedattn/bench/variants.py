@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 import fusedattn
 
+from .systems import Unavailable
+
 B, H, S, D = 4, 16, 4096, 128
 WINDOW = 1024  # keys each query sees in the sliding-window row, itself included
 
@@ -92,7 +94,7 @@ def _flex(variant: Variant):
             setattr(torch._dynamo.config, knob, 4096)
     compiled = torch.compile(flex_attention, dynamic=False)
     if variant.name.startswith("sinks"):
-        raise NotImplementedError("FlexAttention has no sink logit")
+        raise Unavailable("FlexAttention has no sink logit")
 
     def fn(inp: Inputs):
         mask_mod, score_mod = None, None
@@ -122,7 +124,7 @@ def _sdpa(backend_name: str, variant: Variant):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if variant.name.startswith(("sinks", "softcap")):
-        raise NotImplementedError("SDPA has no " + variant.name.split()[0])
+        raise Unavailable("SDPA has no " + variant.name.split()[0])
     backend = getattr(SDPBackend, backend_name)
 
     def fn(inp: Inputs):
@@ -185,6 +187,9 @@ def measure(variant: Variant, system: str) -> dict:
         torch.cuda.synchronize()
         peak_gb = (torch.cuda.max_memory_allocated() - before) / 2**30
         fwdbwd_ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+    except Unavailable as e:  # the peer has no such feature
+        row["note"] = f"skipped: {e}"
+        return row
     except Exception as e:  # a peer failing on a variant is a result
         first_line = str(e).splitlines()[0][:160] if str(e) else ""
         row["note"] = f"fails: {type(e).__name__}: {first_line}"
