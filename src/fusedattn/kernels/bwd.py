@@ -666,7 +666,8 @@ def bias_grad_plan(bias: torch.Tensor | None, full_shape: tuple, spec: Attention
     if tuple(bias.shape) == full_shape:
         # Tiles outside the window are never visited: they keep the zeros they start with.
         windowed = spec.has_window_left or spec.has_window_right
-        return DBIAS_STORE, (torch.zeros_like if windowed else torch.empty_like)(bias, memory_format=torch.contiguous_format)
+        allocate = torch.zeros_like if windowed else torch.empty_like
+        return DBIAS_STORE, allocate(bias, memory_format=torch.contiguous_format)
     if spec.deterministic:
         return DBIAS_PASS, torch.empty_like(bias, memory_format=torch.contiguous_format)
     return DBIAS_ATOMIC, torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
