@@ -94,14 +94,15 @@ def _resource_usage(cubin: bytes) -> dict:
 def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     """Prints one line per kernel; returns how many failed to compile or had their wgmmas serialised."""
     torch_dtype = TYPES[dtype]
-    flags = dict(dict(HAS_MASK=False, HAS_SINKS=False, HAS_BIAS=False, BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False,
+    flags = dict(dict(HAS_MASK=False, MASK_SHIFT_Q=0, MASK_SHIFT_K=0, HAS_SINKS=False, HAS_BIAS=False, BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False,
                       DBIAS_SUM_K=False), **flags)
     configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
                             flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
                   DOT_PRECISION=fwd.dot_precision(torch_dtype), **flags)
-    fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32", Sinks="fp32", Mask="u8",
+    fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32", Sinks="fp32", Mask="u8", TileLists="i32",
+                     ColumnLists="i32", RowLists="i32",
                      DBias="fp32" if flags["DBIAS"] == bwd.DBIAS_ATOMIC else dtype)
 
     def descs(rows: int, *names: str) -> dict:

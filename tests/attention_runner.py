@@ -40,21 +40,45 @@ def make_sinks(case: Case, device) -> torch.Tensor | None:
     return (2.0 * torch.randn(case.heads_q, generator=gen) + 1.0).to(device)
 
 
-def make_mask(case: Case, device) -> torch.Tensor | None:
+def make_mask(case: Case, device) -> torch.Tensor | fusedattn.BlockMask | None:
     """A random boolean mask of the case's shape (about 70% True), with a few rows and keys
-    switched off entirely (rows with no key: output 0, lse -inf or the sink)."""
+    switched off entirely (rows with no key: output 0, lse -inf or the sink). With
+    ``mask_cells``: cells of that size dropped, kept or random (a third each), so tiles of every
+    state occur. With ``mask_blocks``: a BlockMask of whole blocks, 60% of them kept."""
     if case.mask is None:
         return None
     from cases import BROADCAST_SHAPES
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 2)
     shape = BROADCAST_SHAPES[case.mask](case)
+    if case.mask_blocks:
+        block_q, block_k = case.mask_blocks
+        blocks = (*shape[:-2], -(-shape[-2] // block_q), -(-shape[-1] // block_k))
+        keep = torch.rand(blocks, generator=gen) < 0.6
+        return fusedattn.BlockMask.from_blocks(keep.to(device), case.mask_blocks, case.seqlen_q, case.seqlen_k)
     mask = torch.rand(shape, generator=gen) < 0.7
+    if case.mask_cells:
+        cell = case.mask_cells
+        cell_shape = (*shape[:-2], *(-(-n // cell) if n > 1 else 1 for n in shape[-2:]))
+        states = torch.randint(0, 3, cell_shape, generator=gen)
+        for dim in (-2, -1):
+            if shape[dim] > 1:
+                states = states.repeat_interleave(cell, dim=dim).narrow(dim, 0, shape[dim])
+        return torch.where(states == 0, False, torch.where(states == 1, True, mask)).to(device)
     if shape[-2] > 2:
         mask[..., 1, :] = False  # a query row with no key
     if shape[-1] > 2:
         mask[..., -1] = False  # a key nobody attends
     return mask.to(device)
+
+
+def dense_mask(mask) -> torch.Tensor | None:
+    """A mask as the reference takes it: a 4-D bool tensor (a BlockMask expanded)."""
+    if mask is None:
+        return None
+    if isinstance(mask, fusedattn.BlockMask):
+        return mask.to_dense()
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
 def make_bias(case: Case, device) -> torch.Tensor | None:
@@ -105,7 +129,7 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
         return None if t is None else t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
 
     def reference(q_, k_, v_, sinks_=None, bias_=None):
-        return reference_attention(q_, k_, v_, sinks=sinks_, mask=as_4d(mask), bias=as_4d(bias_), return_lse=True,
+        return reference_attention(q_, k_, v_, sinks=sinks_, mask=dense_mask(mask), bias=as_4d(bias_), return_lse=True,
                                    **opts)
 
     extras = dict(lse_grad=case.lse_grad, sinks=sinks, bias=bias)

@@ -35,6 +35,11 @@ class Case:
     lse_grad: bool = False  # put lse into the loss as well
     sinks: bool = False  # learnable per-head sink logits (SPEC 3.5), with their gradient
     mask: str | None = None  # a boolean mask of one of the BROADCAST_SHAPES forms (SPEC 3.3)
+    # The mask made of square cells of this many rows and keys, each dropped, kept or random: whole
+    # tiles then classify as empty, full or partial (None: random entries, every tile partial).
+    mask_cells: int | None = None
+    # The mask as a BlockMask of whole (block_q, block_k) blocks (fusedattn.BlockMask.from_blocks).
+    mask_blocks: tuple[int, int] | None = None
     bias: str | None = None  # a trainable float bias of one of the BROADCAST_SHAPES forms, with its gradient
     bias_dtype: torch.dtype | None = None  # None: the dtype of q, k, v
     dtype: torch.dtype = torch.float16
@@ -63,7 +68,8 @@ class Case:
         if self.sinks:
             parts.append("sinks")
         if self.mask:
-            parts.append(f"mask-{self.mask}")
+            parts.append(f"mask-{self.mask}" + (f"-cells{self.mask_cells}" if self.mask_cells else "")
+                         + (f"-blocks{self.mask_blocks[0]}x{self.mask_blocks[1]}" if self.mask_blocks else ""))
         if self.bias:
             parts.append(f"bias-{self.bias}" + (str(self.bias_dtype).replace("torch.", "-") if self.bias_dtype else ""))
         return "-".join(parts)
@@ -125,6 +131,17 @@ QUICK: list[Case] = [
     Case(batch=2, seqlen_q=17, seqlen_k=65, mask="keys", softcap=5.0, dtype=torch.float32, deterministic=True),
     Case(heads_q=6, heads_kv=1, seqlen_q=65, seqlen_k=47, window=(12, 7), mask="shared", sinks=True),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, mask="rows", lse_grad=True),
+    # masks made of whole cells (tiles classify empty / full / partial: empty ones skipped, full ones
+    # run without the mask) and BlockMasks of whole blocks, with every feature
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=70, mask="full", mask_cells=16, causal=True,
+         bias="heads"),
+    Case(seqlen_q=65, seqlen_k=47, mask="keys", mask_cells=16, window=(20, 9), softcap=5.0, dtype=torch.float32,
+         deterministic=True),
+    Case(batch=2, heads_q=4, heads_kv=1, seqlen_q=33, seqlen_k=65, mask="kv-heads", mask_cells=32, sinks=True,
+         lse_grad=True, layout="bhsd"),
+    Case(heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=70, mask="full", mask_blocks=(16, 32), causal=True, bias="full",
+         deterministic=True),
+    Case(batch=2, seqlen_q=40, seqlen_k=50, mask="shared", mask_blocks=(32, 16), window=(12, 7), dtype=torch.float32),
     # trainable bias: every broadcast shape (the gradient stored, summed by atomics, or summed by
     # the deterministic pass), bias dtypes, with causal/window/softcap/GQA/sinks/mask/lse
     Case(seqlen_q=33, seqlen_k=47, bias="full"),
@@ -182,6 +199,17 @@ FULL: list[Case] = [
     Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=300, seqlen_k=300, head_dim=96, mask="shared", window=(64, 8),
          softcap=20.0, dtype=torch.bfloat16),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=129, seqlen_k=127, head_dim=64, mask="rows", dtype=torch.float32),
+    # masks of whole cells and BlockMasks on the GPU tile sizes (64-128)
+    Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128, mask="full", mask_cells=64,
+         causal=True, dtype=torch.bfloat16),
+    Case(batch=3, heads_q=4, heads_kv=4, seqlen_q=300, seqlen_k=1000, head_dim=64, mask="keys", mask_cells=128,
+         bias="keys", dtype=torch.float16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=1000, seqlen_k=777, head_dim=128, mask="heads",
+         mask_blocks=(128, 128), bias="full", deterministic=True, dtype=torch.bfloat16),
+    Case(batch=1, heads_q=8, heads_kv=1, seqlen_q=513, seqlen_k=513, head_dim=96, mask="shared", mask_blocks=(64, 64),
+         window=(100, 30), softcap=20.0, sinks=True, dtype=torch.bfloat16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=257, seqlen_k=300, head_dim=64, mask="full", mask_cells=32,
+         window=(50, 50), dtype=torch.float32),
     # trainable bias on the Gluon shapes (both passes fall back to the Triton kernels) and beyond
     Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128, bias="full",
          dtype=torch.bfloat16),

@@ -62,7 +62,9 @@ BAD_INPUTS = [
      ["`mask`", "dim H is 3"]),
     ("mask 5-D", lambda: (qkv(), {"mask": torch.ones(1, 1, 2, 8, 8, dtype=torch.bool)}), ValueError,
      ["`mask`", "at most 4 dims"]),
-    ("mask a list", lambda: (qkv(), {"mask": [[True]]}), TypeError, ["`mask`", "list"]),
+    ("mask a list", lambda: (qkv(), {"mask": [[True]]}), TypeError, ["`mask`", "list", "BlockMask"]),
+    ("block mask of other lengths", lambda: (qkv(), {"mask": fusedattn.BlockMask.from_blocks(
+        torch.ones(1, 1, dtype=torch.bool), (16, 16), 8, 9)}), ValueError, ["`mask`", "dim K is 9"]),
     ("sinks per kv head", lambda: (qkv(hq=4, hkv=2), {"sinks": torch.zeros(2)}), ValueError,
      ["`sinks`", "(4,)", "(2,)"]),
     ("sinks 2-D", lambda: (qkv(), {"sinks": torch.zeros(1, 2)}), ValueError, ["`sinks`", "(2,)", "(1, 2)"]),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fusedattn
-from attention_runner import check_case, forward_backward, make_bias, make_inputs
+from attention_runner import check_case, forward_backward, make_bias, make_inputs, make_mask
 from cases import Case
 
 ON_GPU = torch.cuda.is_available()
@@ -79,6 +79,8 @@ def test_rows_with_no_key_give_zero_output_minus_inf_lse_and_zero_grads(backend,
     Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=65, seqlen_k=65, head_dim=40, window=(9, 9), softcap=4.0),
     Case(batch=3, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=64, causal=True, bias="heads"),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=64, bias="full"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=64, causal=True, mask="full",
+         mask_cells=16),
 ], ids=lambda c: c.id)
 def test_repeated_calls_are_bitwise_identical(backend, device, case):
     """Forward, dK/dV and a full-shape bias's gradient are always reproducible; with
@@ -86,14 +88,15 @@ def test_repeated_calls_are_bitwise_identical(backend, device, case):
     runs on the same input would be a race."""
     case = replace(case, dtype=_dtype(device))
     q, k, v, dout, dlse = make_inputs(case, device)
-    bias = make_bias(case, device)
+    bias, mask = make_bias(case, device), make_mask(case, device)
     for deterministic in (True, False):
         runs = []
         for _ in range(2):
             with fusedattn.use_backend(backend):
                 runs.append(forward_backward(
                     lambda a, b, c, bias_=None: fusedattn.attention(
-                        a, b, c, bias=bias_, return_lse=True, deterministic=deterministic, **case.options()),
+                        a, b, c, bias=bias_, mask=mask, return_lse=True, deterministic=deterministic,
+                        **case.options()),
                     q, k, v, dout, dlse, bias=bias))
         names = ("out", "lse", "dq", "dk", "dv", "dbias")
         for name, first, second in zip(names, *runs):

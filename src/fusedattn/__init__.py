@@ -1,6 +1,8 @@
 """fusedattn: exact fused softmax attention, forward and backward, in Triton."""
 
+from .block_mask import BlockMask
+from .dynamic_mask import topk_block_mask, topk_mask
 from .interface import attention, use_backend
 
 __version__ = "0.1.0"
-__all__ = ["attention", "use_backend", "__version__"]
+__all__ = ["attention", "BlockMask", "topk_mask", "topk_block_mask", "use_backend", "__version__"]

@@ -22,7 +22,15 @@ CHECKS = [
     ("causal, Sq < Sk", 1, 4, 4, 77, 200, 128, dict(causal=True)),
     ("GQA 8/2, window, softcap", 1, 8, 2, 150, 150, 80, dict(window=(32, 8), softcap=30.0)),
     ("MQA, causal, Sq > Sk, D != Dv", 2, 4, 1, 90, 61, 96, dict(causal=True)),
+    ("bias + top-k mask + sinks, causal", 1, 4, 2, 100, 100, 64, dict(causal=True, extras=True)),
 ]
+
+
+def _extras(b, hq, sq, sk, device, dtype, gen) -> dict:
+    """A (B, Hq, Sq, Sk) bias, the causal top-k mask it selects (fusedattn.topk_mask) and sinks."""
+    bias = (2 * torch.randn(b, hq, sq, sk, generator=gen)).to(device, dtype)
+    mask = fusedattn.topk_mask(bias, sk // 3, causal=True)
+    return dict(bias=bias, mask=mask, sinks=torch.randn(hq, generator=gen).to(device))
 
 
 def _run(fn, q, k, v, dout, dtype=None):
@@ -41,6 +49,9 @@ def correctness_check(device: str) -> bool:
         dv = 64 if "D != Dv" in desc else d
         q, k, v, dout = (torch.randn(*s, generator=gen).to(device, dtype)
                          for s in ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv), (b, sq, hq, dv)))
+        opts = dict(opts)
+        if opts.pop("extras", False):
+            opts.update(_extras(b, hq, sq, sk, device, dtype, gen))
         ours = _run(lambda *t: fusedattn.attention(*t, return_lse=True, **opts), q, k, v, dout)
         ref = lambda *t: reference_attention(*t, return_lse=True, **opts)  # noqa: E731
         lowp, ref64 = _run(ref, q, k, v, dout), _run(ref, q, k, v, dout, torch.float64)
@@ -49,7 +60,7 @@ def correctness_check(device: str) -> bool:
             c = compare_to_reference(a, lo, r)
             all_ok &= c.ok
             verdicts.append(f"{name} {c.error:.1e}/{c.bound:.1e}" + ("" if c.ok else " FAIL"))
-        print(f"  {'ok ' if all(not v.endswith('FAIL') for v in verdicts) else 'BAD'} {desc:<32}"
+        print(f"  {'ok ' if all(not v.endswith('FAIL') for v in verdicts) else 'BAD'} {desc:<34}"
               f" (error/bound) " + ", ".join(verdicts))
     return all_ok
 

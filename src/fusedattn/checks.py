@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .block_mask import BlockMask
 from .spec import LAYOUTS
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -132,28 +133,41 @@ def check_broadcast_4d(name: str, t, shapes: Shapes, q: torch.Tensor) -> torch.T
         raise TypeError(f"fusedattn.attention: `{name}` must be a torch.Tensor, got {type(t).__name__}")
     if t.device != q.device:
         raise ValueError(f"fusedattn.attention: `{name}` is on {t.device} but q is on {q.device}")
-    full = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k)
     if t.dim() > 4:
         raise ValueError(f"fusedattn.attention: `{name}` must have at most 4 dims (B, H, Sq, Sk), "
                          f"got shape {tuple(t.shape)}")
     t4 = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
-    allowed = [(1, shapes.batch), (1, shapes.heads_kv, shapes.heads_q), (1, shapes.seqlen_q), (1, shapes.seqlen_k)]
-    for axis, (size, ok) in enumerate(zip(t4.shape, allowed)):
-        if size not in ok:
-            raise ValueError(
-                f"fusedattn.attention: `{name}` of shape {tuple(t.shape)} does not broadcast to (B, Hq, Sq, Sk) = "
-                f"{full}: dim {'BHQK'[axis]} is {size}, expected one of {sorted(set(ok))} (H may also be Hkv)")
+    _check_broadcast_shape(name, tuple(t.shape), tuple(t4.shape), shapes)
     return t4
 
 
-def check_mask(mask, shapes: Shapes, q: torch.Tensor) -> torch.Tensor | None:
-    """None, or the mask as a 4-D bool view (True = attend)."""
+def _check_broadcast_shape(name: str, given: tuple, shape4: tuple, shapes: Shapes) -> None:
+    full = (shapes.batch, shapes.heads_q, shapes.seqlen_q, shapes.seqlen_k)
+    allowed = [(1, shapes.batch), (1, shapes.heads_kv, shapes.heads_q), (1, shapes.seqlen_q), (1, shapes.seqlen_k)]
+    for axis, (size, ok) in enumerate(zip(shape4, allowed)):
+        if size not in ok:
+            raise ValueError(
+                f"fusedattn.attention: `{name}` of shape {given} does not broadcast to (B, Hq, Sq, Sk) = "
+                f"{full}: dim {'BHQK'[axis]} is {size}, expected one of {sorted(set(ok))} (H may also be Hkv)")
+
+
+def check_mask(mask, shapes: Shapes, q: torch.Tensor) -> BlockMask | None:
+    """None, or the mask with its tile states: a bool tensor (True = attend) is classified here,
+    once per call; a ``BlockMask`` built beforehand is checked against the problem."""
     if mask is None:
         return None
+    if isinstance(mask, BlockMask):
+        if mask.device != q.device:
+            raise ValueError(f"fusedattn.attention: `mask` (a BlockMask) is on {mask.device} but q is on {q.device}")
+        _check_broadcast_shape("mask", mask.shape, mask.shape, shapes)
+        return mask
     if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
-        raise TypeError(f"fusedattn.attention: `mask` must be a bool tensor (True = attend), got {mask.dtype}; "
-                        "an additive float mask is `bias`")
-    return check_broadcast_4d("mask", mask, shapes, q)
+        raise TypeError(f"fusedattn.attention: `mask` must be a bool tensor (True = attend) or a "
+                        f"fusedattn.BlockMask, got {mask.dtype}; an additive float mask is `bias`")
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"fusedattn.attention: `mask` must be a bool torch.Tensor or a fusedattn.BlockMask, "
+                        f"got {type(mask).__name__}")
+    return BlockMask.from_mask(check_broadcast_4d("mask", mask, shapes, q))
 
 
 def check_bias(bias, shapes: Shapes, q: torch.Tensor) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .block_mask import BlockMask
 from .spec import AttentionSpec, from_bhsd, keep_mask, to_bhsd
 
 KEY_CHUNK = 256
@@ -37,12 +38,31 @@ def _grouped_mask(mask: torch.Tensor | None, heads_q: int, heads_kv: int) -> tor
     return mask.unsqueeze(2)  # one per KV group (h = Hkv) or shared (h = 1)
 
 
-def _chunk(t: torch.Tensor, key_start: int, key_end: int) -> torch.Tensor:
-    """The key columns [key_start, key_end) of a grouped mask or bias (or its one broadcast column)."""
-    return t if t.shape[-1] == 1 else t[..., key_start:key_end]
+def _element_rows(mask: BlockMask | None, seqlen_q: int) -> tuple[torch.Tensor | None, int]:
+    """(the mask as a 4-D bool tensor with one row per query, its key shift): a mask by elements
+    as it is; a keep map of whole blocks with its block rows repeated, its columns still blocks
+    (``_chunk`` expands them per key chunk, so no (Sq, Sk) tensor is made)."""
+    if mask is None:
+        return None, 0
+    source = mask.source
+    shift_q, shift_k = mask.source_shift
+    if shift_q and source.shape[2] > 1:
+        source = source.repeat_interleave(1 << shift_q, dim=2)[:, :, :seqlen_q]
+    return source, shift_k
 
 
-def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seqlen_k: int, mask=None, bias=None):
+def _chunk(t: torch.Tensor, key_start: int, key_end: int, shift: int = 0) -> torch.Tensor:
+    """The key columns [key_start, key_end) of a grouped mask or bias (or its one broadcast column);
+    ``shift``: columns of whole key blocks, key j in column j >> shift."""
+    if t.shape[-1] == 1:
+        return t
+    if shift:
+        return t[..., torch.arange(key_start, key_end, device=t.device) >> shift]
+    return t[..., key_start:key_end]
+
+
+def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seqlen_k: int, mask=None, bias=None,
+            mask_shift: int = 0):
     """Scores of one key chunk after softcap, bias and masking; also tanh for the softcap gradient."""
     s = torch.matmul(q, k_chunk.transpose(-1, -2)) * spec.scale
     t = None
@@ -55,7 +75,7 @@ def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seql
         seqlen_q, seqlen_k, spec.window_left, spec.window_right, q.device, key_start, key_start + k_chunk.shape[-2]
     )
     if mask is not None:  # the user's mask: its key columns of this chunk
-        keep = keep & _chunk(mask, key_start, key_start + k_chunk.shape[-2])
+        keep = keep & _chunk(mask, key_start, key_start + k_chunk.shape[-2], mask_shift)
     return s.masked_fill(~keep, float("-inf")), t
 
 
@@ -64,11 +84,12 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
     return from_bhsd(t_grouped.reshape(b, hkv * g, s, d), layout).to(dtype).contiguous()
 
 
-def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
             bias: torch.Tensor | None = None):
     heads_kv = to_bhsd(k, spec.layout).shape[1]
     qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
     b, hkv, g, seqlen_q, _ = qg.shape
+    mask, mask_shift = _element_rows(mask, seqlen_q)
     mask, bias = _grouped_mask(mask, hkv * g, hkv), _grouped_mask(bias, hkv * g, hkv)
     seqlen_k, head_dim_v = kg.shape[-2], vg.shape[-1]
     if sinks is None:
@@ -80,7 +101,7 @@ def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mas
     acc = qg.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
     for start in range(0, seqlen_k, KEY_CHUNK):
         end = min(start + KEY_CHUNK, seqlen_k)
-        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k, mask, bias)
+        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k, mask, bias, mask_shift)
         new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
         shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
         p = torch.exp(s - shift)
@@ -95,7 +116,7 @@ def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mas
     return _user_layout(out, spec.layout, q.dtype), lse
 
 
-def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: torch.Tensor | None = None,
+def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: BlockMask | None = None,
              bias: torch.Tensor | None = None, bias_grad: bool = False):
     """(dq, dk, dv, dbias); dbias (with ``bias_grad``) has the bias's 4-D shape, summed over its
     broadcast dims in a fixed order."""
@@ -103,6 +124,7 @@ def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: torch.Ten
     qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
     dog, og = _grouped(dout, spec.layout, heads_kv), _grouped(out, spec.layout, heads_kv)
     b, hkv, g, seqlen_q, _ = qg.shape
+    mask, mask_shift = _element_rows(mask, seqlen_q)
     mask, bias_g = _grouped_mask(mask, hkv * g, hkv), _grouped_mask(bias, hkv * g, hkv)
     dbias = torch.zeros(bias_g.shape, dtype=torch.float32, device=q.device) if bias_grad else None
     seqlen_k = kg.shape[-2]
@@ -119,7 +141,7 @@ def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: torch.Ten
     for start in range(0, seqlen_k, KEY_CHUNK):
         end = min(start + KEY_CHUNK, seqlen_k)
         k_chunk, v_chunk = kg[..., start:end, :], vg[..., start:end, :]
-        s, tanh_s = _scores(qg, k_chunk, spec, start, seqlen_q, seqlen_k, mask, bias_g)
+        s, tanh_s = _scores(qg, k_chunk, spec, start, seqlen_q, seqlen_k, mask, bias_g, mask_shift)
         p = torch.exp(s - lse_g)
         dv[..., start:end, :] = torch.matmul(p.transpose(-1, -2), dog).sum(dim=2)
         dp = torch.matmul(dog, v_chunk.transpose(-1, -2))

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from . import cpu
+from .block_mask import BlockMask
 from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
 from .kernels.bwd import attention_backward
 from .kernels.fwd import attention_forward, _forward_kernel
@@ -69,14 +70,24 @@ def _unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- custom ops
 
 
-def _kernel_mask(mask):
-    """The 4-D bool mask as the kernels read it: bytes, 1 = attend (same storage, no copy)."""
-    return None if mask is None else mask.view(torch.uint8)
+def _mask_args(mask: BlockMask | None) -> tuple:
+    """A BlockMask as the custom ops carry it: (mask, tile states, [cell_q, cell_k, shift_q, shift_k])."""
+    if mask is None:
+        return None, None, [0, 0, 0, 0]
+    return mask.source, mask.states, [*mask.cell, *mask.source_shift]
 
 
-def _forward_impl(q, k, v, sinks, mask, bias, layout, window_left, window_right, scale, softcap, deterministic,
-                  backend):
+def _block_mask(mask, mask_states, mask_grid) -> BlockMask | None:
+    """The BlockMask back from the custom ops' arguments (``_mask_args``)."""
+    if mask is None:
+        return None
+    return BlockMask(mask.shape, mask_states, tuple(mask_grid[:2]), mask, tuple(mask_grid[2:]))
+
+
+def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
+                  softcap, deterministic, backend):
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
+    mask = _block_mask(mask, mask_states, mask_grid)
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     if bias is not None:
@@ -86,32 +97,33 @@ def _forward_impl(q, k, v, sinks, mask, bias, layout, window_left, window_right,
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, to_bhsd(k, layout).shape[2],
                              spec.has_window_left, spec.has_window_right, spec.has_softcap)
-    return attention_forward(q, k, v, spec, configs.forward, sinks, _kernel_mask(mask), bias)
+    return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias)
 
 
 @torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor], layout: str, window_left: int, window_right: int, scale: float, softcap: float,
-    deterministic: bool, backend: str,
+    mask_states: Optional[torch.Tensor], mask_grid: list[int], bias: Optional[torch.Tensor], layout: str,
+    window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_impl(q, k, v, sinks, mask, bias, layout, window_left, window_right, scale, softcap, deterministic,
-                         backend)
+    return _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
+                         softcap, deterministic, backend)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, sinks, mask, bias, layout, window_left, window_right, scale, softcap, deterministic,
-                  backend):
+def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
+                  softcap, deterministic, backend):
     batch, heads_q, seqlen_q, _ = to_bhsd(q, layout).shape
     head_dim_v = v.shape[-1]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
     return q.new_empty(out_shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-def _backward_impl(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, layout, window_left, window_right, scale,
-                   softcap, deterministic, backend):
+def _backward_impl(dout, dlse, q, k, v, out, lse, mask, mask_states, mask_grid, bias, bias_grad, layout, window_left,
+                   window_right, scale, softcap, deterministic, backend):
     """(dq, dk, dv, dbias); dbias is an empty tensor unless ``bias_grad`` (custom ops return tensors)."""
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
+    mask = _block_mask(mask, mask_states, mask_grid)
     if bias is not None:
         bias = bias.detach()
     if backend == "torch":
@@ -119,8 +131,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, layout,
     else:
         configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2],
                                  spec.has_window_left, spec.has_window_right, spec.has_softcap)
-        dq, dk, dv, dbias = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, _kernel_mask(mask),
-                                               bias, bias_grad)
+        dq, dk, dv, dbias = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias, bias_grad)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
@@ -128,16 +139,16 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, layout,
 def _backward_op(
     dout: torch.Tensor, dlse: Optional[torch.Tensor],
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    mask: Optional[torch.Tensor], bias: Optional[torch.Tensor], bias_grad: bool,
-    layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
-    backend: str,
+    mask: Optional[torch.Tensor], mask_states: Optional[torch.Tensor], mask_grid: list[int],
+    bias: Optional[torch.Tensor], bias_grad: bool, layout: str, window_left: int, window_right: int, scale: float,
+    softcap: float, deterministic: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, layout, window_left, window_right,
-                          scale, softcap, deterministic, backend)
+    return _backward_impl(dout, dlse, q, k, v, out, lse, mask, mask_states, mask_grid, bias, bias_grad, layout,
+                          window_left, window_right, scale, softcap, deterministic, backend)
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, *options):
+def _backward_fake(dout, dlse, q, k, v, out, lse, mask, mask_states, mask_grid, bias, bias_grad, *options):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
         torch.empty_like(v, memory_format=torch.contiguous_format), \
@@ -145,11 +156,15 @@ def _backward_fake(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, *option
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, mask, bias, *options = inputs
+    q, k, v, sinks, mask, mask_states, mask_grid, bias, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks, mask, bias)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, mask, mask_states, bias)
+    ctx.mask_grid = mask_grid
     ctx.options = options
     ctx.set_materialize_grads(False)
+
+
+_BIAS_INPUT = 7  # the bias's position among the ops' inputs (after q, k, v, sinks, mask, tile states, grid)
 
 
 def sink_gradient(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
@@ -164,18 +179,20 @@ def sink_gradient(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
 
 
 def _backward_with(backward_fn, ctx, dout, dlse):
-    q, k, v, out, lse, sinks, mask, bias = ctx.saved_tensors
+    q, k, v, out, lse, sinks, mask, mask_states, bias = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dout = _unit_stride_head_dim(dout)  # e.g. the expanded ones of out.sum() have stride 0
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    bias_grad = bias is not None and ctx.needs_input_grad[5]
-    dq, dk, dv, dbias = backward_fn(dout, dlse, q, k, v, out, lse, mask, bias, bias_grad, *ctx.options)
+    bias_grad = bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
+    dq, dk, dv, dbias = backward_fn(dout, dlse, q, k, v, out, lse, mask, mask_states, ctx.mask_grid, bias, bias_grad,
+                                    *ctx.options)
     layout = ctx.options[0]
     dsinks = sink_gradient(sinks, out, dout, lse, dlse, layout) if sinks is not None and ctx.needs_input_grad[3] \
         else None
-    return (dq, dk, dv, dsinks, None, dbias if bias_grad else None) + (None,) * len(ctx.options)
+    # one gradient per input: q, k, v, sinks, (mask, tile states, grid), bias, options
+    return (dq, dk, dv, dsinks, None, None, None, dbias if bias_grad else None) + (None,) * len(ctx.options)
 
 
 def _backward(ctx, dout, dlse):
@@ -193,9 +210,9 @@ class _EagerAttention(torch.autograd.Function):
     ``_backward_impl``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, mask, bias, *options):
-        out, lse = _forward_impl(q, k, v, sinks, mask, bias, *options)
-        _setup_context(ctx, (q, k, v, sinks, mask, bias, *options), (out, lse))
+    def forward(ctx, q, k, v, sinks, mask, mask_states, mask_grid, bias, *options):
+        out, lse = _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, *options)
+        _setup_context(ctx, (q, k, v, sinks, mask, mask_states, mask_grid, bias, *options), (out, lse))
         return out, lse
 
     @staticmethod
@@ -217,7 +234,7 @@ def attention(
     scale: float | None = None,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | BlockMask | None = None,
     sinks: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
@@ -228,6 +245,8 @@ def attention(
     (B, H, S, D) for ``layout="bhsd"``. Returns ``out`` in the same layout as q (with
     head dim Dv), and with ``return_lse=True`` also ``lse`` (B, Hq, Sq), float32,
     natural log, -inf for rows that attend to nothing. ``lse`` is differentiable.
+    ``mask``: a bool tensor broadcastable to (B, Hq, Sq, Sk), True = attend, or a
+    ``fusedattn.BlockMask`` built once for many calls; tiles the mask empties are skipped.
     """
     check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
                   deterministic=deterministic, return_lse=return_lse)
@@ -238,6 +257,6 @@ def attention(
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic)
-    args = (q, k, v, sinks, mask, bias, *spec.op_args(), _resolve_backend(q.device))
+    args = (q, k, v, sinks, *_mask_args(mask), bias, *spec.op_args(), _resolve_backend(q.device))
     out, lse = _forward_op(*args) if torch.compiler.is_compiling() else _EagerAttention.apply(*args)
     return (out, lse) if return_lse else out

@@ -86,17 +86,21 @@ def keep_mask(
     device=None,
     key_start: int = 0,
     key_end: int | None = None,
+    query_start: int = 0,
+    query_end: int | None = None,
 ) -> torch.Tensor:
-    """(Sq, key_end - key_start) bool: query i may attend key j (SPEC 3.2, bottom-right aligned).
+    """(query_end - query_start, key_end - key_start) bool, by default (Sq, Sk): query i may
+    attend key j (SPEC 3.2, bottom-right aligned).
 
-    The host-side statement of the rule, used by the reference and the CPU path;
-    the kernels' ``masking.apply_mask`` computes the same predicate per tile.
+    The host-side statement of the rule, used by the reference, the CPU path and the dynamic
+    masks; the kernels' ``masking.apply_mask`` computes the same predicate per tile.
     """
     key_end = seqlen_k if key_end is None else key_end
-    rows = torch.arange(seqlen_q, device=device)[:, None]
+    query_end = seqlen_q if query_end is None else query_end
+    rows = torch.arange(query_start, query_end, device=device)[:, None]
     cols = torch.arange(key_start, key_end, device=device)[None, :]
     offset_from_diagonal = cols - rows - (seqlen_k - seqlen_q)
-    keep = torch.ones(seqlen_q, key_end - key_start, dtype=torch.bool, device=device)
+    keep = torch.ones(query_end - query_start, key_end - key_start, dtype=torch.bool, device=device)
     if window_right != UNBOUNDED:
         keep &= offset_from_diagonal <= window_right
     if window_left != UNBOUNDED:

@@ -3,7 +3,7 @@
     python -m fusedattn.bench                 # SPEC 5 standard shapes, all installed peers
     python -m fusedattn.bench --quick         # D=128, S in {1k, 4k}
     python -m fusedattn.bench --systems fusedattn,sdpa-cudnn,flex
-    python -m fusedattn.bench --variants      # bias, softcap, window, sinks, GQA, mask rows (bench/variants.py)
+    python -m fusedattn.bench --variants      # bias, softcap, window, sinks, GQA, mask, top-k rows (bench/variants.py)
 
 Writes ``benchmarks/results/<gpu>-<date>.json`` (and a PNG plot when matplotlib is
 there) and prints a table. Times are medians of ``triton.testing.do_bench`` on CUDA.
@@ -210,7 +210,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     parser.add_argument("--variants", action="store_true",
-                        help="the variant rows (bias, softcap, window, sinks, GQA, mask) instead of the shapes")
+                        help="the variant rows (bias, softcap, window, sinks, GQA, masks, top-k, block-sparse) "
+                             "instead of the shapes")
+    parser.add_argument("--only", default=None,
+                        help="with --variants: comma-separated words; the rows whose name contains one of them")
     args = parser.parse_args(argv)
     if args.variants:
         return _main_variants(args)
@@ -263,7 +266,7 @@ def _main_variants(args) -> None:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
 
-    rows = variants.run(on_row=save)
+    rows = variants.run(on_row=save, only=args.only.split(",") if args.only else None)
     print(variants.table(rows))
     if not args.no_save:
         print(f"wrote {json_path}")

@@ -5,10 +5,14 @@ and the peers that can run the same variant, side by side in one process.
 
 B=4, H=16, S=4096, D=128, bf16. Each row times the forward and forward+backward (the gradient of
 every trainable input: q, k, v and the bias or sinks) and records the peak memory the step
-allocates beyond its inputs. TFLOP/s count only the kept fraction of the score matrix (causal,
+allocates beyond its inputs. Mask structures are built once per input, outside the timed steps, as
+a training step shares them across layers: Flex's block mask, fusedattn's BlockMask (a bool mask
+passed per call is classified per call instead: +1 to +3 ms at this shape, benchmarks/NOTES.md
+v23). TFLOP/s count only the kept fraction of the score matrix (causal,
 window, mask), as BENCHMARKS.md does. Bars (issue 4): a variant keeps >= 0.8x the plain kernel
 and >= 1.5x FlexAttention on the same variant; a trainable (B,H,S,S) bias >= 0.6x plain and
->= 2x FlexAttention.
+>= 2x FlexAttention; top-k 1024 with a trainable bias >= 3x the best peer; block-sparse top-k at
+25% density >= 3x faster than the dense plain kernel (its "vs plain" ratio).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ class Inputs:
     extra: dict = field(default_factory=dict)  # trainable or fixed extras by name: bias, sinks, mask
 
     def leaves(self) -> list[torch.Tensor]:
-        return [self.q, self.k, self.v] + [t for t in self.extra.values() if t.requires_grad]
+        return [self.q, self.k, self.v] + [t for t in self.extra.values()
+                                           if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 @dataclass(frozen=True)
@@ -52,14 +57,45 @@ def _causal_fraction() -> float:
     return (S + 1) / (2 * S)
 
 
-def _window_fraction() -> float:
-    kept = sum(min(i + 1, WINDOW) for i in range(S))
+def _window_fraction(window: int = WINDOW) -> float:
+    kept = sum(min(i + 1, window) for i in range(S))
     return kept / (S * S)
 
 
-def _key_padding(gen):
+PADDED_LENGTHS = [S - 512 * b for b in range(B)]  # key-padding row: each sequence's real length
+
+
+def _random_keys(gen):
+    """90% of the keys, each by chance: every tile is partial (the mask is read on all of them)."""
     keep = torch.rand(B, 1, 1, S, device="cuda", generator=gen) < 0.9
     return dict(mask=keep)
+
+
+def _key_padding(gen):
+    """Padded batches: keys past each sequence's length masked (whole tiles empty, the rest full)."""
+    keep = torch.arange(S, device="cuda") < torch.tensor(PADDED_LENGTHS, device="cuda")[:, None]
+    return dict(mask=keep.view(B, 1, 1, S))
+
+
+TOPK = 1024  # keys kept per query in the dynamic top-k row
+SPARSE_BLOCK, SPARSE_KEEP = 128, 8  # block-sparse row: 8 of the 32 key blocks per query block (25%)
+
+
+def _topk_bias(gen):
+    """A trainable bias and the causal top-k mask it selects (fusedattn.topk_mask, built once
+    before timing, as a training step would build it from the detached bias)."""
+    bias = torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16, generator=gen)
+    mask = fusedattn.topk_mask(bias, TOPK, causal=True)
+    return dict(bias=bias.requires_grad_(), mask=mask)
+
+
+def _block_sparse(gen):
+    """A block-sparse mask from pooled scores (fusedattn.topk_block_mask): SPARSE_KEEP key blocks
+    of SPARSE_BLOCK per query block, no (S, S) mask at all."""
+    scores = torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16, generator=gen)
+    mask = fusedattn.topk_block_mask(scores, SPARSE_KEEP, block_size=(SPARSE_BLOCK, SPARSE_BLOCK))
+    del scores
+    return dict(mask=mask)
 
 
 VARIANTS = [
@@ -71,17 +107,31 @@ VARIANTS = [
     Variant("sinks (trainable)", True, kept_fraction=_causal_fraction,
             make_extra=lambda gen: dict(sinks=torch.randn(H, device="cuda", generator=gen).requires_grad_())),
     Variant("GQA 16/2", True, heads_kv=2, kept_fraction=_causal_fraction),
-    Variant("key-padding mask (B,1,1,S)", False, kept_fraction=lambda: 0.9, make_extra=_key_padding),
+    Variant("random key mask (B,1,1,S) 90%", False, kept_fraction=lambda: 0.9, make_extra=_random_keys),
+    Variant("key-padding mask (B,1,1,S) by length", False, kept_fraction=lambda: sum(PADDED_LENGTHS) / (B * S),
+            make_extra=_key_padding),
+    # kept per row i: min(i + 1, TOPK), as a causal window of TOPK keys
+    Variant(f"top-k {TOPK} + trainable bias", True, kept_fraction=lambda: _window_fraction(TOPK),
+            make_extra=_topk_bias),
+    Variant(f"block-sparse top-{SPARSE_KEEP}/{S // SPARSE_BLOCK} (25%)", False,
+            kept_fraction=lambda: SPARSE_KEEP * SPARSE_BLOCK / S, make_extra=_block_sparse),
 ]
 
 
 def _fused(variant: Variant, plain: bool):
     window = (WINDOW - 1, 0) if variant.name.startswith("sliding") else None
     softcap = 30.0 if variant.name.startswith("softcap") else None
+    block_masks = {}  # a bool mask classified once (fusedattn.BlockMask), as Flex's block mask is built once
 
     def fn(inp: Inputs):  # the plain kernel's inputs carry no extras
+        extra = dict(inp.extra)
+        if isinstance(extra.get("mask"), torch.Tensor):
+            mask = extra["mask"]
+            if id(mask) not in block_masks:
+                block_masks[id(mask)] = fusedattn.BlockMask.from_mask(mask)
+            extra["mask"] = block_masks[id(mask)]
         return fusedattn.attention(inp.q, inp.k, inp.v, layout="bhsd", causal=variant.causal,
-                                   window=None if plain else window, softcap=None if plain else softcap, **inp.extra)
+                                   window=None if plain else window, softcap=None if plain else softcap, **extra)
 
     return fn
 
@@ -95,6 +145,7 @@ def _flex(variant: Variant):
     compiled = torch.compile(flex_attention, dynamic=False)
     if variant.name.startswith("sinks"):
         raise Unavailable("FlexAttention has no sink logit")
+    cache = {}
 
     def fn(inp: Inputs):
         mask_mod, score_mod = None, None
@@ -102,18 +153,26 @@ def _flex(variant: Variant):
             mask_mod = lambda b, h, qi, ki: qi >= ki  # noqa: E731
         if variant.name.startswith("sliding"):
             mask_mod = lambda b, h, qi, ki: (qi >= ki) & (qi - ki < WINDOW)  # noqa: E731
-        if "mask" in inp.extra:
+        if isinstance(inp.extra.get("mask"), fusedattn.BlockMask):  # Flex's block mask of the same blocks
+            blocks = inp.extra["mask"].source
+            mask_mod = lambda b, h, qi, ki: blocks[b, h, qi // SPARSE_BLOCK, ki // SPARSE_BLOCK]  # noqa: E731
+        elif "mask" in inp.extra and inp.extra["mask"].shape[1] == 1:  # one mask row per batch
             keep = inp.extra["mask"]
             mask_mod = lambda b, h, qi, ki: keep[b, 0, 0, ki]  # noqa: E731
+        elif "mask" in inp.extra:  # a dense (B, H, S, S) mask (top-k: causal within it)
+            keep = inp.extra["mask"]
+            mask_mod = lambda b, h, qi, ki: keep[b, h, qi, ki]  # noqa: E731
         if "bias" in inp.extra:
             bias = inp.extra["bias"]
             score_mod = lambda s, b, h, qi, ki: s + bias[b, h, qi, ki]  # noqa: E731
         if variant.name.startswith("softcap"):
             score_mod = lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)  # noqa: E731
         block_mask = None
-        if mask_mod is not None:
+        if mask_mod is not None and "block_mask" not in cache:  # built once, outside the timed steps
             batch = B if "mask" in inp.extra else None
-            block_mask = create_block_mask(mask_mod, batch, None, S, S, device="cuda")
+            heads = H if "mask" in inp.extra and inp.extra["mask"].shape[1] != 1 else None
+            cache["block_mask"] = create_block_mask(mask_mod, batch, heads, S, S, device="cuda")
+        block_mask = cache.get("block_mask")
         return compiled(inp.q, inp.k, inp.v, score_mod=score_mod, block_mask=block_mask,
                         enable_gqa=variant.heads_kv != H)
 
@@ -129,10 +188,15 @@ def _sdpa(backend_name: str, variant: Variant):
 
     def fn(inp: Inputs):
         attn_mask, causal = None, variant.causal
-        if "bias" in inp.extra:
+        mask = inp.extra.get("mask")
+        if isinstance(mask, fusedattn.BlockMask):
+            mask = mask.to_dense()
+        if "bias" in inp.extra and mask is not None:  # the mask as -inf in the (trainable) bias
+            attn_mask, causal = inp.extra["bias"].masked_fill(~mask, float("-inf")), False
+        elif "bias" in inp.extra:
             attn_mask = inp.extra["bias"]
-        if "mask" in inp.extra:
-            attn_mask = inp.extra["mask"]
+        elif mask is not None:
+            attn_mask = mask
         if variant.name.startswith("sliding"):  # a dense boolean mask: SDPA has no window
             i = torch.arange(S, device="cuda")
             attn_mask, causal = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < WINDOW), False
@@ -204,11 +268,13 @@ def measure(variant: Variant, system: str) -> dict:
     return row
 
 
-def run(on_row=None) -> list[dict]:
+def run(on_row=None, only: list[str] | None = None) -> list[dict]:
+    """Every variant on every system (``only``: the variants whose name contains one of the words)."""
     from .__main__ import _progress
 
+    chosen = [v for v in VARIANTS if only is None or any(word in v.name for word in only)]
     rows = []
-    for variant, system in _progress([(v, s) for v in VARIANTS for s in SYSTEMS], "variants"):
+    for variant, system in _progress([(v, s) for v in chosen for s in SYSTEMS], "variants"):
         rows.append(measure(variant, system))
         if on_row:
             on_row(rows)

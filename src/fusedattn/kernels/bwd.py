@@ -32,10 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..block_mask import BlockMask
 from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
-from .fwd import bhs_strides, broadcast_args, dot_precision, hopper_supports, padded_dim, score_constants
+from . import tile_lists
+from .fwd import (bhs_strides, broadcast_args, dot_precision, hopper_supports, mask_args, padded_dim, row_list_args,
+                  score_constants)
 from .masking import adjust_scores, bias_indices, broadcast_tile_offsets
 from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
@@ -44,15 +47,16 @@ from .softmax import log2_scores, lse_for_backward
 @triton.jit
 def _probabilities(
     qk, lse2, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-    softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
+    softcap_log2, mask_base, stride_mq, stride_mk, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
     scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
     scores = adjust_scores(scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
-                           mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq,
-                           stride_bk, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED, TRANSPOSED)
+                           mask_base, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
+                           bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED, TRANSPOSED)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -155,29 +159,38 @@ def _dkdv_tiles(
     stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_stats, block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
-    Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh, stride_dbq,
-    stride_dbk, bias_desc, dbias_desc, start_n,
+    Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh,
+    stride_dbq, stride_dbk, bias_desc, dbias_desc, start_n, tile_list, query_blocks,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
-    DBIAS_SUM_K: tl.constexpr, IS_MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
+    DBIAS_SUM_K: tl.constexpr, IS_MASKED: tl.constexpr, FROM_LIST: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
+    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
     loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV.
     A masked walk skips the blocks ``[skip_begin, skip_end)`` (the interior, walked separately), so
-    both boundary stretches share one loop."""
+    both boundary stretches share one loop. ``FROM_LIST``: the steps are instead the entries at
+    positions ``[block_begin, block_end)`` of ``tile_list``, ``member * query_blocks + block``
+    (tile_lists.column_lists)."""
     offs_tile = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     skipped = skip_end - skip_begin
     blocks = block_end - block_begin - skipped
-    for step in tl.range(0, blocks * group_size, num_stages=STAGES):
-        # A group of one (MHA) is specialised to the constant 1 at launch: no division per step then.
-        member = tl.where(group_size == 1, 0, step // blocks)
+    steps = block_end - block_begin if FROM_LIST else blocks * group_size
+    for step in tl.range(0, steps, num_stages=STAGES):
+        if FROM_LIST:
+            entry = tl.load(tile_list + block_begin + step)
+            member = tl.where(group_size == 1, 0, entry // query_blocks)
+            block = entry - member * query_blocks
+        else:
+            # A group of one (MHA) is specialised to the constant 1 at launch: no division per step then.
+            member = tl.where(group_size == 1, 0, step // blocks)
+            block = block_begin + step - member * blocks
+            if IS_MASKED:
+                block = tl.where(block >= skip_begin, block + skipped, block)
         head = head_kv * group_size + member
-        block = block_begin + step - member * blocks
-        if IS_MASKED:
-            block = tl.where(block >= skip_begin, block + skipped, block)
         start_m = block * BLOCK_M
         offs_m = start_m + offs_tile
         q = load_block(q_desc, head_base(Q, batch, head, stride_qb, stride_qh), batch, head, start_m, stride_qs,
@@ -193,9 +206,10 @@ def _dkdv_tiles(
         bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
         bias_batch, bias_head = bias_indices(batch, head, stride_bb, stride_bh, bias_head_div)
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
-                                     window_right, qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc,
-                                     bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT,
-                                     HAS_SOFTCAP, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED, True)
+                                     window_right, qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
+                                     MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head,
+                                     stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+                                     BIAS_TMA, IS_MASKED, True)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dlogit_t, ds_t = _score_grads(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True)
@@ -222,7 +236,8 @@ def _dkdv_tiles(
 @triton.jit
 def _dkdv_program(
     n_block, batch, head_kv,
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, Bias, DBias, q_desc, do_desc, dq_desc, bias_desc, dbias_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, Bias, DBias, TileLists, q_desc, do_desc, dq_desc, bias_desc,
+    dbias_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -230,7 +245,8 @@ def _dkdv_program(
     stride_dkb, stride_dkh, stride_dks,
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
-    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    stride_lb, stride_lh, stride_lr,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale,
@@ -253,33 +269,48 @@ def _dkdv_program(
                   offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    begin, interior_begin, interior_end, end = query_blocks_for_key_block(
-        n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # The interior stretch of block_range first, then both boundary stretches in one masked walk,
-    # each over the whole group in a fixed order (dK, dV are bitwise reproducible). A masked loop
-    # *before* the pipelined interior loop made ptxas serialise every wgmma of the kernel (C7515,
-    # "non wgmma instructions defining accumulator registers"; benchmarks/NOTES.md v11).
-    dk, dv = _dkdv_tiles(
-        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
-        stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-        stride_stats,
-        interior_begin, interior_end, interior_end, interior_end, offs_n, seqlen_q, seqlen_k, window_left,
-        window_right, qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk,
-        mask_head_div, Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh,
-        stride_dbq, stride_dbk, bias_desc, dbias_desc, start_n, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
-        HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
-        HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: the interior walk is guarded too
-        ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS)
-    dk, dv = _dkdv_tiles(
-        dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
-        stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-        stride_stats,
-        begin, end, interior_begin, interior_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
-        Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh, stride_dbq,
-        stride_dbk, bias_desc, dbias_desc, start_n, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT,
-        HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True,
-        ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS)
+    operands = (k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
+                stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
+                stride_dqs, stride_stats)
+    scores_args = (offs_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, scale, Mask,
+                   stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, Bias,
+                   stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh,
+                   stride_dbq, stride_dbk, bias_desc, dbias_desc, start_n)
+    # (Tuples carry runtime values only: a constexpr packed into one inside a jit function loses
+    # its constness in Triton 3.6.)
+    # Full tiles first (the interior stretch, or the list's full tiles), then the masked ones, each
+    # over the whole group in a fixed order (dK, dV are bitwise reproducible). A masked loop *before*
+    # the pipelined one made ptxas serialise every wgmma of the kernel (C7515, "non wgmma
+    # instructions defining accumulator registers"; benchmarks/NOTES.md v11).
+    if HAS_MASK:  # the tiles the mask leaves, listed on the host (tile_lists.column_lists)
+        tile_list = head_base(TileLists, batch, head_kv, stride_lb, stride_lh) + n_block * stride_lr
+        full_tiles = tl.load(tile_list)
+        partial_tiles = tl.load(tile_list + 1)
+        query_blocks = tl.cdiv(seqlen_q, BLOCK_M)
+        dk, dv = _dkdv_tiles(
+            dk, dv, *operands, 0, full_tiles, 0, 0, *scores_args, tile_list + 2, query_blocks, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
+            DBIAS_SUM_Q, DBIAS_SUM_K, HAS_BIAS,  # a -inf bias can empty a row on any tile
+            True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+        dk, dv = _dkdv_tiles(
+            dk, dv, *operands, full_tiles, full_tiles + partial_tiles, 0, 0, *scores_args, tile_list + 2,
+            query_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
+            HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
+            MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+    else:
+        begin, interior_begin, interior_end, end = query_blocks_for_key_block(
+            n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        dk, dv = _dkdv_tiles(
+            dk, dv, *operands, interior_begin, interior_end, interior_end, interior_end, *scores_args, TileLists, 0,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS,
+            BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
+            HAS_BIAS,  # a -inf bias can empty a row on any tile: guard it too
+            False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+        # both boundary stretches in one masked walk
+        dk, dv = _dkdv_tiles(
+            dk, dv, *operands, begin, end, interior_begin, interior_end, *scores_args, TileLists, 0, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
+            DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
                dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -290,15 +321,23 @@ def _dkdv_program(
 @triton.jit
 def _dq_tiles(
     dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-    block_begin, block_end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-    mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
+    block_begin, block_end, tile_list, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
+    softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch,
+    bias_head, stride_bq, stride_bk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
+    FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
 ):
+    """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
+    positions of ``tile_list`` (tile_lists.py), as the forward walks them."""
     offs_tile = tl.arange(0, BLOCK_N)
-    for n_block in range(block_begin, block_end):
+    for position in range(block_begin, block_end):
+        if FROM_LIST:
+            n_block = tl.load(tile_list + position)
+        else:
+            n_block = position
         start_n = n_block * BLOCK_N
         offs_n = start_n + offs_tile
         k = load_block(k_desc, k_base, batch, head_kv, start_n, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
@@ -307,9 +346,10 @@ def _dq_tiles(
                        IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
-                                     window_right, qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc,
-                                     bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT,
-                                     HAS_SOFTCAP, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED, False)
+                                     window_right, qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
+                                     MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head,
+                                     stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
+                                     BIAS_TMA, IS_MASKED, False)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         _, ds = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -319,13 +359,14 @@ def _dq_tiles(
 @triton.jit
 def _dq_program(
     m_block, batch, head,
-    Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, k_desc, v_desc, bias_desc,
+    Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, TileLists, k_desc, v_desc, bias_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos,
     stride_dqb, stride_dqh, stride_dqs,
-    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    stride_lb, stride_lh, stride_lr, lists_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale,
@@ -356,30 +397,39 @@ def _dq_program(
     v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    begin, interior_begin, interior_end, end = key_blocks_for_query_block(
-        m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-        interior_begin, interior_end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-        BIAS_TMA, HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: guard every tile
-        DOT_PRECISION, TMA_LOADS)
-    if HAS_LEFT:
-        dq = _dq_tiles(
-            dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-            begin, interior_begin, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-            mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-            BIAS_TMA, True,
-            DOT_PRECISION, TMA_LOADS)
-    dq = _dq_tiles(
-        dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-        interior_end, end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-        BIAS_TMA, True,
-        DOT_PRECISION, TMA_LOADS)
+    operands = (q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs)
+    scores_args = (start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, mask_base,
+                   stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk)
+    if HAS_MASK:  # the tiles the mask leaves, as the forward walks them (tile_lists.row_lists)
+        tile_list = head_base(TileLists, batch, head // lists_head_div, stride_lb, stride_lh) + m_block * stride_lr
+        full_tiles = tl.load(tile_list)
+        partial_tiles = tl.load(tile_list + 1)
+        dq = _dq_tiles(dq, *operands, 0, full_tiles, tile_list + 2, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                       BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
+                       HAS_BIAS,  # a -inf bias can empty a row on any tile
+                       True, DOT_PRECISION, TMA_LOADS,
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+        dq = _dq_tiles(dq, *operands, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args, HEAD_DIM,
+                       HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
+                       BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+    else:
+        begin, interior_begin, interior_end, end = key_blocks_for_query_block(
+            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        dq = _dq_tiles(dq, *operands, interior_begin, interior_end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
+                       BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
+                       HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
+                       False, DOT_PRECISION, TMA_LOADS,
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+        if HAS_LEFT:
+            dq = _dq_tiles(dq, *operands, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
+                           BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
+                           True, False, DOT_PRECISION, TMA_LOADS,
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+        dq = _dq_tiles(dq, *operands, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                       BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
+                       DOT_PRECISION, TMA_LOADS,
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
     store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 
@@ -388,8 +438,8 @@ def _dq_program(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks"])
 def _backward_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, q_desc, do_desc, k_desc, v_desc, dq_desc,
-    bias_dkdv_desc, bias_dq_desc, dbias_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, RowLists, q_desc, do_desc, k_desc, v_desc,
+    dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -397,7 +447,8 @@ def _backward_kernel(
     stride_dkb, stride_dkh, stride_dks,
     stride_dvb, stride_dvh, stride_dvs,
     stride_dqb, stride_dqh, stride_dqs,
-    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    stride_clb, stride_clh, stride_clr, stride_rlb, stride_rlh, stride_rlr, rows_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, scale, key_blocks, query_blocks, dkdv_programs, dkdv_block_major,
@@ -430,11 +481,12 @@ def _backward_kernel(
                 batch_head_kv = pid // key_blocks
             _dkdv_program(
                 n_block, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
-                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, q_desc, do_desc, dq_desc, bias_dkdv_desc,
-                dbias_desc,
+                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, q_desc, do_desc, dq_desc,
+                bias_dkdv_desc, dbias_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
                 stride_dvs, stride_dqb, stride_dqh, stride_dqs, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+                MASK_SHIFT_Q, MASK_SHIFT_K, stride_clb, stride_clh, stride_clr,
                 stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
@@ -449,10 +501,11 @@ def _backward_kernel(
                 m_block = query_blocks - 1 - m_block
             _dq_program(
                 m_block, batch_head // heads_q, batch_head % heads_q,
-                Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, k_desc, v_desc, bias_dq_desc,
+                Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, RowLists, k_desc, v_desc, bias_dq_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-                stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+                stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q, MASK_SHIFT_K,
+                stride_rlb, stride_rlh, stride_rlr, rows_head_div,
                 stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
@@ -467,7 +520,7 @@ def _bias_grad_kernel(
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos,
-    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, batch_size, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, bias_batches, bias_heads, q_tiles, k_tiles,
@@ -527,7 +580,7 @@ def _bias_grad_kernel(
             p, tanh_arg = _probabilities(
                 qk, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_log2, head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh), stride_mq,
-                stride_mk, Bias, head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), 0, 0, stride_bq,
+                stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, Bias, head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), 0, 0, stride_bq,
                 stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, False, True, False)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             dlogit, _ = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
@@ -541,7 +594,7 @@ def _bias_grad_kernel(
 
 
 def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
-                       mask: torch.Tensor | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False):
+                       mask: BlockMask | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False):
     """Returns (dq, dk, dv, dbias), dq/dk/dv each in the layout and dtype of its input. ``mask``,
     ``bias``: as for ``fwd.attention_forward``. ``dbias`` (with ``bias_grad``, else None) has the
     bias's 4-D shape and dtype: the gradient summed over the bias's broadcast dims (SPEC 3.3)."""
@@ -559,7 +612,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
     )
-    dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec)
+    dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
+                                       skips_tiles=mask is not None)
 
     # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
     pre_block_m = configs.preprocess_block_m
@@ -604,7 +658,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass), K, V (dQ pass).
     dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m, dkdv_cfg.tma_loads)
     dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n, dq_cfg.tma_loads)
-    mask_args = broadcast_args(mask, heads_q, heads_kv, lse2)
+    user_mask = mask_args(mask, heads_q, heads_kv, lse2)
+    # With a mask, the tiles each program visits (tile_lists.py): per key block for dK/dV, per
+    # query block for dQ, at each pass's own tile sizes.
+    column_lists = column_list_args(mask, spec, seqlen_q, seqlen_k, dkdv_cfg, heads_q, heads_kv, lse2)
+    row_lists = row_list_args(mask if dq_programs else None, spec, seqlen_q, seqlen_k, dq_cfg.block_m, dq_cfg.block_n,
+                              heads_q, heads_kv, lse2)
     bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
     dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
     # The bias (and its gradient) through TMA where all three descriptors can be made; else pointers.
@@ -615,9 +674,11 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     bias_tma = all(d is not None for d in bias_descs)
     if not bias_tma:
         bias_descs = [lse2] * 3
-    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, mask_args[0], bias_args[0], dbias_args[0])
+    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
+               column_lists[0], row_lists[0])
     scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-               *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides, *mask_args[1:], *bias_args[1:],
+               *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides, *user_mask[1:], *column_lists[1:],
+               *row_lists[1:], *bias_args[1:],
                *dbias_args[1:5],
                # group_size is passed, not derived in the kernel: Triton specialises an int argument
                # equal to 1, which removes the group walk's index arithmetic for MHA.
@@ -648,7 +709,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         launch(dkdv_programs, dkdv_programs, True, False, dkdv_cfg)
         launch(dq_programs, 0, False, True, dq_cfg)
     if dbias_mode == DBIAS_PASS:
-        _bias_grad_pass(q, k, v, dout, lse2, delta, mask_args, bias_args, dbias_args, spec, dq_cfg, flags)
+        _bias_grad_pass(q, k, v, dout, lse2, delta, user_mask, bias_args, dbias_args, spec, dq_cfg, flags)
     elif dbias_mode == DBIAS_ATOMIC:
         dbias = dbias.to(bias.dtype)
     if atomic_dq:
@@ -656,17 +717,27 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     return dq_buffer, dk, dv, dbias
 
 
-def bias_grad_plan(bias: torch.Tensor | None, full_shape: tuple, spec: AttentionSpec):
+def column_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, cfg: KernelConfig,
+                     heads_q: int, heads_kv: int, placeholder: torch.Tensor) -> tuple:
+    """(lists, stride_b, stride_h, stride_key_block) of the dK/dV programs' tile lists (indexed by KV head)."""
+    if mask is None:
+        return (placeholder, 0, 0, 0)
+    lists = tile_lists.column_lists(mask, spec, seqlen_q, seqlen_k, cfg.block_m, cfg.block_n, heads_q, heads_kv)
+    return broadcast_args(lists, heads_kv, heads_kv, placeholder)[:4]
+
+
+def bias_grad_plan(bias: torch.Tensor | None, full_shape: tuple, spec: AttentionSpec, skips_tiles: bool = False):
     """(how the dK/dV pass writes the bias gradient, the buffer it writes). A bias of the full
     (B, Hq, Sq, Sk) shape gets one value per entry from one program: stored, in the bias dtype.
     A broadcast bias sums over programs: fp32 atomics, or with ``deterministic`` a pass of its own
-    that sums in a fixed order (``_bias_grad_kernel``)."""
+    that sums in a fixed order (``_bias_grad_kernel``). ``skips_tiles``: a mask empties tiles."""
     if bias is None:
         return DBIAS_OFF, None
     if tuple(bias.shape) == full_shape:
-        # Tiles outside the window are never visited: they keep the zeros they start with.
-        windowed = spec.has_window_left or spec.has_window_right
-        allocate = torch.zeros_like if windowed else torch.empty_like
+        # Tiles outside the window, or emptied by the mask, are never visited: they keep the zeros
+        # they start with.
+        skipped = spec.has_window_left or spec.has_window_right or skips_tiles
+        allocate = torch.zeros_like if skipped else torch.empty_like
         return DBIAS_STORE, allocate(bias, memory_format=torch.contiguous_format)
     if spec.deterministic:
         return DBIAS_PASS, torch.empty_like(bias, memory_format=torch.contiguous_format)
@@ -680,7 +751,7 @@ def bias_grad_sums(bias: torch.Tensor | None) -> dict:
                 DBIAS_SUM_K=bias is not None and bias.shape[3] == 1)
 
 
-def _bias_grad_pass(q, k, v, dout, lse2, delta, mask_args, bias_args, dbias_args, spec: AttentionSpec,
+def _bias_grad_pass(q, k, v, dout, lse2, delta, user_mask, bias_args, dbias_args, spec: AttentionSpec,
                     cfg: KernelConfig, flags: dict):
     """Launch ``_bias_grad_kernel``: one program per output tile of the (broadcast) bias gradient."""
     layout = spec.layout
@@ -692,9 +763,9 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, mask_args, bias_args, dbias_args
     k_tiles = 1 if sums["DBIAS_SUM_K"] else triton.cdiv(seqlen_k, cfg.block_n)
     bias_batches, bias_heads = bias.shape[0], bias.shape[1]
     _bias_grad_kernel[(bias_batches * bias_heads * q_tiles * k_tiles,)](
-        q, k, v, dout, lse2, delta, mask_args[0], bias, dbias_args[0],
+        q, k, v, dout, lse2, delta, user_mask[0], bias, dbias_args[0],
         *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-        *mask_args[1:], *bias_args[1:], *dbias_args[1:5],
+        *user_mask[1:], *bias_args[1:], *dbias_args[1:5],
         seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right, lse2.shape[1],
         *score_constants(spec), bias_batches, bias_heads, q_tiles, k_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **sums, **flags, num_warps=cfg.num_warps, num_stages=1)

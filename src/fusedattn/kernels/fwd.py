@@ -14,27 +14,36 @@ import torch
 import triton
 import triton.language as tl
 
+from ..block_mask import BlockMask
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .masking import adjust_scores, bias_indices
 from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
+from .tile_lists import row_lists
 
 
 @triton.jit
 def _forward_tiles(
     acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-    block_begin, block_end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head,
-    stride_bq, stride_bk,
+    block_begin, block_end, tile_list, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right,
+    qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base,
+    bias_batch, bias_head, stride_bq, stride_bk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
 ):
+    """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
+    positions of ``tile_list`` (tile_lists.py)."""
     offs_tile = tl.arange(0, BLOCK_N)
-    for n_block in range(block_begin, block_end):
+    for position in range(block_begin, block_end):
+        if FROM_LIST:
+            n_block = tl.load(tile_list + position)
+        else:
+            n_block = position
         start_n = n_block * BLOCK_N
         offs_n = start_n + offs_tile
         k = load_block(k_desc, k_base, batch, head_kv, start_n, stride_ks, seqlen_k, HEAD_DIM, BLOCK_N, BLOCK_D,
@@ -42,8 +51,8 @@ def _forward_tiles(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores, _ = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
         scores = adjust_scores(scores, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left, window_right,
-                               mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head,
-                               stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED,
+                               mask_base, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
+                               bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED,
                                False)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
@@ -57,12 +66,13 @@ def _forward_tiles(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, Sinks, Mask, Bias, k_desc, v_desc, bias_desc,
+    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, k_desc, v_desc, bias_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
-    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    stride_lb, stride_lh, stride_lr, lists_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
     qk_scale, softcap_log2,
@@ -98,29 +108,44 @@ def _forward_kernel(
 
     row_max, row_sum = initial_row_stats(Sinks, head, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    begin, interior_begin, interior_end, end = key_blocks_for_query_block(
-        m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    acc, row_max, row_sum = _forward_tiles(
-        acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-        interior_begin, interior_end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-        qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head,
-        stride_bq, stride_bk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        HAS_MASK, HAS_BIAS, BIAS_TMA,
-        HAS_MASK or HAS_BIAS,  # a mask or -inf bias can empty a row on any tile: guard every tile
-        DOT_PRECISION, TMA_LOADS)
-    if HAS_LEFT:
+    common = (q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs)
+    scores_args = (start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, mask_base,
+                   stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk)
+    if HAS_MASK:  # the tiles the mask leaves, listed on the host (tile_lists.py): full ones, then partial
+        tile_list = head_base(TileLists, batch, head // lists_head_div, stride_lb, stride_lh) + m_block * stride_lr
+        full_tiles = tl.load(tile_list)
+        partial_tiles = tl.load(tile_list + 1)
         acc, row_max, row_sum = _forward_tiles(
-            acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-            begin, interior_begin, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-            softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq,
-            stride_bk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK,
-            HAS_BIAS, BIAS_TMA, True, DOT_PRECISION, TMA_LOADS)
-    acc, row_max, row_sum = _forward_tiles(
-        acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
-        interior_end, end, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
-        mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-        BIAS_TMA, True, DOT_PRECISION, TMA_LOADS)
+            acc, row_max, row_sum, *common, 0, full_tiles, tile_list + 2, *scores_args, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
+            HAS_BIAS,  # a -inf bias can empty a row on any tile
+            True, DOT_PRECISION, TMA_LOADS,
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+        acc, row_max, row_sum = _forward_tiles(
+            acc, row_max, row_sum, *common, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
+            BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+    else:
+        begin, interior_begin, interior_end, end = key_blocks_for_query_block(
+            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        acc, row_max, row_sum = _forward_tiles(
+            acc, row_max, row_sum, *common, interior_begin, interior_end, TileLists, *scores_args, HEAD_DIM,
+            HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
+            HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
+            False, DOT_PRECISION, TMA_LOADS,
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+        if HAS_LEFT:
+            acc, row_max, row_sum = _forward_tiles(
+                acc, row_max, row_sum, *common, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
+                DOT_PRECISION, TMA_LOADS,
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+        acc, row_max, row_sum = _forward_tiles(
+            acc, row_max, row_sum, *common, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
+            BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
+            DOT_PRECISION, TMA_LOADS,
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     o_base = head_base(Out, batch, head, stride_ob, stride_oh)
@@ -174,6 +199,25 @@ def triton_fallback(config: KernelConfig) -> KernelConfig:
     return KernelConfig(128, config.block_n, 8, config.num_stages, config.tma_loads)
 
 
+def mask_args(mask: BlockMask | None, heads_q: int, heads_kv: int, placeholder: torch.Tensor) -> tuple:
+    """``broadcast_args`` of what a mask's partial tiles read, then its index shifts
+    (``masking.adjust_scores``)."""
+    if mask is None:
+        return (*broadcast_args(None, heads_q, heads_kv, placeholder), 0, 0)
+    source = mask.source.view(torch.uint8)  # the same bytes: 1 = attend
+    return (*broadcast_args(source, heads_q, heads_kv, placeholder), *mask.source_shift)
+
+
+def row_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_m: int,
+                  block_n: int, heads_q: int, heads_kv: int, placeholder: torch.Tensor) -> tuple:
+    """(lists, stride_b, stride_h, stride_row, head_div) of the forward / dQ programs' tile lists."""
+    if mask is None:
+        return (placeholder, 0, 0, 0, 1)
+    lists = row_lists(mask, spec, seqlen_q, seqlen_k, block_m, block_n)
+    lists, batch_stride, head_stride, row_stride, _, head_div = broadcast_args(lists, heads_q, heads_kv, placeholder)
+    return (lists, batch_stride, head_stride, row_stride, head_div)
+
+
 def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None) -> bool:
     """Whether the Gluon kernels take the problem; they take no sinks, user mask or bias (yet)."""
     if not q.is_cuda or sinks is not None or mask is not None or bias is not None:
@@ -184,11 +228,12 @@ def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=No
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
-                      mask: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+                      mask: BlockMask | None = None, bias: torch.Tensor | None = None):
     """Returns (out in the user layout, lse (B, Hq, Sq) float32). ``config.hopper_overlap`` set:
     the Gluon kernel of hopper_fwd.py where it supports the problem, else this Triton kernel.
     ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator (SPEC 3.5).
-    ``mask``: the user's boolean mask as 4-D uint8 (B|1, Hq|Hkv|1, Sq|1, Sk|1), 1 = attend.
+    ``mask``: the user's boolean mask with its tile states (block_mask.BlockMask): empty tiles are
+    skipped, full ones run without the mask (tile_lists.py).
     ``bias``: the user's additive bias, 4-D and broadcast the same way, any float dtype."""
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
@@ -216,12 +261,13 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
     descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads_q)
+    user_mask = mask_args(mask, heads_q, heads_kv, lse)
+    tile_lists = row_list_args(mask, spec, seqlen_q, seqlen_k, config.block_m, config.block_n, heads_q, heads_kv, lse)
     _forward_kernel[grid](
-        q, k, v, out, lse, sinks if sinks is not None else lse, mask if mask is not None else lse,
-        bias if bias is not None else lse,
-        *(descs or (k, v)), bias_desc if bias_desc is not None else lse,
+        q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
+        tile_lists[0], *(descs or (k, v)), bias_desc if bias_desc is not None else lse,
         *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
-        *bhs_strides(out, spec.layout), *broadcast_args(mask, heads_q, heads_kv, lse)[1:],
+        *bhs_strides(out, spec.layout), *user_mask[1:], *tile_lists[1:],
         *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
         seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
         qk_scale, softcap_log2,

@@ -40,16 +40,33 @@ def apply_mask(
 
 
 @triton.jit
-def broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k, TRANSPOSED: tl.constexpr):
-    """(offsets, inside) of a score tile's entries in one (batch, head) of a (B, H, Sq, Sk) mask,
-    bias or bias gradient; broadcast dims have stride 0. ``inside``: within Sq x Sk."""
+def tile_inside(offs_q, offs_k, seqlen_q, seqlen_k, TRANSPOSED: tl.constexpr):
+    """Which entries of a score tile lie within Sq x Sk."""
+    # One return: Triton type-checks every return of a function, constexpr branches included, and
+    # a transposed tile of another shape would not match.
     if TRANSPOSED:
-        offsets = offs_k[:, None].to(tl.int64) * stride_k + offs_q[None, :].to(tl.int64) * stride_q
         inside = (offs_k[:, None] < seqlen_k) & (offs_q[None, :] < seqlen_q)
     else:
-        offsets = offs_q[:, None].to(tl.int64) * stride_q + offs_k[None, :].to(tl.int64) * stride_k
         inside = (offs_q[:, None] < seqlen_q) & (offs_k[None, :] < seqlen_k)
-    return offsets, inside
+    return inside
+
+
+@triton.jit
+def tile_offsets(offs_q, offs_k, stride_q, stride_k, TRANSPOSED: tl.constexpr):
+    """Offsets of a score tile's entries in one (batch, head) of a (B, H, Sq, Sk) mask, bias or
+    bias gradient; broadcast dims have stride 0."""
+    if TRANSPOSED:  # one return, as in tile_inside
+        offsets = offs_k[:, None].to(tl.int64) * stride_k + offs_q[None, :].to(tl.int64) * stride_q
+    else:
+        offsets = offs_q[:, None].to(tl.int64) * stride_q + offs_k[None, :].to(tl.int64) * stride_k
+    return offsets
+
+
+@triton.jit
+def broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k, TRANSPOSED: tl.constexpr):
+    """(``tile_offsets``, ``tile_inside``) of a score tile."""
+    return (tile_offsets(offs_q, offs_k, stride_q, stride_k, TRANSPOSED),
+            tile_inside(offs_q, offs_k, seqlen_q, seqlen_k, TRANSPOSED))
 
 
 @triton.jit
@@ -81,16 +98,36 @@ def load_bias_tile(desc, base, bias_batch, bias_head, start_q, start_k, offs_q, 
 
 
 @triton.jit
+def load_mask_tile(base, offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k,
+                   SHIFT_Q: tl.constexpr, SHIFT_K: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """A score tile's entries of a boolean mask (bytes, 0 past Sq or Sk) as a bool tile; entry (i, j)
+    at (i >> SHIFT_Q, j >> SHIFT_K) of this (batch, head)'s slice at ``base``. The shifts are
+    constexprs: 0 folds away, so the key offsets stay provably contiguous and the bytes load as
+    vectors (runtime shifts made the top-k forward 1.9x slower, benchmarks/NOTES.md v23). The tile
+    is always read with keys along the fast axis and transposed in registers for the dK/dV pass: a
+    transposed gather of single bytes cost that pass ~3 ms at S=4k."""
+    offsets = tile_offsets(offs_q >> SHIFT_Q, offs_k >> SHIFT_K, stride_q, stride_k, False)
+    inside = tile_inside(offs_q, offs_k, seqlen_q, seqlen_k, False)
+    keep = tl.load(base + offsets, mask=inside, other=0)
+    if TRANSPOSED:
+        keep = tl.trans(keep)
+    return keep != 0
+
+
+@triton.jit
 def adjust_scores(
     scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
-    mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    mask_base, stride_mq, stride_mk, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, bias_desc, bias_base,
+    bias_batch, bias_head,
+    stride_bq, stride_bk, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """Everything SPEC 3 does to a log2-domain score tile after scale and softcap: the user's
     bias (times log2 e; -inf entries mask), the keep rule (boundary tiles only: ``IS_MASKED``)
     and the user's boolean mask (True = attend). ``mask_base`` / ``bias_base`` point at this
     (batch, head) of their 4-D tensor; the bias may come through a descriptor (``load_bias_tile``).
+    The mask entry of (i, j) is at (i >> MASK_SHIFT_Q, j >> MASK_SHIFT_K): shifts 0 for a mask by
+    elements, log2 of the block size for a keep map of whole blocks (``block_mask.from_blocks``).
     Entries past Sq or Sk read bias 0 and mask False."""
     if HAS_BIAS:
         scores += load_bias_tile(bias_desc, bias_base, bias_batch, bias_head, start_q, start_k, offs_q, offs_k,
@@ -99,7 +136,7 @@ def adjust_scores(
         scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT, TRANSPOSED)
     if HAS_MASK:
-        offsets, inside = broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_mq, stride_mk, TRANSPOSED)
-        keep = tl.load(mask_base + offsets, mask=inside, other=0) != 0
+        keep = load_mask_tile(mask_base, offs_q, offs_k, seqlen_q, seqlen_k, stride_mq, stride_mk, MASK_SHIFT_Q,
+                              MASK_SHIFT_K, TRANSPOSED)
         scores = tl.where(keep, scores, float("-inf"))
     return scores

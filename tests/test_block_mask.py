@@ -1,0 +1,206 @@
+"""Tile classification of masks (block_mask.py, kernels/tile_lists.py) against brute force,
+and the promise it makes: a tile classed EMPTY is never read, by the forward or the backward.
+
+The classification is host code (torch ops), so most of these run fast on the CPU; the
+skipping test runs the Triton kernels (GPU, or the interpreter)."""
+
+import itertools
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.block_mask import EMPTY, FULL, PARTIAL, BlockMask, classify
+from fusedattn.kernels.tile_lists import column_lists, row_lists, rule_states, tile_states
+from fusedattn.reference import reference_attention
+from fusedattn.spec import keep_mask, resolve_spec
+from numerics import assert_close_to_reference
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+WINDOWS = [dict(), dict(causal=True), dict(window=(9, 4)), dict(window=(-1, 5)), dict(window=(20, -1)),
+           dict(window=(0, 0))]
+LENGTHS = [(1, 1), (17, 33), (33, 17), (64, 64), (100, 37), (37, 100)]
+TILES = [(16, 16), (16, 32), (64, 16), (32, 64)]
+
+
+def brute_states(keep: torch.Tensor, block_q: int, block_k: int, whole_only: bool) -> torch.Tensor:
+    """int8 states of a (..., Sq, Sk) bool tensor per (block_q, block_k) tile, one tile at a time.
+    ``whole_only``: a tile cut by Sq or Sk is never FULL (the kernels' rule)."""
+    seqlen_q, seqlen_k = keep.shape[-2:]
+    rows, cols = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    out = torch.empty((*keep.shape[:-2], rows, cols), dtype=torch.int8)
+    for m, n in itertools.product(range(rows), range(cols)):
+        tile = keep[..., m * block_q:(m + 1) * block_q, n * block_k:(n + 1) * block_k]
+        whole = (m + 1) * block_q <= seqlen_q and (n + 1) * block_k <= seqlen_k
+        all_kept = tile.flatten(-2).all(-1) & (whole or not whole_only)
+        out[..., m, n] = torch.where(all_kept, FULL, torch.where(tile.flatten(-2).any(-1), PARTIAL, EMPTY))
+    return out
+
+
+def random_cells(shape, cell: int, seed: int) -> torch.Tensor:
+    """A bool mask of ``shape`` whose (cell x cell) squares are each dropped, kept or random."""
+    gen = torch.Generator().manual_seed(seed)
+    cells = torch.randint(0, 3, (*shape[:-2], -(-shape[-2] // cell), -(-shape[-1] // cell)), generator=gen)
+    cells = cells.repeat_interleave(cell, -2).repeat_interleave(cell, -1)[..., :shape[-2], :shape[-1]]
+    noise = torch.rand(shape, generator=gen) < 0.5
+    return torch.where(cells == 0, False, torch.where(cells == 1, True, noise))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 37, 50), (1, 1, 16, 16), (2, 1, 1, 70), (1, 2, 45, 1), (1, 1, 5, 3)])
+def test_classify_matches_brute_force(shape):
+    mask = random_cells(shape, 8, seed=sum(shape))
+    expected = brute_states(mask, 16 if shape[2] > 1 else 1, 16 if shape[3] > 1 else 1, whole_only=False)
+    assert torch.equal(classify(mask, 16, 16), expected)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("options", WINDOWS, ids=str)
+def test_rule_states_match_the_keep_rule(lengths, options):
+    """EMPTY iff no pair of the tile is kept; FULL iff every pair is, and the tile is whole."""
+    seqlen_q, seqlen_k = lengths
+    spec = resolve_spec(32, layout="bshd", scale=None, softcap=None, deterministic=False,
+                        causal=options.get("causal", False), window=options.get("window"))
+    keep = keep_mask(seqlen_q, seqlen_k, spec.window_left, spec.window_right)
+    for block_q, block_k in TILES:
+        assert torch.equal(rule_states(seqlen_q, seqlen_k, spec, block_q, block_k, "cpu"),
+                           brute_states(keep, block_q, block_k, whole_only=True)), (block_q, block_k)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("options", WINDOWS[:3], ids=str)
+def test_tile_states_of_an_element_mask_are_sound(lengths, options):
+    """Merged with the rule and brought to any kernel tile size (a multiple of the 16-cell grid),
+    the states never class a tile with a kept pair EMPTY, nor one with a dropped pair FULL. They
+    equal brute force on (mask & rule) without a window; with one, a tile that both the mask and
+    the diagonal cut is PARTIAL even if their intersection is empty (classified apart, merged)."""
+    seqlen_q, seqlen_k = lengths
+    spec = resolve_spec(32, layout="bshd", scale=None, softcap=None, deterministic=False,
+                        causal=options.get("causal", False), window=options.get("window"))
+    mask = random_cells((2, 3, seqlen_q, seqlen_k), 16, seed=seqlen_q * 1000 + seqlen_k)
+    keep = mask & keep_mask(seqlen_q, seqlen_k, spec.window_left, spec.window_right)
+    block_mask = BlockMask.from_mask(mask)
+    for block_q, block_k in TILES:
+        got = tile_states(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)
+        expected = brute_states(keep, block_q, block_k, whole_only=True)
+        assert torch.equal(got == FULL, expected == FULL), (block_q, block_k)
+        assert not ((got == EMPTY) & (expected != EMPTY)).any(), (block_q, block_k)
+        if not options:
+            assert torch.equal(got, expected), (block_q, block_k)
+
+
+def test_tile_states_of_a_block_mask_finer_and_coarser_than_its_blocks():
+    """A keep map of 32x32 blocks on 16x16 tiles (each takes its block's state) and on 64x64 tiles
+    (mixed blocks are PARTIAL: the kernels then read the keep map per element)."""
+    seqlen_q, seqlen_k = 100, 90
+    keep = torch.rand(2, 1, 4, 3, generator=torch.Generator().manual_seed(5)) < 0.5
+    block_mask = BlockMask.from_blocks(keep, (32, 32), seqlen_q, seqlen_k)
+    dense = block_mask.to_dense()
+    assert dense.shape == (2, 1, seqlen_q, seqlen_k)
+    assert torch.equal(dense[:, :, 40, 70], keep[:, :, 1, 2])
+    spec = resolve_spec(32, layout="bshd", scale=None, softcap=None, deterministic=False, causal=False, window=None)
+    for block_q, block_k in [(16, 16), (64, 64), (32, 16)]:
+        got = tile_states(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)
+        assert torch.equal(got, brute_states(dense, block_q, block_k, whole_only=True)), (block_q, block_k)
+
+
+def test_row_and_column_lists_name_every_non_empty_tile_full_ones_first():
+    heads_q, heads_kv, seqlen_q, seqlen_k = 4, 2, 70, 50
+    spec = resolve_spec(32, layout="bshd", scale=None, softcap=None, deterministic=False, causal=True, window=None)
+    block_mask = BlockMask.from_mask(random_cells((2, heads_q, seqlen_q, seqlen_k), 16, seed=11))
+    states = tile_states(block_mask, spec, seqlen_q, seqlen_k, 16, 32)
+    blocks_q, blocks_k = states.shape[-2:]
+    rows = row_lists(block_mask, spec, seqlen_q, seqlen_k, 16, 32)
+    for b, h, m in itertools.product(range(2), range(heads_q), range(blocks_q)):
+        full, partial = rows[b, h, m, :2].tolist()
+        listed = rows[b, h, m, 2:2 + full + partial].tolist()
+        row = states[b, h, m]
+        assert listed == [n for n in range(blocks_k) if row[n] == FULL] + [n for n in range(blocks_k) if row[n] == PARTIAL]
+    columns = column_lists(block_mask, spec, seqlen_q, seqlen_k, 16, 32, heads_q, heads_kv)
+    group = heads_q // heads_kv
+    for b, h_kv, n in itertools.product(range(2), range(heads_kv), range(blocks_k)):
+        full, partial = columns[b, h_kv, n, :2].tolist()
+        visited = [divmod(e, blocks_q) for e in columns[b, h_kv, n, 2:2 + full + partial].tolist()]
+        tiles = [(member, m) for member in range(group) for m in range(blocks_q)]
+        kinds = {s: [t for t in tiles if states[b, h_kv * group + t[0], t[1], n] == s] for s in (FULL, PARTIAL)}
+        assert visited == kinds[FULL] + kinds[PARTIAL]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True)], ids=["full", "causal"])
+def test_empty_tiles_are_never_read(options):
+    """Keys past a padding length that is a multiple of every tile size are masked for all queries,
+    and hold NaN in K and V: a pass that read a tile of them would turn some output or gradient
+    into NaN (0 * NaN). Output and gradients must match the reference on the unpadded keys, and
+    dK, dV of the padded keys be 0."""
+    valid, seqlen_k, seqlen_q = (256, 300, 200) if ON_GPU else (32, 47, 40)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, s, 4, 64, generator=gen).to(DEVICE, dtype)
+                     for s in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+    k[:, valid:], v[:, valid:] = float("nan"), float("nan")
+    mask = torch.zeros(2, 1, 1, seqlen_k, dtype=torch.bool, device=DEVICE)
+    mask[..., :valid] = True
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with fusedattn.use_backend("triton"):
+        out = fusedattn.attention(*leaves, mask=mask, **options)
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    # the reference sees only the valid keys (and a causal diagonal aligned to them: cut Sk, not pad)
+    ref_options = dict(window=(-1, seqlen_k - valid)) if options.get("causal") else {}  # j - i <= Sk - Sq
+
+    def reference(dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k[:, :valid], v[:, :valid])]
+        out = reference_attention(*leaves, **ref_options)
+        return (out, *torch.autograd.grad(out, leaves, dout.to(dtype)))
+
+    ours = (out, dq, dk[:, :valid], dv[:, :valid])
+    for name, got, lowp, ref64 in zip(("out", "dq", "dk", "dv"), ours, reference(dtype), reference(torch.float64)):
+        assert_close_to_reference(name, got, lowp, ref64)
+    assert torch.count_nonzero(dk[:, valid:]) == 0 and torch.count_nonzero(dv[:, valid:]) == 0
+
+
+def test_one_block_mask_serves_many_calls():
+    """Built once, used by calls of different inputs and options (as every layer of a step would),
+    each matching the reference; the object is not changed by use."""
+    gen = torch.Generator().manual_seed(9)
+    mask = random_cells((1, 2, 40, 40), 16, seed=4).to(DEVICE)
+    block_mask = fusedattn.BlockMask.from_mask(mask)
+    states = block_mask.states.clone()
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    for options in (dict(), dict(causal=True), dict(window=(8, 8), softcap=5.0)):
+        q, k, v = (torch.randn(1, 40, 2, 32, generator=gen).to(DEVICE, dtype) for _ in range(3))
+        with fusedattn.use_backend("triton"):
+            out = fusedattn.attention(q, k, v, mask=block_mask, **options)
+        lowp, ref64 = (reference_attention(q.to(t), k.to(t), v.to(t), mask=mask, **options)
+                       for t in (dtype, torch.float64))
+        assert_close_to_reference(str(options), out, lowp, ref64)
+    assert torch.equal(block_mask.states, states)
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda: BlockMask.from_blocks(torch.ones(2, 2, dtype=torch.bool), (24, 32), 48, 64), ValueError, ["block_q", "24"]),
+    (lambda: BlockMask.from_blocks(torch.ones(2, 2, dtype=torch.bool), (32, 8), 64, 16), ValueError, ["block_k"]),
+    (lambda: BlockMask.from_blocks(torch.ones(2, 3, dtype=torch.bool), (32, 32), 64, 64), ValueError, ["(2, 2)"]),
+    (lambda: BlockMask.from_blocks(torch.ones(2, 2), (32, 32), 64, 64), TypeError, ["bool"]),
+    (lambda: BlockMask.from_mask(torch.ones(4, 4)), TypeError, ["bool"]),
+    (lambda: BlockMask.from_mask(torch.ones(4, dtype=torch.bool)), ValueError, ["2 to 4 dims"]),
+], ids=["block-not-power-of-two", "block-too-small", "keep-shape", "keep-floats", "mask-floats", "mask-1d"])
+def test_block_mask_errors(make, error, words):
+    with pytest.raises(error) as info:
+        make()
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 37, 50), (1, 2, 1, 70), (1, 2, 45, 1), (2, 1, 100, 600)], ids=str)
+def test_classify_kernel_matches_torch_reductions(shape):
+    """The one-pass Triton kernel the GPU uses (here: the interpreter) on a strided (transposed)
+    mask, against the torch reductions and brute force."""
+    from fusedattn.block_mask import classify_with_torch
+    from fusedattn.kernels.classify import classify_cells
+
+    mask = random_cells(shape[:2] + shape[:1:-1], 8, seed=sum(shape)).to(DEVICE).transpose(2, 3)  # strided
+    states = classify_cells(mask, 16, 16)
+    assert torch.equal(states.cpu(), classify_with_torch(mask.cpu(), 16, 16))
+    expected = brute_states(mask.cpu(), 16 if shape[2] > 1 else 1, 16 if shape[3] > 1 else 1, whole_only=False)
+    assert torch.equal(states.cpu(), expected)
