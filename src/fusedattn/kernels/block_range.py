@@ -1,4 +1,5 @@
-"""The one place that decides which tiles a program visits.
+"""The one place that decides which tiles a program visits (without a user mask; with one,
+``tile_lists.py`` makes the same decision on the host, merged with the mask's tile states).
 
 Forward and the dQ pass walk key blocks for one query block; the dK/dV pass walks
 query blocks for one key block (the inverse map). Each returns four block indices

@@ -21,6 +21,11 @@ dQ is summed one of two ways, as the launch config says (tuning/configs.py):
   - ``_dq_program``s: one per (query block, batch * query head), the same key-block walk
     as the forward; dQ stays in registers, so the result is bitwise reproducible.
 
+With a user mask both passes walk host-made tile lists instead of block ranges
+(``tile_lists.py``): full tiles without the mask, then partial ones; emptied tiles are skipped.
+(``_bias_grad_kernel``, the deterministic broadcast-bias pass, still walks the rule's range and
+applies the mask per tile.)
+
 Tiles in the dK/dV pass are held transposed (keys along rows). Inside the loops, Q/dO
 (dK/dV pass) and K/V (dQ pass) come through TMA descriptors where the config and the
 tensors' alignment allow (``memory.load_block``).

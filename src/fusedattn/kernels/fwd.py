@@ -3,7 +3,9 @@
 The key loop runs in up to three stretches given by ``block_range``: boundary tiles
 left of the interior (sliding window only), interior tiles with no mask math, and
 boundary tiles on the right (causal diagonal, window edge, ragged key tail). All
-three call ``_forward_tiles`` with ``IS_MASKED`` as a constexpr.
+three call ``_forward_tiles`` with ``IS_MASKED`` as a constexpr. With a user mask the
+program walks its host-made tile list instead (``tile_lists.py``): full tiles, then
+partial ones; the tiles the mask empties are not in it.
 """
 
 from __future__ import annotations
