@@ -77,17 +77,20 @@ def _mask_args(mask: BlockMask | None) -> tuple:
     return mask.source, mask.states, [*mask.cell, *mask.source_shift]
 
 
-def _block_mask(mask, mask_states, mask_grid) -> BlockMask | None:
-    """The BlockMask back from the custom ops' arguments (``_mask_args``)."""
+def _block_mask(mask, mask_states, mask_grid, seqlen_q: int, seqlen_k: int) -> BlockMask | None:
+    """The BlockMask back from the custom ops' arguments (``_mask_args``). Its element shape: the
+    source's, except that a dim of whole blocks (shift > 0) spans the sequence length."""
     if mask is None:
         return None
-    return BlockMask(mask.shape, mask_states, tuple(mask_grid[:2]), mask, tuple(mask_grid[2:]))
+    shift_q, shift_k = mask_grid[2:]
+    shape = (*mask.shape[:2], seqlen_q if shift_q else mask.shape[2], seqlen_k if shift_k else mask.shape[3])
+    return BlockMask(shape, mask_states, tuple(mask_grid[:2]), mask, (shift_q, shift_k))
 
 
 def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
                   softcap, deterministic, backend):
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
-    mask = _block_mask(mask, mask_states, mask_grid)
+    mask = _block_mask(mask, mask_states, mask_grid, to_bhsd(q, layout).shape[2], to_bhsd(k, layout).shape[2])
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     if bias is not None:
@@ -123,7 +126,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, mask, mask_states, mask_grid, 
                    window_right, scale, softcap, deterministic, backend):
     """(dq, dk, dv, dbias); dbias is an empty tensor unless ``bias_grad`` (custom ops return tensors)."""
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
-    mask = _block_mask(mask, mask_states, mask_grid)
+    mask = _block_mask(mask, mask_states, mask_grid, to_bhsd(q, layout).shape[2], to_bhsd(k, layout).shape[2])
     if bias is not None:
         bias = bias.detach()
     if backend == "torch":

@@ -167,7 +167,6 @@ def _flex(variant: Variant):
             score_mod = lambda s, b, h, qi, ki: s + bias[b, h, qi, ki]  # noqa: E731
         if variant.name.startswith("softcap"):
             score_mod = lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)  # noqa: E731
-        block_mask = None
         if mask_mod is not None and "block_mask" not in cache:  # built once, outside the timed steps
             batch = B if "mask" in inp.extra else None
             heads = H if "mask" in inp.extra and inp.extra["mask"].shape[1] != 1 else None
