@@ -147,9 +147,12 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     ]
     problems = 0
     if configs.forward.hopper_overlap is not None and tma_loads:
-        problems += _report_hopper_forward(head_dim, dtype, configs.forward, flags["HAS_RIGHT"])
+        problems += _report_hopper_forward(head_dim, dtype, configs.forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"])
     if gluon_dkdv.hopper_overlap is not None and tma_loads:
-        problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"])
+        # deterministic calls run the pass without dQ; the default at D=128 the 5-matmul form
+        for with_dq in (False, True) if configs.atomic_dq else (False,):
+            problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
+                                            flags["HAS_SOFTCAP"])
     for name, kernel, cfg, extra, descriptors in jobs:  # with a Gluon forward, Triton's is its fallback
         if kernel is bwd._backward_kernel:
             constexprs = dict(common, DKDV_BLOCK_M=configs.dkdv.block_m, DKDV_BLOCK_N=configs.dkdv.block_n,
@@ -172,7 +175,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     return problems
 
 
-def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool):
+def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -183,17 +186,18 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool):
     if cfg.hopper_split:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_ws_kernel, hopper.WG_ROWS, 4
         maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
-        constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
+        constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, PRODUCER_REGS=producer_regs,
                           CONSUMER_REGS=consumer_regs, num_warps=num_warps)
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
-        constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal,
+        constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, SOFTCAP=softcap,
                           OVERLAP=cfg.hopper_overlap, NUM_STAGES=cfg.num_stages, num_warps=num_warps)
         options = dict(num_warps=num_warps, num_stages=1)
     signature = dict(q_desc=desc(rows), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(rows),
                      Lse="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", qk_scale="fp32",
+                     softcap_log2="fp32",
                      **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(kernel, signature, constexprs, {(4,): [["tt.divisibility", 16]]})
     compiled = triton.compile(src, target=TARGET, options=options)
@@ -202,7 +206,7 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool):
                 serialized=wgmma_serialization(compiled.asm["ptx"]))
 
 
-def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool) -> int:
+def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
@@ -210,7 +214,7 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool) -> int:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
     shown = f"forward (Gluon, {kind}) {rows}x{cfg.block_n} s{cfg.num_stages}"
     try:
-        r = compile_hopper_forward(head_dim, dtype, cfg, causal)
+        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1
@@ -219,7 +223,8 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool) -> int:
     return int(bool(r["serialized"]))
 
 
-def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_major: bool = False, dq: bool = False):
+def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_major: bool = False, dq: bool = False,
+                       softcap: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -230,7 +235,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     stats = [1, cfg.block_m]
     stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.row_stats_layout(cfg.block_m)!r}>"
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
-    constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, NUM_STAGES=cfg.num_stages,
+    constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq,
                       PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
     dq_block = [1, 1, cfg.block_m, head_dim // 2]
@@ -239,7 +244,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     keys = desc(hopper_bwd.KEYS_PER_WG)
     signature = dict(q_desc=desc(cfg.block_m), do_desc=desc(cfg.block_m), k_desc=keys, v_desc=keys, dk_desc=keys,
                      dv_desc=keys, lse_desc=stats_desc, dl_desc=stats_desc, dq_desc=dq_desc, seq_q="i32", seq_k="i32", heads_q="i32",
-                     heads_kv="i32", group="i32", qk_scale="fp32", scale="fp32",
+                     heads_kv="i32", group="i32", qk_scale="fp32", softcap_log2="fp32", scale="fp32",
                      **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(hopper_bwd._dkdv_ws_kernel, signature, constexprs)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
@@ -254,13 +259,13 @@ def gl_fp32():
     return gl.float32
 
 
-def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False) -> int:
+def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False) -> int:
     kind = f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     for block_major in (False, True) if causal else (False,):  # causal GQA launches block-major
         try:
-            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq)
+            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
@@ -278,7 +283,7 @@ def main() -> None:
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtype", default="bf16", choices=sorted(TYPES))
     p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
-    p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,window,causal+mask+sinks,bias,causal+bias-atomic")
+    p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,causal+mask+sinks,bias,causal+bias-atomic")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
@@ -288,6 +293,8 @@ def main() -> None:
         "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
         "causal": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False),
         "window+softcap": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True),
+        "softcap": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=True),
+        "causal+softcap": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=True),
         "window": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=False),
         # a user mask and sinks: the Triton kernels (the Gluon ones decline them)
         "causal+mask+sinks": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True, HAS_SINKS=True),

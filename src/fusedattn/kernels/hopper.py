@@ -31,11 +31,12 @@ PRODUCER_REGS = 24  # registers the 1-warp TMA producer keeps; the consumers tak
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether the Gluon kernels compute the problem (else the Triton kernels do): sm_90, 16-bit,
-    D = Dv in {64, 128}, no window other than causal, no softcap."""
+    D = Dv in {64, 128}, no window other than causal; softcap or not."""
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     causal_or_full = not spec.has_window_left and spec.window_right in (UNBOUNDED, 0)
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in GL_DTYPES
-            and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full and not spec.has_softcap)
+            and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full)
+
 
 
 def smem_layout(block_shape, torch_dtype):
@@ -75,6 +76,29 @@ def ws_registers(split: int) -> tuple[int, int, int]:
     maxnreg = (65536 // (total_warps * 32)) // 8 * 8
     consumer = (maxnreg * total_warps - PRODUCER_REGS * 4) // (total_warps - 4) // 8 * 8
     return maxnreg, consumer, PRODUCER_REGS
+
+
+@gluon.jit
+def _rcp(x):
+    # rcp.approx: one MUFU op, ~1 ulp; 1 / inf = 0 (used by tanh for large arguments)
+    return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr):
+    """(scores in log2 units, tanh of the capped argument or None) of raw fp32 scores ``s``.
+
+    Softcap: tanh(x) = 1 - 2 / (1 + e^{2x}): two MUFU ops (ex2, rcp) and three FMA-pipe ones, an
+    absolute error of a few fp32 ulps (what the score and the backward's 1 - tanh^2 need; the
+    relative error near 0 does not matter there). tanh.approx.f32 would be one MUFU op, but its
+    2^-11 relative error is a 0.015 logit error at softcap 30 -- as large as fp16 rounding."""
+    if SOFTCAP:
+        e = gl.exp2(s * (qk_scale * 2.8853900817779268))  # e^{2x} = 2^{2 log2(e) x}
+        t = 1.0 - 2.0 * _rcp(1.0 + e)
+        return t * softcap_log2, t
+    else:
+        return s * qk_scale, s
 
 
 @gluon.jit

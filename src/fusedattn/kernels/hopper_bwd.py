@@ -63,7 +63,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
-from .hopper import (LOG2E, WG_ROWS, descriptor, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait,
+from .fwd import score_constants
+from .hopper import (WG_ROWS, descriptor, log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait,
                      ws_registers)
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
@@ -222,10 +223,12 @@ def _dq_columns(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPL
 
 @gluon.jit
 def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk, dv, s_zero,
-          dq_zero, keys, first_row, diag, seq_k, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-          NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr, WG: gl.constexpr,
-          SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, DQ: gl.constexpr):
-    """One query block against this warpgroup's keys; first_row is used on MASK steps only."""
+          dq_zero, keys, first_row, diag, seq_k, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
+          HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
+          WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+          SOFTCAP: gl.constexpr, DQ: gl.constexpr):
+    """One query block against this warpgroup's keys; first_row is used on MASK steps only. With
+    SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_s = k_smem.index(WG).reshape([k_smem.shape[3], HEAD_D])
     slot = t % NUM_STAGES
@@ -244,6 +247,9 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
         dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))
         turn_pass(turn_bars, WG, PINGPONG)
+    if SOFTCAP:  # log2 units now (the cap is not linear)
+        s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True)
+        qk_scale = 1.0
     if MASK:
         rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
         if CAUSAL:
@@ -255,11 +261,17 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         s = gl.where(keep, s, -float("inf"))
     lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
+    if SOFTCAP:
+        # dV first: then only P^T times the cap's derivative stays live across dP^T, not P^T and
+        # tanh both (D=128 causal: 48 -> 24 B of stack, with dQ 104 -> 64 B).
+        dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
+        p = p * (1.0 - tanh_s * tanh_s)
     if PINGPONG != 2:
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
         dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
     ds16 = (p * dp).to(k_s.dtype)
-    dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
+    if not SOFTCAP:
+        dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
     dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk)
     mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
     if DQ:
@@ -269,9 +281,9 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars, dq_state, n0,
-              seq_q, seq_k, group, qk_scale, scale, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr, DQ: gl.constexpr):
+              seq_q, seq_k, group, qk_scale, softcap_log2, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, DQ: gl.constexpr):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -304,13 +316,14 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
             mbarrier.wait(kv_bars.index(c), 0)
         for t in range(0, n_interior_steps):
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
-                           dv, s_zero, dq_zero, keys, 0, diag, seq_k, qk_scale, scale, BLOCK_M, HEAD_D, NUM_STAGES,
-                           s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, DQ)
+                           dv, s_zero, dq_zero, keys, 0, diag, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, SOFTCAP, DQ)
         for t in range(n_interior_steps, n_steps):
             member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
-                           dv, s_zero, dq_zero, keys, blk * BLOCK_M, diag, seq_k, qk_scale, scale, BLOCK_M, HEAD_D,
-                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, DQ)
+                           dv, s_zero, dq_zero, keys, blk * BLOCK_M, diag, seq_k, qk_scale, softcap_log2, scale,
+                           BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL,
+                           SOFTCAP, DQ)
         # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
         # is overwritten with dK.
         ds_bar = dq_state[2]
@@ -322,8 +335,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         interior_end = gl.where(active, n_interior_steps, 0)
         for t in range(0, interior_end):
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
-                           dv, s_zero, dq_zero, keys, 0, diag, seq_k, qk_scale, scale, BLOCK_M, HEAD_D, NUM_STAGES,
-                           s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, DQ)
+                           dv, s_zero, dq_zero, keys, 0, diag, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, SOFTCAP, DQ)
         if CAUSAL:
             # Query blocks before lo see none of this warpgroup's keys (every block, when inactive).
             lo = gl.where(active, gl.maximum(nc - diag, 0) // BLOCK_M, 2147483647)
@@ -332,8 +345,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                 if blk >= lo:
                     dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars,
                                    dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, diag, seq_k, qk_scale,
-                                   scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True,
-                                   CAUSAL, DQ)
+                                   softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
+                                   PINGPONG, True, CAUSAL, SOFTCAP, DQ)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
@@ -354,8 +367,9 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group"])
 def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
-                    heads_q, heads_kv, group, qk_scale, scale, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
-                    CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
+                    heads_q, heads_kv, group, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
+                    HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
                     BLOCK_MAJOR: gl.constexpr, DQ: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
@@ -419,11 +433,11 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     if DQ:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 0, SPLIT, BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 1, SPLIT, BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
                          seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
@@ -433,11 +447,11 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     elif SPLIT == 2:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 0, SPLIT, BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 1, SPLIT, BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
                          seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
@@ -445,14 +459,14 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 0, SPLIT, BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 1, SPLIT, BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                         NUM_STAGES, CAUSAL, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 2, SPLIT, BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
                          seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
@@ -500,8 +514,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     grid = (batch * heads_kv, key_blocks) if block_major else (key_blocks, batch * heads_kv)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     _dkdv_ws_kernel[grid](*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv,
-                          spec.scale * LOG2E, spec.scale, BLOCK_M=config.block_m, HEAD_D=head_dim,
-                          CAUSAL=spec.window_right == 0, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
+                          *score_constants(spec), spec.scale, BLOCK_M=config.block_m, HEAD_D=head_dim,
+                          CAUSAL=spec.window_right == 0, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
+                          SPLIT=config.hopper_split,
                           PINGPONG=config.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq_accum is not None,
                           PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return True

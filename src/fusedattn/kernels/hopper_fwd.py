@@ -30,8 +30,9 @@ SASS). Issuing S_{j+1} before PV_{j-1} retired makes ptxas serialise every wgmma
 
 Masking follows SPEC 3.2 for the two windows this kernel takes, none and causal (bottom-right
 aligned): key blocks [0, n_full) are visible to every row of the tile and do no mask math;
-[n_full, n_blocks) (causal diagonal, ragged last block) apply it. Other windows, softcap, head
-dims other than 64/128 and 32-bit inputs take the Triton kernel (``hopper.supports``).
+[n_full, n_blocks) (causal diagonal, ragged last block) apply it. Other windows, head dims other
+than 64/128 and 32-bit inputs take the Triton kernel (``hopper.supports``). Softcap (SOFTCAP) caps
+the scores before the mask and the row max (``hopper.log2_scores``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
-from .hopper import LOG2E, WG_ROWS, descriptor, turn_pass, turn_wait, ws_registers
+from .fwd import score_constants
+from .hopper import WG_ROWS, descriptor, log2_scores, turn_pass, turn_wait, ws_registers
 
 
 # --------------------------------------------------------------------------- helpers
@@ -76,12 +78,17 @@ def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STA
 
 
 @gluon.jit
-def _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, BLOCK_N: gl.constexpr,
-                    s_layout: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+def _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N: gl.constexpr,
+                    s_layout: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr):
     """Online-softmax step on raw scores s (fp32, s_layout). Returns p (fp32), m, l, alpha.
 
     m is kept in log2 units of the scaled scores. MASK=False: the block is fully visible
-    to every row, no mask math and m_new is finite."""
+    to every row, no mask math and m_new is finite. Without softcap the scale is applied to the
+    row max and inside exp2's argument (one FMA); the cap is not linear, so with it the scores
+    are brought to log2 units first."""
+    if SOFTCAP:
+        s, _ = log2_scores(s, qk_scale, softcap_log2, True)
+        qk_scale = 1.0
     if MASK:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         cols2 = gl.expand_dims(cols, 0)
@@ -126,13 +133,13 @@ def _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, 
 
 @gluon.jit
 def _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv, rows, seq_k,
-                 diag_off, qk_scale, k_desc, v_desc, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                 diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                 CAUSAL: gl.constexpr, MASK: gl.constexpr):
+                 CAUSAL: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr):
     k = _kv_tile(k_ring, k_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout, CAUSAL,
-                                         MASK)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N,
+                                         s_layout, CAUSAL, MASK, SOFTCAP)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -156,9 +163,10 @@ def _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, batch, head_
 
 @gluon.jit
 def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
-                  batch, head_kv, rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N: gl.constexpr,
+                  batch, head_kv, rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N: gl.constexpr,
                   HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  p_layout: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, EARLY_S: gl.constexpr):
+                  p_layout: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr,
+                  EARLY_S: gl.constexpr):
     """Iteration j of the FA3 schedule, rotated so that the wait for PV_{j-1} opens the loop body.
 
     On entry: PV_{j-1} in flight (o_tok, reading p_busy = P_{j-1}); p / m_i / l_i / alpha are the
@@ -184,8 +192,8 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
     # wgmma groups retire in order: <= 1 outstanding means S_{j+1} is done, PV_j may still run.
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j + 1, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout,
-                                         CAUSAL, MASK)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j + 1, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N,
+                                         s_layout, CAUSAL, MASK, SOFTCAP)
     return acc, o_tok, p_op, p, m_i, l_i, alpha
 
 
@@ -195,9 +203,9 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
 # Lengths/heads are not specialised (no recompiles between ragged and aligned lengths, and the
 # compile report's plain-i32 signature is the kernel that runs).
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group"])
-def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, qk_scale,
+def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, qk_scale, softcap_log2,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
-                     OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     SOFTCAP: gl.constexpr, OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -258,8 +266,8 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
             # Prologue: S_0 and its softmax (masked path).
             k = _kv_tile(k_ring, k_bars, 0, BLOCK_N, HEAD_D, NUM_STAGES)
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
-            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, 0, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout,
-                                                 CAUSAL, True)
+            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, 0, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N,
+                                                 s_layout, CAUSAL, True, SOFTCAP)
             # Iteration j computes the softmax of block j+1: unmasked for blocks < n_full.
             # Nothing in flight yet: a retired "PV_{-1}" token on the zero accumulator.
             o_tok = warpgroup_mma_init(acc)
@@ -267,13 +275,13 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
             for j in range(0, n_full - 1):
                 acc, o_tok, p_busy, p, m_i, l_i, alpha = _step_overlap(
                     q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
-                    batch, head_kv, rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                    o_layout, p_layout, CAUSAL, False, OVERLAP == 2)
+                    batch, head_kv, rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                    NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, False, SOFTCAP, OVERLAP == 2)
             for j in range(gl.maximum(n_full - 1, 0), n_blocks - 1):
                 acc, o_tok, p_busy, p, m_i, l_i, alpha = _step_overlap(
                     q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
-                    batch, head_kv, rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                    o_layout, p_layout, CAUSAL, True, OVERLAP == 2)
+                    batch, head_kv, rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                    NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, True, SOFTCAP, OVERLAP == 2)
             acc, p_busy = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_busy])  # PV_{n-2}
             # Epilogue: O += P_{n-1} V_{n-1}.
             acc = _rescale(acc, alpha, o_layout)
@@ -283,12 +291,12 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
     else:
         for j in range(0, n_full):
             acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv,
-                                         rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES,
-                                         s_layout, o_layout, p_layout, CAUSAL, False)
+                                         rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                                         NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, False, SOFTCAP)
         for j in range(n_full, n_blocks):
             acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv,
-                                         rows, seq_k, diag_off, qk_scale, k_desc, v_desc, BLOCK_N, HEAD_D, NUM_STAGES,
-                                         s_layout, o_layout, p_layout, CAUSAL, True)
+                                         rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                                         NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, True, SOFTCAP)
 
     _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_smem, o_desc, batch, head, m0, row_o)
 
@@ -334,17 +342,17 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready
 
 @gluon.jit
 def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i, s_zero, j, rows, seq_k,
-             diag_off, qk_scale, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+             diag_off, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
-             MASK: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+             MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     turn_wait(turn_bars, j, WG, PINGPONG)
     s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     turn_pass(turn_bars, WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, s_layout, CAUSAL,
-                                         MASK)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N,
+                                         s_layout, CAUSAL, MASK, SOFTCAP)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -355,9 +363,9 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, a
 
 @gluon.jit
 def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, batch,
-                 head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, WG: gl.constexpr, ROWS: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                 head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, WG: gl.constexpr,
+                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of the program's tile, on one warpgroup."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -385,18 +393,19 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_emp
     q = q_buf.reshape([ROWS, HEAD_D])
     for j in range(0, n_full):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                 s_zero, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                 o_layout, p_layout, CAUSAL, False, WG, PINGPONG)
+                                 s_zero, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
+                                 s_layout, o_layout, p_layout, CAUSAL, False, SOFTCAP, WG, PINGPONG)
     for j in range(n_full, n_blocks):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                 s_zero, j, rows, seq_k, diag_off, qk_scale, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                 o_layout, p_layout, CAUSAL, True, WG, PINGPONG)
+                                 s_zero, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
+                                 s_layout, o_layout, p_layout, CAUSAL, True, SOFTCAP, WG, PINGPONG)
     _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, mw, row_o)
 
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group"])
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, qk_scale,
-                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, qk_scale, softcap_log2,
+                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr,
+                        NUM_STAGES: gl.constexpr,
                         SPLIT: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
@@ -445,25 +454,25 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     if SPLIT == 2:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 0, ROWS, BLOCK_N, HEAD_D,
-                            NUM_STAGES, CAUSAL, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 0, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 1, ROWS, BLOCK_N, HEAD_D,
-                            NUM_STAGES, CAUSAL, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 1, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
                             v_empty, batch, head, head_kv, m0, n_blocks, ROWS, SPLIT, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 0, ROWS, BLOCK_N, HEAD_D,
-                            NUM_STAGES, CAUSAL, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 0, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 1, ROWS, BLOCK_N, HEAD_D,
-                            NUM_STAGES, CAUSAL, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 1, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, 2, ROWS, BLOCK_N, HEAD_D,
-                            NUM_STAGES, CAUSAL, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 2, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
                             v_empty, batch, head, head_kv, m0, n_blocks, ROWS, SPLIT, BLOCK_N, NUM_STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -491,17 +500,18 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     if any(d is None for d in descs):
         return None
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.scale * LOG2E)
+    args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, *score_constants(spec))
     causal = spec.window_right == 0
     if config.hopper_split:
         maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
         grid = (triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split), batch * heads_q)
         _attn_fwd_ws_kernel[grid](*args, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
-                                  NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
+                                  SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
                                   PINGPONG=config.hopper_pingpong, PRODUCER_REGS=producer_regs,
                                   CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     else:
         grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
         _attn_fwd_kernel[grid](*args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
-                               OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
+                               SOFTCAP=spec.has_softcap, OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages,
+                               num_warps=NUM_WARPS)
     return out, lse
