@@ -147,12 +147,13 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     ]
     problems = 0
     if configs.forward.hopper_overlap is not None and tma_loads:
-        problems += _report_hopper_forward(head_dim, dtype, configs.forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"])
+        problems += _report_hopper_forward(head_dim, dtype, configs.forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+                                           flags["HAS_LEFT"])
     if gluon_dkdv.hopper_overlap is not None and tma_loads:
         # deterministic calls run the pass without dQ; the default at D=128 the 5-matmul form
         for with_dq in (False, True) if configs.atomic_dq else (False,):
             problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
-                                            flags["HAS_SOFTCAP"])
+                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"])
     for name, kernel, cfg, extra, descriptors in jobs:  # with a Gluon forward, Triton's is its fallback
         if kernel is bwd._backward_kernel:
             constexprs = dict(common, DKDV_BLOCK_M=configs.dkdv.block_m, DKDV_BLOCK_N=configs.dkdv.block_n,
@@ -175,7 +176,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     return problems
 
 
-def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False):
+def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -186,17 +187,17 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
     if cfg.hopper_split:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_ws_kernel, hopper.WG_ROWS, 4
         maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
-        constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
+        constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, PRODUCER_REGS=producer_regs,
                           CONSUMER_REGS=consumer_regs, num_warps=num_warps)
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
-        constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, SOFTCAP=softcap,
+        constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap,
                           OVERLAP=cfg.hopper_overlap, NUM_STAGES=cfg.num_stages, num_warps=num_warps)
         options = dict(num_warps=num_warps, num_stages=1)
     signature = dict(q_desc=desc(rows), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(rows),
-                     Lse="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", qk_scale="fp32",
+                     Lse="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", window_left="i32", qk_scale="fp32",
                      softcap_log2="fp32",
                      **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(kernel, signature, constexprs, {(4,): [["tt.divisibility", 16]]})
@@ -206,7 +207,7 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
                 serialized=wgmma_serialization(compiled.asm["ptx"]))
 
 
-def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False) -> int:
+def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
@@ -214,7 +215,7 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
     shown = f"forward (Gluon, {kind}) {rows}x{cfg.block_n} s{cfg.num_stages}"
     try:
-        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap)
+        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1
@@ -224,7 +225,7 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_major: bool = False, dq: bool = False,
-                       softcap: bool = False):
+                       softcap: bool = False, left: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -235,7 +236,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     stats = [1, cfg.block_m]
     stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.row_stats_layout(cfg.block_m)!r}>"
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
-    constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
+    constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq,
                       PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
     dq_block = [1, 1, cfg.block_m, head_dim // 2]
@@ -244,7 +245,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     keys = desc(hopper_bwd.KEYS_PER_WG)
     signature = dict(q_desc=desc(cfg.block_m), do_desc=desc(cfg.block_m), k_desc=keys, v_desc=keys, dk_desc=keys,
                      dv_desc=keys, lse_desc=stats_desc, dl_desc=stats_desc, dq_desc=dq_desc, seq_q="i32", seq_k="i32", heads_q="i32",
-                     heads_kv="i32", group="i32", qk_scale="fp32", softcap_log2="fp32", scale="fp32",
+                     heads_kv="i32", group="i32", window_left="i32", qk_scale="fp32", softcap_log2="fp32", scale="fp32",
                      **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(hopper_bwd._dkdv_ws_kernel, signature, constexprs)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
@@ -259,13 +260,14 @@ def gl_fp32():
     return gl.float32
 
 
-def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False) -> int:
+def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
+                        left: bool = False) -> int:
     kind = f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     for block_major in (False, True) if causal else (False,):  # causal GQA launches block-major
         try:
-            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap)
+            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap, left)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
@@ -273,8 +275,9 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
         spilled = "  SPILLS" if r["spills"] else ""
         print(f"  {shown}{' block-major' if block_major else ''}  regs={r['regs']} stack={r['spills']} "
               f"smem={r['shared']}{serial}{spilled}")
-        # The 5-matmul form spills 80-88 bytes and still beat everything else (NOTES.md v19).
-        failed += int(bool(r["serialized"]) or bool(r["spills"]) and not dq)
+        # The 5-matmul form spills 80-88 bytes and still beat everything else (NOTES.md v19); the
+        # sliding-window pass 40-48 bytes at D=128 and still beat the Triton one it replaced (v25).
+        failed += int(bool(r["serialized"]) or bool(r["spills"]) and not dq and not left)
     return failed
 
 

@@ -2,7 +2,7 @@
 config may name (2 or 3 consumer warpgroups, ping-pong 0/1/2, 64- and 128-row query steps, a deeper
 ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA in both program
 orders, a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
-scale, softcap and a gradient on lse -- every gradient against the float64 reference (SPEC 4). A spy proves
+scale, softcap, sliding windows and a gradient on lse -- every gradient against the float64 reference (SPEC 4). A spy proves
 each backward really ran the Gluon pass; problems and tensors it does not take must run the Triton
 pass; with atomic_dq it sums dQ too where it can (D=128), elsewhere the dQ pass runs; dK and dV
 are bitwise reproducible (dQ too where a dQ pass sums it)."""
@@ -33,6 +33,12 @@ CASES = [
     # softcap: dS^T takes 1 - tanh^2 (hopper.log2_scores); causal GQA with rows that see no key
     Case(1, 4, 2, 517, 333, 128, causal=True, softcap=20.0, dtype=torch.bfloat16),
     Case(2, 4, 1, 255, 255, 64, softcap=5.0, lse_grad=True),
+    # sliding windows: masked steps on both sides of the interior ones, warpgroups skipping steps
+    # none of their keys sees; a window narrower than a tile; left alone; with softcap
+    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), dtype=torch.bfloat16),
+    Case(2, 2, 1, 333, 333, 128, causal=True, window=(20, 0), lse_grad=True),
+    Case(1, 2, 2, 517, 700, 64, window=(100, -1), layout="bhsd"),
+    Case(1, 2, 2, 700, 300, 64, causal=True, window=(150, 0), softcap=10.0, dtype=torch.bfloat16),
 ]
 
 
@@ -111,8 +117,8 @@ def test_gluon_dkdv_takes_strided_views(config, gluon_launches):
     assert gluon_launches and all(gluon_launches)
 
 
-@pytest.mark.parametrize("options", [dict(window=(50, 0)), dict(window=(-1, 7)), dict(window=(50, 0), softcap=20.0)],
-                         ids=["left-window", "right-window", "left-window-softcap"])
+@pytest.mark.parametrize("options", [dict(window=(-1, 7)), dict(window=(50, 3)), dict(window=(50, 3), softcap=20.0)],
+                         ids=["right-window", "both-windows", "both-windows-softcap"])
 def test_problems_it_does_not_support_run_the_triton_pass(options, gluon_launches):
     """Declined before launching (hopper.supports): the Triton dK/dV programs run instead."""
     case = Case(1, 2, 2, 200, 200, 128, dtype=torch.bfloat16, layout="bhsd", **options)

@@ -1,7 +1,8 @@
 """The Hopper kernels, compiled ahead of time on any machine (no GPU needed): every launch the
 heuristic makes (and the Gluon forward and dK/dV pass in every schedule the tuning run may pick)
 must compile for sm_90a, and ptxas must not serialise its wgmmas (nor spill, in the Gluon dK/dV
-pass without dQ).
+pass without dQ and without a sliding window: those spill 40-88 bytes, measured faster than the
+alternatives, benchmarks/NOTES.md v19 and v25).
 
 A serialised kernel is still correct, so no numerical test can see it; it runs the tensor cores
 at a fraction of their rate. ptxas decides it per function (info C7515): one loop in the wrong

@@ -1,6 +1,6 @@
 """The Gluon forwards of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width they
 may be launched with (8-warp kernel; warp-specialised kernel, 2 or 3 warpgroups, ping-pong), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
-decoding, both layouts, a strided view, a custom scale, softcap -- output, lse and the gradients of the
+decoding, both layouts, a strided view, a custom scale, softcap, sliding windows -- output, lse and the gradients of the
 backward that consumes its lse, against the float64 reference (SPEC 4). A spy proves each
 launch really ran the Gluon kernel; unsupported problems must fall back to the Triton kernel."""
 
@@ -29,6 +29,12 @@ CASES = [
     # softcap (hopper.log2_scores): capped before the mask, with causal rows that see no key and GQA
     Case(1, 4, 2, 517, 333, 128, causal=True, softcap=20.0, dtype=torch.bfloat16),
     Case(2, 2, 2, 255, 255, 64, softcap=5.0, lse_grad=True),
+    # sliding windows (left edge tiles masked, interior ones not): causal + left, left alone, a
+    # window narrower than a tile, Sq > Sk with softcap
+    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), dtype=torch.bfloat16),
+    Case(1, 2, 2, 517, 700, 64, window=(100, -1), layout="bhsd"),
+    Case(2, 2, 1, 333, 333, 128, causal=True, window=(20, 0), lse_grad=True),
+    Case(1, 2, 2, 700, 300, 128, causal=True, window=(150, 0), softcap=10.0, dtype=torch.bfloat16),
 ]
 # Every schedule a config may name: the 8-warp kernel's three (64- and 128-key tiles), the
 # warp-specialised kernel with 2 or 3 consumer warpgroups, with and without ping-pong.
@@ -76,8 +82,8 @@ def test_gluon_forward_takes_strided_views(forward, gluon_launches):
 
 
 @pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)
-@pytest.mark.parametrize("options", [dict(window=(50, 0)), dict(window=(-1, 7)), dict(window=(50, 0), softcap=20.0)],
-                         ids=["left-window", "right-window", "left-window-softcap"])
+@pytest.mark.parametrize("options", [dict(window=(-1, 7)), dict(window=(50, 3)), dict(window=(50, 3), softcap=20.0)],
+                         ids=["right-window", "both-windows", "both-windows-softcap"])
 def test_problems_it_does_not_support_run_the_triton_kernel(options, forward, gluon_launches):
     case = Case(1, 2, 2, 200, 200, 128, dtype=torch.bfloat16, layout="bhsd", **options)
     q, k, v, _, _ = make_inputs(case, "cuda")

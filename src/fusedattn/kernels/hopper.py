@@ -31,9 +31,9 @@ PRODUCER_REGS = 24  # registers the 1-warp TMA producer keeps; the consumers tak
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
     """Whether the Gluon kernels compute the problem (else the Triton kernels do): sm_90, 16-bit,
-    D = Dv in {64, 128}, no window other than causal; softcap or not."""
+    D = Dv in {64, 128}, a right window of none or 0 (causal), any left window; softcap or not."""
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    causal_or_full = not spec.has_window_left and spec.window_right in (UNBOUNDED, 0)
+    causal_or_full = spec.window_right in (UNBOUNDED, 0)
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in GL_DTYPES
             and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full)
 
@@ -99,6 +99,16 @@ def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr):
         return t * softcap_log2, t
     else:
         return s * qk_scale, s
+
+
+@gluon.jit
+def in_window(keys, first, last):
+    """keys in [first, last] (broadcastable tensors: key indices and each query's bounds) by one
+    unsigned compare, (keys - first) < (last - first + 1); a query whose bounds cross keeps nothing.
+    One compare and one subtraction per score instead of two compares and an and: the sliding-window
+    tiles spilled with those."""
+    span = gl.maximum(last - first + 1, 0)
+    return (keys - first).to(gl.uint32, bitcast=True) < span.to(gl.uint32, bitcast=True)
 
 
 @gluon.jit

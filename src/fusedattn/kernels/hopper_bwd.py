@@ -63,8 +63,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
+from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, descriptor, log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait,
+from .hopper import (WG_ROWS, descriptor, in_window, log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait,
                      ws_registers)
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
@@ -74,41 +75,59 @@ KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
 
 @gluon.jit
-def _query_walk(n0, seq_q, seq_k, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                DQ: gl.constexpr):
-    """The query blocks the program's keys [n0, n0 + BLOCK_N) visit, over every head of the KV group:
-    (n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag). Per head, blocks
-    [int_begin, int_begin + n_int) see every key of the program with no mask; [msk_begin,
-    msk_begin + n_msk) straddle the causal diagonal (with DQ: or the key block crosses Sk); blocks
-    before msk_begin see none of them."""
-    end = gl.cdiv(seq_q, BLOCK_M)
-    if CAUSAL:
-        diag = seq_k - seq_q  # query i sees key j iff j <= i + diag
-        msk_begin = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, end)
-        last_key = gl.minimum(n0 + BLOCK_N, seq_k) - 1
-        int_begin = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key - diag, 0), BLOCK_M), msk_begin), end)
+def _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr):
+    """The steps of the program whose keys are [n0, n0 + BLOCK_N): (n_steps, walk). Steps [0,
+    n_interior_steps) walk the interior query blocks (every key of the program visible to every
+    row: no mask) of every head of the KV group (head-major), the rest the masked ones
+    (``_step_coords``); query blocks that see none of the program's keys are not visited.
+
+    LEFT (a sliding window): the blocks ``block_range.query_blocks_for_key_block`` gives, the Triton
+    kernels' own rule: [inner_begin, inner_end) interior, [begin, inner_begin) (causal diagonal) and
+    [inner_end, end) (left window edge) masked, all of them when the key block crosses Sk.
+    Otherwise the same rule for causal or no window, written for the two cases (a block range of
+    masked steps, not two: a general walk cost D=64 causal deterministic steps 5%, v25): [msk_begin,
+    int_begin) straddle the causal diagonal (with DQ: or the key block crosses Sk), [int_begin,
+    end) interior."""
+    if LEFT:
+        begin, inner_begin, inner_end, end = query_blocks_for_key_block(n0 // BLOCK_N, seq_q, seq_k, window_left, 0,
+                                                                        BLOCK_M, BLOCK_N, LEFT, CAUSAL)
+        n_inner = inner_end - inner_begin
+        n_lead = inner_begin - begin
+        n_masked = n_lead + end - inner_end
     else:
-        diag = seq_k * 0
-        msk_begin = end * 0
-        int_begin = end * 0
-    if DQ:  # keys past Sk must give p = 0 exactly (they reach dQ): a ragged key block masks every step
-        int_begin = gl.where(n0 + BLOCK_N > seq_k, end, int_begin)
-    n_int = end - int_begin
-    n_msk = int_begin - msk_begin
-    n_interior_steps = group * n_int
-    n_steps = n_interior_steps + group * n_msk
-    return n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag
+        end = gl.cdiv(seq_q, BLOCK_M)
+        if CAUSAL:
+            diag = seq_k - seq_q  # query i sees key j iff j <= i + diag
+            begin = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, end)
+            last_key = gl.minimum(n0 + BLOCK_N, seq_k) - 1
+            inner_begin = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key - diag, 0), BLOCK_M), begin), end)
+        else:
+            begin = end * 0
+            inner_begin = end * 0
+        if DQ:  # keys past Sk must give p = 0 exactly (they reach dQ): a ragged key block masks every step
+            inner_begin = gl.where(n0 + BLOCK_N > seq_k, end, inner_begin)
+        n_inner = end - inner_begin
+        n_lead = inner_begin - begin
+        n_masked = n_lead
+    n_interior_steps = group * n_inner
+    n_steps = n_interior_steps + group * n_masked
+    return n_steps, (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin)
 
 
 @gluon.jit
-def _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin):
-    """(member of the KV group, query block) of step t: steps [0, n_interior_steps) walk the interior
-    query blocks of every head of the group (head-major), the rest the masked ones."""
+def _step_coords(t, walk, LEFT: gl.constexpr):
+    """(member of the KV group, query block) of step t of ``walk`` (``_query_walk``)."""
+    n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin = walk
     inner = t < n_interior_steps
     u = gl.where(inner, t, t - n_interior_steps)
-    n = gl.maximum(gl.where(inner, n_int, n_msk), 1)
+    n = gl.maximum(gl.where(inner, n_inner, n_masked), 1)
     member = u // n
-    blk = gl.where(inner, int_begin, msk_begin) + u - member * n
+    v = u - member * n
+    if LEFT:  # masked: [begin, begin + n_lead), then past the n_inner interior blocks
+        blk = gl.where(inner, inner_begin, begin) + v + gl.where(inner | (v < n_lead), 0, n_inner)
+    else:  # masked: [begin, begin + n_lead) only
+        blk = gl.where(inner, inner_begin, begin) + v
     return member, blk
 
 
@@ -118,8 +137,8 @@ def _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin):
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem, q_ring, do_ring,
               lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q, seq_k, heads_q, group,
-              SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, DQ: gl.constexpr):
+              window_left, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr):
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
@@ -130,15 +149,14 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
         mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=live)
         tma.async_copy_global_to_shared(k_desc, [batch, head_kv, nc, 0], kv_bars.index(c), k_smem.index(c), pred=live)
         tma.async_copy_global_to_shared(v_desc, [batch, head_kv, nc, 0], kv_bars.index(c), v_smem.index(c), pred=live)
-    n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag = _query_walk(
-        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL, DQ)
+    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ)
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + dl_desc.block_type.nbytes)
     head0 = head_kv * group
     for t in range(n_steps):
         slot = t % NUM_STAGES
         mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
-        member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
+        member, blk = _step_coords(t, walk, LEFT)
         head = head0 + member
         row = batch * heads_q + head
         bar = ready.index(slot)
@@ -160,17 +178,17 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
 
 
 @gluon.jit
-def _drain(dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DQ: gl.constexpr):
+def _drain(dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_left, SPLIT: gl.constexpr,
+           BLOCK_M: gl.constexpr,
+           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr):
     """DQ: per step, each consumer's dQ columns (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
-    n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag = _query_walk(
-        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL, DQ)
+    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ)
     head0 = head_kv * group
     COLS: gl.constexpr = dq_desc.block_type.shape[3]
     for t in range(n_steps):
-        member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
+        member, blk = _step_coords(t, walk, LEFT)
         for w in gl.static_range(SPLIT):
             mbarrier.wait(dq_full.index(w), t & 1)
             tma_reduce_add(dq_desc, [batch, head0 + member, blk * BLOCK_M, w * COLS], dq_s.index(w))
@@ -223,9 +241,10 @@ def _dq_columns(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPL
 
 @gluon.jit
 def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk, dv, s_zero,
-          dq_zero, keys, first_row, diag, seq_k, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
+          dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
           HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+          LEFT: gl.constexpr,
           SOFTCAP: gl.constexpr, DQ: gl.constexpr):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only. With
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2."""
@@ -252,12 +271,20 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         qk_scale = 1.0
     if MASK:
         rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
-        if CAUSAL:
-            keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
+        diag, window_left = rule
+        if LEFT:  # keys past Sk masked too (needed with DQ, harmless without)
+            last = rows * 0 + (seq_k - 1)
+            if CAUSAL:
+                last = gl.minimum(rows + diag, seq_k - 1)
+            keep = in_window(gl.expand_dims(keys, 1), gl.expand_dims(rows + (diag - window_left), 0),
+                             gl.expand_dims(last, 0))
         else:
-            keep = gl.expand_dims(keys, 1) >= 0
-        if DQ:  # keys past Sk reach dQ: p = 0 exactly (without dQ, their dK/dV rows are not stored)
-            keep = keep & gl.expand_dims(keys < seq_k, 1)
+            if CAUSAL:
+                keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
+            else:
+                keep = gl.expand_dims(keys, 1) >= 0
+            if DQ:  # keys past Sk reach dQ: p = 0 exactly (without dQ, their dK/dV rows are not stored)
+                keep = keep & gl.expand_dims(keys < seq_k, 1)
         s = gl.where(keep, s, -float("inf"))
     lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
@@ -281,9 +308,10 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars, dq_state, n0,
-              seq_q, seq_k, group, qk_scale, softcap_log2, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
+              seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, DQ: gl.constexpr):
+              CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
+              DQ: gl.constexpr):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -293,8 +321,9 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     dtype: gl.constexpr = k_smem.dtype
     KEYS: gl.constexpr = k_smem.shape[3]
 
-    n_steps, n_interior_steps, n_int, int_begin, n_msk, msk_begin, diag = _query_walk(
-        n0, seq_q, seq_k, group, BLOCK_M, BLOCK_N, CAUSAL, DQ)
+    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ)
+    n_interior_steps = walk[0]
+    rule = (seq_k - seq_q, window_left)
     nc = n0 + WG * KEYS
     k_s = k_smem.index(WG).reshape([KEYS, HEAD_D])
     v_s = v_smem.index(WG).reshape([KEYS, HEAD_D])
@@ -316,13 +345,13 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
             mbarrier.wait(kv_bars.index(c), 0)
         for t in range(0, n_interior_steps):
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
-                           dv, s_zero, dq_zero, keys, 0, diag, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
-                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, SOFTCAP, DQ)
+                           dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ)
         for t in range(n_interior_steps, n_steps):
-            member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
+            member, blk = _step_coords(t, walk, LEFT)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
-                           dv, s_zero, dq_zero, keys, blk * BLOCK_M, diag, seq_k, qk_scale, softcap_log2, scale,
-                           BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL,
+                           dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
+                           BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
                            SOFTCAP, DQ)
         # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
         # is overwritten with dK.
@@ -335,18 +364,28 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         interior_end = gl.where(active, n_interior_steps, 0)
         for t in range(0, interior_end):
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
-                           dv, s_zero, dq_zero, keys, 0, diag, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
-                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, SOFTCAP, DQ)
-        if CAUSAL:
-            # Query blocks before lo see none of this warpgroup's keys (every block, when inactive).
-            lo = gl.where(active, gl.maximum(nc - diag, 0) // BLOCK_M, 2147483647)
+                           dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ)
+        # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
+        # (every step, when inactive).
+        if LEFT:  # this warpgroup's query blocks (block_range.py, for its 64 keys)
+            w_begin, _, _, w_end = query_blocks_for_key_block(nc // KEYS, seq_q, seq_k, window_left, 0, BLOCK_M,
+                                                              KEYS, LEFT, CAUSAL)
+            w_begin = gl.where(active, w_begin, 2147483647)
+        elif CAUSAL:  # query blocks before w_begin see none of this warpgroup's keys
+            w_begin = gl.where(active, gl.maximum(nc - (seq_k - seq_q), 0) // BLOCK_M, 2147483647)
+        if CAUSAL or LEFT:
             for t in range(interior_end, n_steps):
-                member, blk = _step_coords(t, n_interior_steps, n_int, int_begin, n_msk, msk_begin)
-                if blk >= lo:
+                member, blk = _step_coords(t, walk, LEFT)
+                if LEFT:
+                    visible = (blk >= w_begin) & (blk < w_end)
+                else:
+                    visible = blk >= w_begin
+                if visible:
                     dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars,
-                                   dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, diag, seq_k, qk_scale,
+                                   dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale,
                                    softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
-                                   PINGPONG, True, CAUSAL, SOFTCAP, DQ)
+                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
@@ -365,10 +404,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 # --------------------------------------------------------------------------- kernel
 
 
-@gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group"])
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group", "window_left"])
 def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
-                    heads_q, heads_kv, group, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
-                    HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
+                    HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                    NUM_STAGES: gl.constexpr,
                     SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
                     BLOCK_MAJOR: gl.constexpr, DQ: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
@@ -433,43 +473,50 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     if DQ:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 0, SPLIT, BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 0, SPLIT,
+                         BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 1, SPLIT, BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 1, SPLIT,
+                         BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
-            (_drain, (dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, SPLIT, BLOCK_M, BLOCK_N, CAUSAL,
-                      DQ)),
+                         seq_k, heads_q, group, window_left, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ)),
+            (_drain, (dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_left, SPLIT, BLOCK_M,
+                      BLOCK_N, CAUSAL, LEFT, DQ)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif SPLIT == 2:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 0, SPLIT, BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 0, SPLIT,
+                         BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 1, SPLIT, BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 1, SPLIT,
+                         BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
+                         seq_k, heads_q, group, window_left, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 0, SPLIT, BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 0, SPLIT,
+                         BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 1, SPLIT, BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 1, SPLIT,
+                         BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, qk_scale, softcap_log2, scale, 2, SPLIT, BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 2, SPLIT,
+                         BLOCK_M,
+                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, DQ)),
+                         seq_k, heads_q, group, window_left, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -514,8 +561,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     grid = (batch * heads_kv, key_blocks) if block_major else (key_blocks, batch * heads_kv)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     _dkdv_ws_kernel[grid](*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv,
-                          *score_constants(spec), spec.scale, BLOCK_M=config.block_m, HEAD_D=head_dim,
-                          CAUSAL=spec.window_right == 0, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
+                          spec.window_left, *score_constants(spec), spec.scale, BLOCK_M=config.block_m, HEAD_D=head_dim,
+                          CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
+                          NUM_STAGES=config.num_stages,
                           SPLIT=config.hopper_split,
                           PINGPONG=config.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq_accum is not None,
                           PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)

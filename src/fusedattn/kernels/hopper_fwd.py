@@ -28,10 +28,12 @@ The loop is rotated on purpose (the PV wait opens the body): in FA3's own order 
 the body) ptxas hoists the wait to just after the previous one and nothing overlaps (seen in
 SASS). Issuing S_{j+1} before PV_{j-1} retired makes ptxas serialise every wgmma (C7515).
 
-Masking follows SPEC 3.2 for the two windows this kernel takes, none and causal (bottom-right
-aligned): key blocks [0, n_full) are visible to every row of the tile and do no mask math;
-[n_full, n_blocks) (causal diagonal, ragged last block) apply it. Other windows, head dims other
-than 64/128 and 32-bit inputs take the Triton kernel (``hopper.supports``). Softcap (SOFTCAP) caps
+Masking follows SPEC 3.2 (bottom-right aligned) for the windows these kernels take: on the right
+none or causal, on the left any (LEFT: a sliding window). A tile visits the key blocks
+``block_range.key_blocks_for_query_block`` gives it -- the Triton kernels' own rule: the interior
+ones do no mask math, those on the left window's edge, the causal diagonal and a ragged last block
+apply it. Other right windows, head dims other than 64/128 and 32-bit inputs take the Triton
+kernel (``hopper.supports``). Softcap (SOFTCAP) caps
 the scores before the mask and the row max (``hopper.log2_scores``).
 """
 
@@ -52,21 +54,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
+from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
-from .hopper import WG_ROWS, descriptor, log2_scores, turn_pass, turn_wait, ws_registers
+from .hopper import WG_ROWS, descriptor, in_window, log2_scores, turn_pass, turn_wait, ws_registers
 
 
 # --------------------------------------------------------------------------- helpers
 
 
 @gluon.jit
-def _issue_kv(desc, ring, bars, batch, head_kv, j, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """TMA block j of K (or V) into its ring slot, if the block exists."""
+def _issue_kv(desc, ring, bars, kv_at, j, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA the program's j-th key block of K (or V) into its ring slot, if the block exists.
+    ``kv_at`` = (batch, KV head, first key of the program's range)."""
+    batch, head_kv, key0 = kv_at
     slot = j % NUM_STAGES
     pred = j < n_blocks
     bar = bars.index(slot)
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [batch, head_kv, j * BLOCK_N, 0], bar, ring.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(desc, [batch, head_kv, key0 + j * BLOCK_N, 0], bar, ring.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -78,8 +83,9 @@ def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STA
 
 
 @gluon.jit
-def _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N: gl.constexpr,
-                    s_layout: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr):
+def _softmax_update(s, m_i, l_i, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr,
+                    s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
+                    SOFTCAP: gl.constexpr):
     """Online-softmax step on raw scores s (fp32, s_layout). Returns p (fp32), m, l, alpha.
 
     m is kept in log2 units of the scaled scores. MASK=False: the block is fully visible
@@ -89,12 +95,19 @@ def _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, softcap_log
     if SOFTCAP:
         s, _ = log2_scores(s, qk_scale, softcap_log2, True)
         qk_scale = 1.0
-    if MASK:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if MASK:  # SPEC 3.2 for the windows these kernels take: causal or not on the right, any left
+        diag, window_left, key0 = rule
+        cols = key0 + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         cols2 = gl.expand_dims(cols, 0)
-        keep = cols2 < seq_k
-        if CAUSAL:
-            keep = keep & (cols2 <= gl.expand_dims(rows, 1) + diag_off)
+        if LEFT:
+            last = rows * 0 + (seq_k - 1)
+            if CAUSAL:
+                last = gl.minimum(rows + diag, seq_k - 1)
+            keep = in_window(cols2, gl.expand_dims(rows + (diag - window_left), 1), gl.expand_dims(last, 1))
+        else:
+            keep = cols2 < seq_k
+            if CAUSAL:
+                keep = keep & (cols2 <= gl.expand_dims(rows, 1) + diag)
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if MASK:
@@ -132,40 +145,41 @@ def _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, 
 
 
 @gluon.jit
-def _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv, rows, seq_k,
-                 diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+def _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, kv_at, rows, seq_k,
+                 rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                 CAUSAL: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr):
+                 CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr):
     k = _kv_tile(k_ring, k_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N,
-                                         s_layout, CAUSAL, MASK, SOFTCAP)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
+                                         s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
     acc = warpgroup_mma(p, v, acc)
     # Both warpgroups are done with slot j of K and V: refill it with block j + NUM_STAGES.
     gl.thread_barrier()
-    _issue_kv(k_desc, k_ring, k_bars, batch, head_kv, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
-    _issue_kv(v_desc, v_ring, v_bars, batch, head_kv, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
+    _issue_kv(k_desc, k_ring, k_bars, kv_at, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
+    _issue_kv(v_desc, v_ring, v_bars, kv_at, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
     return acc, m_i, l_i
 
 
 @gluon.jit
-def _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, batch, head_kv, j, n_blocks, BLOCK_N: gl.constexpr,
+def _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, kv_at, j, n_blocks, BLOCK_N: gl.constexpr,
                     NUM_STAGES: gl.constexpr):
     # Every warpgroup has retired S_j (K slot of j) and PV_{j-1} (V slot of j-1): refill them.
     gl.thread_barrier()
-    _issue_kv(k_desc, k_ring, k_bars, batch, head_kv, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
+    _issue_kv(k_desc, k_ring, k_bars, kv_at, j + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
     if j >= 1:
-        _issue_kv(v_desc, v_ring, v_bars, batch, head_kv, j - 1 + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
+        _issue_kv(v_desc, v_ring, v_bars, kv_at, j - 1 + NUM_STAGES, n_blocks, BLOCK_N, NUM_STAGES)
 
 
 @gluon.jit
 def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
-                  batch, head_kv, rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N: gl.constexpr,
+                  kv_at, rows, seq_k, rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N: gl.constexpr,
                   HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  p_layout: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr,
+                  p_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
+                  SOFTCAP: gl.constexpr,
                   EARLY_S: gl.constexpr):
     """Iteration j of the FA3 schedule, rotated so that the wait for PV_{j-1} opens the loop body.
 
@@ -179,21 +193,21 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
         # S_{j+1} first: the CTA barrier + refill, the O rescale and the P conversion run under it.
         k = _kv_tile(k_ring, k_bars, j + 1, BLOCK_N, HEAD_D, NUM_STAGES)
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, batch, head_kv, j, n_blocks, BLOCK_N, NUM_STAGES)
+        _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, kv_at, j, n_blocks, BLOCK_N, NUM_STAGES)
         acc = _rescale(acc, alpha, o_layout)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
     else:
         acc = _rescale(acc, alpha, o_layout)
         p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, batch, head_kv, j, n_blocks, BLOCK_N, NUM_STAGES)
+        _refill_overlap(k_desc, v_desc, k_ring, v_ring, k_bars, v_bars, kv_at, j, n_blocks, BLOCK_N, NUM_STAGES)
         k = _kv_tile(k_ring, k_bars, j + 1, BLOCK_N, HEAD_D, NUM_STAGES)
         s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     v = _kv_tile(v_ring, v_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
     # wgmma groups retire in order: <= 1 outstanding means S_{j+1} is done, PV_j may still run.
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j + 1, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N,
-                                         s_layout, CAUSAL, MASK, SOFTCAP)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j + 1, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
+                                         s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
     return acc, o_tok, p_op, p, m_i, l_i, alpha
 
 
@@ -202,10 +216,11 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
 
 # Lengths/heads are not specialised (no recompiles between ragged and aligned lengths, and the
 # compile report's plain-i32 signature is the kernel that runs).
-@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group"])
-def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, qk_scale, softcap_log2,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
-                     SOFTCAP: gl.constexpr, OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left"])
+def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
+                     softcap_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                     CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, OVERLAP: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -223,15 +238,16 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
     head = pid_bh % num_heads
     head_kv = head // group
     m0 = pid_m * BLOCK_M
-    diag_off = seq_k - seq_q  # query i sees keys j <= i + diag_off (causal)
-
-    if CAUSAL:
-        hi = gl.minimum(gl.maximum(m0 + BLOCK_M + diag_off, 0), seq_k)
-        n_full = gl.minimum(gl.maximum(m0 + diag_off + 1, 0), seq_k) // BLOCK_N
-    else:
-        hi = seq_k
-        n_full = seq_k // BLOCK_N
-    n_blocks = gl.cdiv(hi, BLOCK_N)
+    # The key blocks the tile visits, by the Triton kernels' own rule (block_range.py), counted
+    # from the first: [0, n_lead) (left window edge) and [n_inner, n_blocks) (causal diagonal,
+    # ragged last block) apply the mask, [n_lead, n_inner) are interior.
+    first, inner_begin, inner_end, end = key_blocks_for_query_block(pid_m, seq_q, seq_k, window_left, 0, BLOCK_M,
+                                                                    BLOCK_N, LEFT, CAUSAL)
+    n_blocks = end - first
+    n_lead = inner_begin - first
+    n_inner = inner_end - first
+    kv_at = (batch, head_kv, first * BLOCK_N)
+    rule = (seq_k - seq_q, window_left, first * BLOCK_N)
 
     # Shared memory: Q (reused for O at the end), K and V rings, barriers.
     q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_D], q_desc.layout)
@@ -249,8 +265,8 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [batch, head, m0, 0], q_bar, q_smem)
     for i in gl.static_range(NUM_STAGES):
-        _issue_kv(k_desc, k_ring, k_bars, batch, head_kv, i, n_blocks, BLOCK_N, NUM_STAGES)
-        _issue_kv(v_desc, v_ring, v_bars, batch, head_kv, i, n_blocks, BLOCK_N, NUM_STAGES)
+        _issue_kv(k_desc, k_ring, k_bars, kv_at, i, n_blocks, BLOCK_N, NUM_STAGES)
+        _issue_kv(v_desc, v_ring, v_bars, kv_at, i, n_blocks, BLOCK_N, NUM_STAGES)
 
     rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     m_i = gl.full([BLOCK_M], -float("inf"), gl.float32, layout=row_s)
@@ -266,22 +282,28 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
             # Prologue: S_0 and its softmax (masked path).
             k = _kv_tile(k_ring, k_bars, 0, BLOCK_N, HEAD_D, NUM_STAGES)
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
-            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, 0, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N,
-                                                 s_layout, CAUSAL, True, SOFTCAP)
-            # Iteration j computes the softmax of block j+1: unmasked for blocks < n_full.
+            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, 0, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
+                                                 s_layout, CAUSAL, LEFT, True, SOFTCAP)
+            # Iteration j computes the softmax of block j+1: unmasked for blocks in [n_lead, n_inner).
             # Nothing in flight yet: a retired "PV_{-1}" token on the zero accumulator.
             o_tok = warpgroup_mma_init(acc)
             p_busy = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
-            for j in range(0, n_full - 1):
+            if LEFT:
+                for j in range(0, n_lead - 1):
+                    acc, o_tok, p_busy, p, m_i, l_i, alpha = _step_overlap(
+                        q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
+                        kv_at, rows, seq_k, rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                        NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, OVERLAP == 2)
+            for j in range(gl.maximum(n_lead - 1, 0), n_inner - 1):
                 acc, o_tok, p_busy, p, m_i, l_i, alpha = _step_overlap(
                     q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
-                    batch, head_kv, rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
-                    NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, False, SOFTCAP, OVERLAP == 2)
-            for j in range(gl.maximum(n_full - 1, 0), n_blocks - 1):
+                    kv_at, rows, seq_k, rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                    NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False, SOFTCAP, OVERLAP == 2)
+            for j in range(gl.maximum(n_inner - 1, 0), n_blocks - 1):
                 acc, o_tok, p_busy, p, m_i, l_i, alpha = _step_overlap(
                     q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i, l_i, alpha, s_zero, j, n_blocks,
-                    batch, head_kv, rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
-                    NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, True, SOFTCAP, OVERLAP == 2)
+                    kv_at, rows, seq_k, rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                    NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, OVERLAP == 2)
             acc, p_busy = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_busy])  # PV_{n-2}
             # Epilogue: O += P_{n-1} V_{n-1}.
             acc = _rescale(acc, alpha, o_layout)
@@ -289,14 +311,20 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
             v = _kv_tile(v_ring, v_bars, n_blocks - 1, BLOCK_N, HEAD_D, NUM_STAGES)
             acc = warpgroup_mma(p_op, v, acc)
     else:
-        for j in range(0, n_full):
-            acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv,
-                                         rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
-                                         NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, False, SOFTCAP)
-        for j in range(n_full, n_blocks):
-            acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, batch, head_kv,
-                                         rows, seq_k, diag_off, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
-                                         NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, True, SOFTCAP)
+        if LEFT:
+            for j in range(0, n_lead):
+                acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks,
+                                             kv_at, rows, seq_k, rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N,
+                                             HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, True,
+                                             SOFTCAP)
+        for j in range(n_lead, n_inner):
+            acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, kv_at,
+                                         rows, seq_k, rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                                         NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False, SOFTCAP)
+        for j in range(n_inner, n_blocks):
+            acc, m_i, l_i = _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_blocks, kv_at,
+                                         rows, seq_k, rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
+                                         NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP)
 
     _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_smem, o_desc, batch, head, m0, row_o)
 
@@ -322,7 +350,7 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, batch,
-                 head, head_kv, m0, n_blocks, ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
+                 head, head_kv, m0, key0, n_blocks, ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr):
     for w in gl.static_range(NQ):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
@@ -332,18 +360,19 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready
         phase = ((j // NUM_STAGES) & 1) ^ 1  # a fresh mbarrier counts as phase 1 complete: round 0 passes
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, j * BLOCK_N, 0], k_ready.index(slot),
+        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, key0 + j * BLOCK_N, 0], k_ready.index(slot),
                                         k_ring.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, j * BLOCK_N, 0], v_ready.index(slot),
+        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, key0 + j * BLOCK_N, 0], v_ready.index(slot),
                                         v_ring.index(slot))
 
 
 @gluon.jit
 def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i, s_zero, j, rows, seq_k,
-             diag_off, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+             rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
+             LEFT: gl.constexpr,
              MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     turn_wait(turn_bars, j, WG, PINGPONG)
@@ -351,8 +380,8 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, a
     turn_pass(turn_bars, WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N,
-                                         s_layout, CAUSAL, MASK, SOFTCAP)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
+                                         s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -363,10 +392,12 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, a
 
 @gluon.jit
 def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, batch,
-                 head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, WG: gl.constexpr,
+                 head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale, softcap_log2, WG: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr):
-    """Query rows [m0 + WG * ROWS, + ROWS) of the program's tile, on one warpgroup."""
+                 CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr):
+    """Query rows [m0 + WG * ROWS, + ROWS) of the program's tile, on one warpgroup: every one of the
+    program's key blocks [first, first + n_blocks) (the producer loads each once for all), with the
+    mask on those not interior to this warpgroup's rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -376,12 +407,12 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_emp
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     mw = m0 + WG * ROWS
-    diag_off = seq_k - seq_q
-    if CAUSAL:  # key blocks [0, n_full) are visible to all rows of this warpgroup: no mask math
-        n_full = gl.minimum(gl.maximum(mw + diag_off + 1, 0), seq_k) // BLOCK_N
-    else:
-        n_full = seq_k // BLOCK_N
-    n_full = gl.minimum(n_full, n_blocks)
+    # This warpgroup's interior key blocks (block_range.py), counted from the program's first.
+    _, inner_begin, inner_end, _ = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k, window_left, 0, ROWS,
+                                                              BLOCK_N, LEFT, CAUSAL)
+    n_lead = gl.minimum(gl.maximum(inner_begin - first, 0), n_blocks)
+    n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
+    rule = (seq_k - seq_q, window_left, first * BLOCK_N)
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
@@ -391,22 +422,27 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_emp
     q_buf = q_smem.index(WG)
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_buf.reshape([ROWS, HEAD_D])
-    for j in range(0, n_full):
+    if LEFT:
+        for j in range(0, n_lead):
+            acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
+                                     s_zero, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
+                                     s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG)
+    for j in range(n_lead, n_inner):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                 s_zero, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
-                                 s_layout, o_layout, p_layout, CAUSAL, False, SOFTCAP, WG, PINGPONG)
-    for j in range(n_full, n_blocks):
+                                 s_zero, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
+                                 s_layout, o_layout, p_layout, CAUSAL, LEFT, False, SOFTCAP, WG, PINGPONG)
+    for j in range(n_inner, n_blocks):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                 s_zero, j, rows, seq_k, diag_off, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
-                                 s_layout, o_layout, p_layout, CAUSAL, True, SOFTCAP, WG, PINGPONG)
+                                 s_zero, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
+                                 s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG)
     _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, mw, row_o)
 
 
-@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group"])
-def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, qk_scale, softcap_log2,
-                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, SOFTCAP: gl.constexpr,
-                        NUM_STAGES: gl.constexpr,
-                        SPLIT: gl.constexpr, PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left"])
+def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
+                        softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
+                        LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                        PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer."""
@@ -425,11 +461,10 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     head = pid_bh % num_heads
     head_kv = head // group
     m0 = pid_m * BLOCK_M
-    if CAUSAL:
-        hi = gl.minimum(gl.maximum(m0 + BLOCK_M + seq_k - seq_q, 0), seq_k)
-    else:
-        hi = seq_k
-    n_blocks = gl.cdiv(hi, BLOCK_N)
+    # The key blocks of the program's rows (block_range.py); each consumer masks those not interior
+    # to its own rows.
+    first, _, _, end = key_blocks_for_query_block(pid_m, seq_q, seq_k, window_left, 0, BLOCK_M, BLOCK_N, LEFT, CAUSAL)
+    n_blocks = end - first
 
     q_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, ROWS, HEAD_D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
@@ -454,27 +489,34 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     if SPLIT == 2:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 0, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
+                            softcap_log2, 0, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 1, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
+                            softcap_log2, 1, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
-                            v_empty, batch, head, head_kv, m0, n_blocks, ROWS, SPLIT, BLOCK_N, NUM_STAGES)),
+                            v_empty, batch, head, head_kv, m0, first * BLOCK_N, n_blocks, ROWS, SPLIT, BLOCK_N,
+                            NUM_STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 0, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
+                            softcap_log2, 0, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 1, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
+                            softcap_log2, 1, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, n_blocks, qk_scale, softcap_log2, 2, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
+                            softcap_log2, 2, ROWS,
+                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
-                            v_empty, batch, head, head_kv, m0, n_blocks, ROWS, SPLIT, BLOCK_N, NUM_STAGES)),
+                            v_empty, batch, head, head_kv, m0, first * BLOCK_N, n_blocks, ROWS, SPLIT, BLOCK_N,
+                            NUM_STAGES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -500,18 +542,20 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     if any(d is None for d in descs):
         return None
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
-    args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, *score_constants(spec))
+    args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, *score_constants(spec))
     causal = spec.window_right == 0
     if config.hopper_split:
         maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
         grid = (triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split), batch * heads_q)
         _attn_fwd_ws_kernel[grid](*args, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
+                                  LEFT=spec.has_window_left,
                                   SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
                                   PINGPONG=config.hopper_pingpong, PRODUCER_REGS=producer_regs,
                                   CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     else:
         grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
         _attn_fwd_kernel[grid](*args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
+                               LEFT=spec.has_window_left,
                                SOFTCAP=spec.has_softcap, OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages,
                                num_warps=NUM_WARPS)
     return out, lse

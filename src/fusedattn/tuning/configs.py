@@ -26,7 +26,7 @@ class KernelConfig:
     # falls back to pointers where a tensor's alignment rules TMA out).
     tma_loads: bool = False
     # Set: run a Gluon kernel (kernels/hopper_fwd.py, hopper_bwd.py) where it supports the problem
-    # (kernels/hopper.py: sm_90, 16-bit, D = Dv in {64, 128}, no window other than causal).
+    # (kernels/hopper.py: sm_90, 16-bit, D = Dv in {64, 128}, a right window of none or causal).
     # Forward: the 8-warp kernel with this schedule (0 plain, 1 softmax under the PV
     # matmul, 2 also the next QK^T issued early; block_m 128). dK/dV: 0 (the warp-specialised pass
     # is its only schedule). None, or a problem it does not support: the Triton kernel
@@ -111,8 +111,7 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         dq = KernelConfig(32 if wide else 64, 16 if wide else 32, 4 if wide else 8, 1 if wide else 2)
     if hopper:
         fwd, dkdv, dq = (replace(c, tma_loads=True) for c in (fwd, dkdv, dq))
-    if capability[0] == 9 and not wide and head_dim == head_dim_v and head_dim in (64, 128) \
-            and not has_left:
+    if capability[0] == 9 and not wide and head_dim == head_dim_v and head_dim in (64, 128):
         # The Gluon forwards (NOTES.md v13, v15; H200): warp-specialised with three consumer
         # warpgroups taking turns (192-row tiles) wherever it won; at D=128 with short causal keys
         # two warpgroups (fewer rows wasted on the diagonal); at D=64 with short keys the 8-warp
