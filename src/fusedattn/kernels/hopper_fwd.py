@@ -33,8 +33,8 @@ none or causal, on the left any (LEFT: a sliding window). A tile visits the key 
 ``block_range.key_blocks_for_query_block`` gives it -- the Triton kernels' own rule: the interior
 ones do no mask math, those on the left window's edge, the causal diagonal and a ragged last block
 apply it. Other right windows, head dims other than 64/128 and 32-bit inputs take the Triton
-kernel (``hopper.supports``). Softcap (SOFTCAP) caps
-the scores before the mask and the row max (``hopper.log2_scores``).
+kernel (``hopper.supports``). Softcap (SOFTCAP) caps the scores before the mask and the row max
+(``hopper.log2_scores``).
 """
 
 from __future__ import annotations
