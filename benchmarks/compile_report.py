@@ -108,7 +108,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     def descs(rows: int, *names: str) -> dict:
         return {n: f"tensordesc<{dtype}[1,1,{rows},{block_d}]>" for n in names} if tma_loads else {}
 
-    gluon_dkdv = configs.dkdv
+    gluon_forward, gluon_dkdv = configs.forward, configs.dkdv
+    gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"]  # a mask: by its tile lists
+    if flags["HAS_MASK"] and gluon_dkdv.hopper_overlap is not None:
+        gluon_forward, gluon_dkdv = fwd.gluon_mask_configs(gluon_forward, gluon_dkdv)
     if gluon_dkdv.hopper_overlap is not None:  # the Triton kernel then runs the fallback's tiles
         configs = replace(configs, dkdv=bwd.triton_dkdv_fallback(gluon_dkdv))
     dq_atomic = {"dq_desc": f"tensordesc<fp32[1,{configs.dkdv.block_m},{block_d}]>"}
@@ -146,14 +149,14 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
          {**dkdv_descs, **dq_atomic}),
     ]
     problems = 0
-    if configs.forward.hopper_overlap is not None and tma_loads:
-        problems += _report_hopper_forward(head_dim, dtype, configs.forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-                                           flags["HAS_LEFT"])
-    if gluon_dkdv.hopper_overlap is not None and tma_loads:
+    if gluon_forward.hopper_overlap is not None and tma_loads and gluon_runs:
+        problems += _report_hopper_forward(head_dim, dtype, gluon_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+                                           flags["HAS_LEFT"], flags["HAS_MASK"])
+    if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_runs:
         # deterministic calls run the pass without dQ; the default at D=128 the 5-matmul form
         for with_dq in (False, True) if configs.atomic_dq else (False,):
             problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
-                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"])
+                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], flags["HAS_MASK"])
     for name, kernel, cfg, extra, descriptors in jobs:  # with a Gluon forward, Triton's is its fallback
         if kernel is bwd._backward_kernel:
             constexprs = dict(common, DKDV_BLOCK_M=configs.dkdv.block_m, DKDV_BLOCK_N=configs.dkdv.block_n,
@@ -176,8 +179,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     return problems
 
 
-def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False):
-    """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors)."""
+def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
+                           lists: bool = False):
+    """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
+    ``lists``: walking a mask's tile lists (warp-specialised kernel)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int) -> str:
@@ -188,17 +193,20 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         kernel, rows, num_warps = hopper_fwd._attn_fwd_ws_kernel, hopper.WG_ROWS, 4
         maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
-                          SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, PRODUCER_REGS=producer_regs,
+                          SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, PRODUCER_REGS=producer_regs,
                           CONSUMER_REGS=consumer_regs, num_warps=num_warps)
+        list_args = dict(tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
+                         list_head_div="i32")
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
         constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap,
                           OVERLAP=cfg.hopper_overlap, NUM_STAGES=cfg.num_stages, num_warps=num_warps)
         options = dict(num_warps=num_warps, num_stages=1)
+        list_args = {}
     signature = dict(q_desc=desc(rows), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(rows),
                      Lse="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", window_left="i32", qk_scale="fp32",
-                     softcap_log2="fp32",
+                     softcap_log2="fp32", **list_args,
                      **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(kernel, signature, constexprs, {(4,): [["tt.divisibility", 16]]})
     compiled = triton.compile(src, target=TARGET, options=options)
@@ -207,15 +215,16 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
                 serialized=wgmma_serialization(compiled.asm["ptx"]))
 
 
-def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False) -> int:
+def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
+                           lists: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
-    shown = f"forward (Gluon, {kind}) {rows}x{cfg.block_n} s{cfg.num_stages}"
+    shown = f"forward (Gluon, {kind}{', tile lists' if lists else ''}) {rows}x{cfg.block_n} s{cfg.num_stages}"
     try:
-        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left)
+        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1
@@ -225,7 +234,7 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_major: bool = False, dq: bool = False,
-                       softcap: bool = False, left: bool = False):
+                       softcap: bool = False, left: bool = False, lists: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -237,7 +246,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.row_stats_layout(cfg.block_m)!r}>"
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
-                      SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq,
+                      SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq, LISTS=lists,
                       PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
     dq_block = [1, 1, cfg.block_m, head_dim // 2]
     dq_layout = triton.experimental.gluon.language.NVMMASharedLayout.get_default_for(dq_block, gl_fp32())
@@ -246,6 +255,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     signature = dict(q_desc=desc(cfg.block_m), do_desc=desc(cfg.block_m), k_desc=keys, v_desc=keys, dk_desc=keys,
                      dv_desc=keys, lse_desc=stats_desc, dl_desc=stats_desc, dq_desc=dq_desc, seq_q="i32", seq_k="i32", heads_q="i32",
                      heads_kv="i32", group="i32", window_left="i32", qk_scale="fp32", softcap_log2="fp32", scale="fp32",
+                     tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
                      **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(hopper_bwd._dkdv_ws_kernel, signature, constexprs)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
@@ -261,13 +271,14 @@ def gl_fp32():
 
 
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
-                        left: bool = False) -> int:
-    kind = f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
+                        left: bool = False, lists: bool = False) -> int:
+    kind = (f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
+            f"{', tile lists' if lists else ''}")
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     for block_major in (False, True) if causal else (False,):  # causal GQA launches block-major
         try:
-            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap, left)
+            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap, left, lists)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
@@ -275,9 +286,10 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
         spilled = "  SPILLS" if r["spills"] else ""
         print(f"  {shown}{' block-major' if block_major else ''}  regs={r['regs']} stack={r['spills']} "
               f"smem={r['shared']}{serial}{spilled}")
-        # The 5-matmul form spills 80-88 bytes and still beat everything else (NOTES.md v19); the
-        # sliding-window pass 40-48 bytes at D=128 and still beat the Triton one it replaced (v25).
-        failed += int(bool(r["serialized"]) or bool(r["spills"]) and not dq and not left)
+        # The 5-matmul form spills 80-96 bytes and still beat everything else (NOTES.md v19); the
+        # sliding-window pass 40-48 bytes at D=128 and still beat the Triton one it replaced (v25),
+        # the causal tile-list walk 32 bytes (its masked loop runs on the diagonal tiles only, v26).
+        failed += int(bool(r["serialized"]) or bool(r["spills"]) and not dq and not left and not (lists and causal))
     return failed
 
 
@@ -286,7 +298,8 @@ def main() -> None:
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtype", default="bf16", choices=sorted(TYPES))
     p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
-    p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,causal+mask+sinks,bias,causal+bias-atomic")
+    p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,mask,causal+mask,"
+                        "causal+mask+sinks,bias,causal+bias-atomic")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
@@ -299,7 +312,10 @@ def main() -> None:
         "softcap": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=True),
         "causal+softcap": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=True),
         "window": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=False),
-        # a user mask and sinks: the Triton kernels (the Gluon ones decline them)
+        # a mask whose tiles are whole (block-sparse): the Gluon kernels walk its tile lists
+        "mask": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_MASK=True),
+        "causal+mask": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True),
+        # a user mask and sinks: the Triton kernels (the Gluon ones decline sinks)
         "causal+mask+sinks": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True, HAS_SINKS=True),
         # a trainable bias: full shape (its gradient stored; through TMA, as on the GPU where the bias is aligned), and shared by the batch (added by atomics)
         "bias": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True, BIAS_TMA=True,

@@ -44,7 +44,8 @@ def make_mask(case: Case, device) -> torch.Tensor | fusedattn.BlockMask | None:
     """A random boolean mask of the case's shape (about 70% True), with a few rows and keys
     switched off entirely (rows with no key: output 0, lse -inf or the sink). With
     ``mask_cells``: cells of that size dropped, kept or random (a third each), so tiles of every
-    state occur. With ``mask_blocks``: a BlockMask of whole blocks, 60% of them kept."""
+    state occur (``mask_cells_partial=False``: dropped or kept, half each). With ``mask_blocks``:
+    a BlockMask of whole blocks, 60% of them kept."""
     if case.mask is None:
         return None
     from cases import BROADCAST_SHAPES
@@ -60,7 +61,7 @@ def make_mask(case: Case, device) -> torch.Tensor | fusedattn.BlockMask | None:
     if case.mask_cells:
         cell = case.mask_cells
         cell_shape = (*shape[:-2], *(-(-n // cell) if n > 1 else 1 for n in shape[-2:]))
-        states = torch.randint(0, 3, cell_shape, generator=gen)
+        states = torch.randint(0, 3 if case.mask_cells_partial else 2, cell_shape, generator=gen)
         for dim in (-2, -1):
             if shape[dim] > 1:
                 states = states.repeat_interleave(cell, dim=dim).narrow(dim, 0, shape[dim])

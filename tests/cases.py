@@ -38,6 +38,7 @@ class Case:
     # The mask made of square cells of this many rows and keys, each dropped, kept or random: whole
     # tiles then classify as empty, full or partial (None: random entries, every tile partial).
     mask_cells: int | None = None
+    mask_cells_partial: bool = True  # False: every cell is dropped or kept (no random one)
     # The mask as a BlockMask of whole (block_q, block_k) blocks (fusedattn.BlockMask.from_blocks).
     mask_blocks: tuple[int, int] | None = None
     bias: str | None = None  # a trainable float bias of one of the BROADCAST_SHAPES forms, with its gradient
@@ -69,6 +70,7 @@ class Case:
             parts.append("sinks")
         if self.mask:
             parts.append(f"mask-{self.mask}" + (f"-cells{self.mask_cells}" if self.mask_cells else "")
+                         + ("-whole" if self.mask_cells and not self.mask_cells_partial else "")
                          + (f"-blocks{self.mask_blocks[0]}x{self.mask_blocks[1]}" if self.mask_blocks else ""))
         if self.bias:
             parts.append(f"bias-{self.bias}" + (str(self.bias_dtype).replace("torch.", "-") if self.bias_dtype else ""))
@@ -240,3 +242,18 @@ FULL: list[Case] = [
 def for_dtypes(cases: list[Case], dtypes: tuple[torch.dtype, ...]) -> list[Case]:
     """The cases with any dtype outside ``dtypes`` moved to the first of them."""
     return [c if c.dtype in dtypes else replace(c, dtype=dtypes[0]) for c in cases]
+
+
+# GPU: masks none of whose 128x128 tiles is partial (fwd.GLUON_MASK_TILE), which the Gluon kernels
+# take by their tile lists: full tiles without mask math, partial ones (the keep rule: causal,
+# window, ragged lengths) with it, empty ones never loaded; query blocks with no kept tile give
+# rows with no key (output 0, lse -inf). Block masks and whole-cell key padding in every broadcast
+# form, GQA (a mask per query head, per KV head, shared), with causal, window, softcap, lse.
+WHOLE_TILE_MASK_CASES: list[Case] = [
+    Case(2, 4, 2, 1000, 1000, 128, mask="full", mask_blocks=(128, 128), dtype=torch.bfloat16),
+    Case(1, 4, 2, 517, 700, 64, causal=True, mask="kv-heads", mask_blocks=(128, 256), layout="bhsd"),
+    Case(2, 4, 4, 640, 600, 128, mask="keys", mask_cells=128, mask_cells_partial=False, dtype=torch.bfloat16),
+    Case(1, 4, 1, 333, 333, 128, causal=True, mask="heads", mask_blocks=(256, 128), softcap=10.0, lse_grad=True),
+    Case(1, 2, 2, 700, 700, 64, causal=True, window=(200, 0), mask="shared", mask_blocks=(128, 128),
+         dtype=torch.bfloat16),
+]

@@ -11,7 +11,7 @@ import torch
 
 import fusedattn
 from fusedattn.block_mask import EMPTY, FULL, PARTIAL, BlockMask, classify
-from fusedattn.kernels.tile_lists import column_lists, row_lists, rule_states, tile_states
+from fusedattn.kernels.tile_lists import column_lists, row_lists, rule_states, tile_states, tiles_whole
 from fusedattn.reference import reference_attention
 from fusedattn.spec import keep_mask, resolve_spec
 from numerics import assert_close_to_reference
@@ -103,6 +103,27 @@ def test_tile_states_of_a_block_mask_finer_and_coarser_than_its_blocks():
     for block_q, block_k in [(16, 16), (64, 64), (32, 16)]:
         got = tile_states(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)
         assert torch.equal(got, brute_states(dense, block_q, block_k, whole_only=True)), (block_q, block_k)
+
+
+def test_tiles_whole_says_whether_any_tile_of_the_mask_is_partial():
+    """The Gluon kernels take a mask only where none of its own tiles is partial at their tile size
+    (they never read the mask): checked against brute force for block masks and element masks."""
+    seqlen_q, seqlen_k = 300, 200
+    keep = torch.rand(2, 1, 3, 2, generator=torch.Generator().manual_seed(3)) < 0.5
+    keep[0, 0, 0, 0], keep[0, 0, 0, 1] = True, False  # one block row mixed: 256-key tiles are partial
+    by_blocks = BlockMask.from_blocks(keep, (128, 128), seqlen_q, seqlen_k)
+    lengths = torch.tensor([200, 128])  # key padding at a 128 multiple (and none)
+    padding = torch.arange(seqlen_k)[None, None, None, :] < lengths[:, None, None, None]
+    by_elements = BlockMask.from_mask(padding)
+    ragged = BlockMask.from_mask(torch.arange(seqlen_k)[None, None, None, :] < 100)
+    for block_mask in (by_blocks, by_elements, ragged):
+        dense = block_mask.to_dense().expand(2, 1, seqlen_q, seqlen_k)
+        for block_q, block_k in [(64, 64), (128, 128), (128, 256), (64, 32)]:
+            expected = not bool((brute_states(dense, block_q, block_k, whole_only=False) == PARTIAL).any())
+            assert tiles_whole(block_mask, seqlen_q, seqlen_k, block_q, block_k) == expected, (block_mask, block_q,
+                                                                                               block_k)
+    assert tiles_whole(by_blocks, seqlen_q, seqlen_k, 128, 128) and not tiles_whole(ragged, seqlen_q, seqlen_k, 128, 128)
+    assert not tiles_whole(by_blocks, seqlen_q, seqlen_k, 128, 256)
 
 
 def test_row_and_column_lists_name_every_non_empty_tile_full_ones_first():

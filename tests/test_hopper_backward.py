@@ -2,7 +2,8 @@
 config may name (2 or 3 consumer warpgroups, ping-pong 0/1/2, 64- and 128-row query steps, a deeper
 ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA in both program
 orders, a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
-scale, softcap, sliding windows and a gradient on lse -- every gradient against the float64 reference (SPEC 4). A spy proves
+scale, softcap, sliding windows, masks of whole tiles and a gradient on lse -- every gradient against the
+float64 reference (SPEC 4). A spy proves
 each backward really ran the Gluon pass; problems and tensors it does not take must run the Triton
 pass; with atomic_dq it sums dQ too where it can (D=128), elsewhere the dQ pass runs; dK and dV
 are bitwise reproducible (dQ too where a dQ pass sums it)."""
@@ -17,7 +18,7 @@ from fusedattn.kernels import bwd
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
 from attention_runner import check_case, make_inputs, record_launches
-from cases import Case
+from cases import WHOLE_TILE_MASK_CASES, Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = pytest.mark.skipif(not HOPPER, reason="the Gluon dK/dV pass runs on sm_90 GPUs only")
@@ -162,6 +163,28 @@ def test_dq_by_atomics_the_gluon_pass_cannot_sum_runs_the_dq_pass(head_dim, conf
     with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")
     assert gluon_launches == [True]
+
+
+# Masks none of whose 128x128 tiles is partial: the pass walks their column lists (full tiles
+# unmasked, partial ones with the keep rule), with and without the dQ reduce-adds.
+MASK_CASES = WHOLE_TILE_MASK_CASES + [
+    Case(1, 2, 2, 400, 300, 128, mask="full", mask_blocks=(128, 128), deterministic=True, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-pass", "dq-reduce-adds"])
+@pytest.mark.parametrize("case", MASK_CASES, ids=[c.id for c in MASK_CASES])
+def test_gluon_pass_walks_the_tile_lists_of_whole_tile_masks(case, atomic_dq, gluon_launches):
+    with pinned_dkdv(case, dkdv(3 if case.head_dim == 64 else 2, 1), atomic_dq=atomic_dq, dq_tma=atomic_dq):
+        check_case(case, "triton", "cuda")  # a mask's lists take two warpgroups, 128-key programs
+    assert gluon_launches and all(gluon_launches), "the Gluon dK/dV pass did not run"
+
+
+def test_masks_with_partial_tiles_run_the_triton_pass(gluon_launches):
+    case = Case(1, 2, 2, 300, 300, 128, mask="full", mask_blocks=(64, 64), dtype=torch.bfloat16)
+    with pinned_dkdv(case, dkdv(2, 1)):
+        check_case(case, "triton", "cuda")
+    assert not gluon_launches
 
 
 def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):

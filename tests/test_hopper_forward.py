@@ -1,6 +1,7 @@
 """The Gluon forwards of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width they
 may be launched with (8-warp kernel; warp-specialised kernel, 2 or 3 warpgroups, ping-pong), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
-decoding, both layouts, a strided view, a custom scale, softcap, sliding windows -- output, lse and the gradients of the
+decoding, both layouts, a strided view, a custom scale, softcap, sliding windows, masks of whole tiles
+(block-sparse, key padding) -- output, lse and the gradients of the
 backward that consumes its lse, against the float64 reference (SPEC 4). A spy proves each
 launch really ran the Gluon kernel; unsupported problems must fall back to the Triton kernel."""
 
@@ -9,12 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 
+import fusedattn
 from fusedattn.kernels import fwd
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
 from attention_runner import check_case, make_inputs, record_launches
-from cases import Case
+from cases import WHOLE_TILE_MASK_CASES, Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 pytestmark = pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on sm_90 GPUs only")
@@ -66,6 +68,47 @@ def test_gluon_forward_matches_reference(case, forward, gluon_launches):
     with pinned_forward(case, forward):
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+
+
+# Masks none of whose 128x128 tiles is partial: the warp-specialised kernel walks their tile lists
+# -- full tiles without mask math, partial ones (the keep rule) with it, empty ones never loaded.
+MASK_CASES = WHOLE_TILE_MASK_CASES
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=[c.id for c in MASK_CASES])
+def test_gluon_forward_walks_the_tile_lists_of_whole_tile_masks(case, gluon_launches):
+    with pinned_forward(case, SCHEDULES[-1]):  # any Gluon schedule: a mask's lists take ws2 ping-pong
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+
+
+def test_masks_with_partial_tiles_run_the_triton_kernel(gluon_launches):
+    """A mask of 64x64 blocks leaves mixed 128x128 tiles, which the Gluon kernels would have to read."""
+    case = Case(1, 2, 2, 300, 300, 128, mask="full", mask_blocks=(64, 64), dtype=torch.bfloat16)
+    with pinned_forward(case, SCHEDULES[-1]):
+        check_case(case, "triton", "cuda")
+    assert not gluon_launches
+
+
+def test_cached_launches_run_the_kernel_each_problem_compiled():
+    """hopper.launch keeps compiled kernels by their specialisation and launches them directly: problems
+    of different kernels, flags and head dims, interleaved, each give the bits of their first launch
+    (the one through Triton) and match the reference."""
+    from fusedattn.kernels import hopper
+
+    cases = [Case(1, 2, 2, 300, 300, 128, causal=True, dtype=torch.bfloat16),
+             Case(1, 4, 2, 200, 333, 64, softcap=5.0, dtype=torch.bfloat16),
+             Case(1, 2, 2, 300, 300, 128, window=(50, 0), causal=True, dtype=torch.float16)]
+    inputs = [make_inputs(case, "cuda")[:3] for case in cases]
+    hopper._compiled.clear()
+    first = [fusedattn.attention(*qkv, **case.options()) for case, qkv in zip(cases, inputs)]
+    compiled = len(hopper._compiled)
+    for _ in range(2):
+        for case, qkv, expected in zip(cases, inputs, first):
+            assert torch.equal(fusedattn.attention(*qkv, **case.options()), expected), case.id
+    assert len(hopper._compiled) == compiled == 3  # one compiled kernel per problem, none added after
+    for case, qkv in zip(cases, inputs):
+        check_case(case, "triton", "cuda", inputs=(*qkv, *make_inputs(case, "cuda")[3:]))
 
 
 @pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)

@@ -11,9 +11,10 @@ dQ is summed one of two ways, as the launch config says (tuning/configs.py):
   them without masks, in vectors): ``lse2`` = lse * log2(e), +inf for a row with no key and for
   padding (so p = 0 there), and delta = rowsum(dO * O) - dlse (0 in padding). A gradient on lse
   enters only here: d lse / d s = p, so ds = p * (dp - delta).
-- on Hopper, where the dK/dV config names it and the problem allows (``hopper.supports``): the
-  warp-specialised Gluon pass of ``hopper_bwd.py``: dK/dV, then the dQ programs below alone; or,
-  with dQ by atomics at D=128, the whole backward in that pass (dQ by TMA reduce-adds);
+- on Hopper, where the dK/dV config names it and the problem allows (``fwd.hopper_supports``: a
+  mask only if none of its 128x128 tiles is partial): the warp-specialised Gluon pass of
+  ``hopper_bwd.py``: dK/dV, then the dQ programs below alone; or, with dQ by atomics at D=128, the
+  whole backward in that pass (dQ by TMA reduce-adds);
 - ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
   - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
     registers and walks the query blocks of every query head of its KV group (one flat
@@ -42,8 +43,8 @@ from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
-from .fwd import (bhs_strides, broadcast_args, dot_precision, hopper_supports, mask_args, padded_dim, row_list_args,
-                  score_constants)
+from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_configs, hopper_supports, mask_args,
+                  padded_dim, row_list_args, score_constants)
 from .masking import adjust_scores, bias_indices, broadcast_tile_offsets
 from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
@@ -633,6 +634,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     )
 
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
+    if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
+        dkdv_cfg = gluon_mask_configs(configs.forward, dkdv_cfg)[1]
     atomic_dq = configs.atomic_dq and not spec.deterministic
     if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias):
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
@@ -666,7 +669,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     user_mask = mask_args(mask, heads_q, heads_kv, lse2)
     # With a mask, the tiles each program visits (tile_lists.py): per key block for dK/dV, per
     # query block for dQ, at each pass's own tile sizes.
-    column_lists = column_list_args(mask, spec, seqlen_q, seqlen_k, dkdv_cfg, heads_q, heads_kv, lse2)
+    column_lists = column_list_args(None if gluon_dkdv else mask, spec, seqlen_q, seqlen_k, dkdv_cfg, heads_q,
+                                    heads_kv, lse2)
     row_lists = row_list_args(mask if dq_programs else None, spec, seqlen_q, seqlen_k, dq_cfg.block_m, dq_cfg.block_n,
                               heads_q, heads_kv, lse2)
     bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
@@ -798,14 +802,20 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, co
                      block_major: bool, dq_accum: torch.Tensor | None = None, mask=None, bias=None) -> bool:
     """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
     takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
-    nothing launched, where not (or where TMA cannot address a tensor)."""
+    nothing launched, where not (or where TMA cannot address a tensor). With a mask the pass walks
+    its column lists at the config's tiles (``fwd.gluon_mask_configs``)."""
     if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias):
         return False
     from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
     if dq_accum is not None and not hopper_bwd.computes_dq(q.shape[-1], config):
         return False
-    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major, dq_accum)
+    lists = None
+    if mask is not None:
+        batch, heads_q, seqlen_q = to_bhsd(q, spec.layout).shape[:3]
+        heads_kv, seqlen_k = to_bhsd(k, spec.layout).shape[1:3]
+        lists = column_list_args(mask, spec, seqlen_q, seqlen_k, config, heads_q, heads_kv, lse2)
+    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major, dq_accum, lists)
 
 
 DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order

@@ -23,7 +23,7 @@ from .block_range import key_blocks_for_query_block
 from .masking import adjust_scores, bias_indices
 from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
-from .tile_lists import row_lists
+from .tile_lists import row_lists, tiles_whole
 
 
 @triton.jit
@@ -220,13 +220,33 @@ def row_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, se
     return (lists, batch_stride, head_stride, row_stride, head_div)
 
 
+# The tiles the Gluon kernels walk a mask's lists with: 128-row forward programs on two consumer
+# warpgroups, 128-key dK/dV programs (two warpgroups of 64 keys). A mask is taken where none of its
+# own tiles at this size is partial (tile_lists.tiles_whole): the kernels then never read it.
+GLUON_MASK_TILE = 128
+
+
+def gluon_mask_configs(forward: KernelConfig, dkdv: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
+    """The Gluon configs' tiles where a mask's lists drive them (``GLUON_MASK_TILE``): the
+    warp-specialised forward with two warpgroups taking turns, the dK/dV pass with two."""
+    forward = replace(forward, block_m=2 * 64, block_n=GLUON_MASK_TILE, num_warps=4, hopper_overlap=0,
+                      hopper_split=2, hopper_pingpong=1)
+    return forward, replace(dkdv, block_n=GLUON_MASK_TILE, hopper_split=2)
+
+
 def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None) -> bool:
-    """Whether the Gluon kernels take the problem; they take no sinks, user mask or bias (yet)."""
-    if not q.is_cuda or sinks is not None or mask is not None or bias is not None:
+    """Whether the Gluon kernels take the problem: no sinks or bias (yet); a mask only where none
+    of its own tiles is partial (``GLUON_MASK_TILE``)."""
+    if not q.is_cuda or sinks is not None or bias is not None:
         return False
     from . import hopper  # Gluon: imported only where it runs (not under the interpreter)
 
-    return hopper.supports(q, k, v, spec)
+    if not hopper.supports(q, k, v, spec):
+        return False
+    if mask is None:
+        return True
+    seqlen_q, seqlen_k = to_bhsd(q, spec.layout).shape[2], to_bhsd(k, spec.layout).shape[2]
+    return tiles_whole(mask, seqlen_q, seqlen_k, GLUON_MASK_TILE, GLUON_MASK_TILE)
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
@@ -251,7 +271,12 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         if hopper_supports(q, k, v, spec, sinks, mask, bias):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
-            result = hopper_fwd.attention_forward(q, k, v, spec, config)
+            gluon_config, lists = config, None
+            if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
+                gluon_config = gluon_mask_configs(config, config)[0]
+                lists = row_list_args(mask, spec, seqlen_q, seqlen_k, gluon_config.block_m, gluon_config.block_n,
+                                      heads_q, heads_kv, lse)
+            result = hopper_fwd.attention_forward(q, k, v, spec, gluon_config, lists)
             if result is not None:
                 return result
         config = triton_fallback(config)

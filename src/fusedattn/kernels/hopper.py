@@ -34,8 +34,53 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionS
     D = Dv in {64, 128}, a right window of none or 0 (causal), any left window; softcap or not."""
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     causal_or_full = spec.window_right in (UNBOUNDED, 0)
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in GL_DTYPES
+    return (q.is_cuda and _major_capability(q.device.index) == 9 and q.dtype in GL_DTYPES
             and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full)
+
+
+@functools.lru_cache(maxsize=None)
+def _major_capability(device_index: int | None) -> int:  # 3 us a query, several per step
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+# --------------------------------------------------------------------------- launches
+
+_compiled: dict = {}
+
+
+def launch(kernel, grid, args: tuple, **constexprs_and_options):
+    """``kernel[grid](*args, **constexprs_and_options)``, without Triton's per-launch binding and
+    specialisation of every argument (~50 us of host time a Gluon launch, more than the TMA
+    descriptors; benchmarks/NOTES.md v26): the compiled kernel is kept under the key Triton itself
+    would specialise it on -- the constexprs and options, each descriptor's block, dtype and layout
+    class (our descriptors' layouts are functions of those), each pointer's dtype and 16-byte
+    alignment, each int's range, its value 1 and 16-divisibility unless the kernel does not
+    specialise it -- and launched directly. The first launch of a key goes through Triton (and
+    compiles)."""
+    key = (kernel, torch.cuda.current_device(), tuple(constexprs_and_options.items()),
+           tuple(_specialisation(kernel, i, a) for i, a in enumerate(args)))
+    compiled = _compiled.get(key)
+    if compiled is None:
+        _compiled[key] = kernel[grid](*args, **constexprs_and_options)
+        return
+    rest = [constexprs_and_options[name] for name in kernel.arg_names[len(args):]]
+    compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel's runner takes a 3-D grid
+
+
+def _specialisation(kernel, index: int, arg):
+    if isinstance(arg, TensorDescriptor):
+        return ("desc", tuple(arg.block_shape), arg.base.dtype, type(arg.layout))
+    if isinstance(arg, torch.Tensor):
+        return ("ptr", arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        if kernel.params[index].do_not_specialize:
+            return ("int", -2**31 <= arg < 2**31)
+        return ("int", -2**31 <= arg < 2**31, arg == 1, arg % 16 == 0)
+    if isinstance(arg, float):
+        return "float"
+    raise TypeError(f"hopper.launch: no specialisation rule for {type(arg).__name__}")
 
 
 

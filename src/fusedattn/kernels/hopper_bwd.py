@@ -65,8 +65,8 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, descriptor, in_window, log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait,
-                     ws_registers)
+from .hopper import (WG_ROWS, descriptor, in_window, launch, log2_scores, row_stats_descriptor, tma_reduce_add,
+                     turn_pass, turn_wait, ws_registers)
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -75,8 +75,8 @@ KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
 
 @gluon.jit
-def _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr):
+def _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr):
     """The steps of the program whose keys are [n0, n0 + BLOCK_N): (n_steps, walk). Steps [0,
     n_interior_steps) walk the interior query blocks (every key of the program visible to every
     row: no mask) of every head of the KV group (head-major), the rest the masked ones
@@ -88,46 +88,62 @@ def _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M: gl.constexpr, BLO
     Otherwise the same rule for causal or no window, written for the two cases (a block range of
     masked steps, not two: a general walk cost D=64 causal deterministic steps 5%, v25): [msk_begin,
     int_begin) straddle the causal diagonal (with DQ: or the key block crosses Sk), [int_begin,
-    end) interior."""
-    if LEFT:
-        begin, inner_begin, inner_end, end = query_blocks_for_key_block(n0 // BLOCK_N, seq_q, seq_k, window_left, 0,
-                                                                        BLOCK_M, BLOCK_N, LEFT, CAUSAL)
-        n_inner = inner_end - inner_begin
-        n_lead = inner_begin - begin
-        n_masked = n_lead + end - inner_end
+    end) interior.
+
+    LISTS (a mask): the host's list at ``entries`` (tile_lists.column_lists: [full count, partial
+    count, full..., partial...], each ``member * query_blocks + query_block``) -- its full tiles are
+    the interior steps, its partial ones the masked steps."""
+    if LISTS:
+        n_full = gl.load(entries)
+        n_steps = n_full + gl.load(entries + 1)
+        walk = (n_full, entries + 2, gl.cdiv(seq_q, BLOCK_M))
     else:
-        end = gl.cdiv(seq_q, BLOCK_M)
-        if CAUSAL:
-            diag = seq_k - seq_q  # query i sees key j iff j <= i + diag
-            begin = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, end)
-            last_key = gl.minimum(n0 + BLOCK_N, seq_k) - 1
-            inner_begin = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key - diag, 0), BLOCK_M), begin), end)
+        if LEFT:
+            begin, inner_begin, inner_end, end = query_blocks_for_key_block(n0 // BLOCK_N, seq_q, seq_k,
+                                                                            window_left, 0, BLOCK_M, BLOCK_N, LEFT,
+                                                                            CAUSAL)
+            n_inner = inner_end - inner_begin
+            n_lead = inner_begin - begin
+            n_masked = n_lead + end - inner_end
         else:
-            begin = end * 0
-            inner_begin = end * 0
-        if DQ:  # keys past Sk must give p = 0 exactly (they reach dQ): a ragged key block masks every step
-            inner_begin = gl.where(n0 + BLOCK_N > seq_k, end, inner_begin)
-        n_inner = end - inner_begin
-        n_lead = inner_begin - begin
-        n_masked = n_lead
-    n_interior_steps = group * n_inner
-    n_steps = n_interior_steps + group * n_masked
-    return n_steps, (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin)
+            end = gl.cdiv(seq_q, BLOCK_M)
+            if CAUSAL:
+                diag = seq_k - seq_q  # query i sees key j iff j <= i + diag
+                begin = gl.minimum(gl.maximum(n0 - diag, 0) // BLOCK_M, end)
+                last_key = gl.minimum(n0 + BLOCK_N, seq_k) - 1
+                inner_begin = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key - diag, 0), BLOCK_M), begin), end)
+            else:
+                begin = end * 0
+                inner_begin = end * 0
+            if DQ:  # keys past Sk must give p = 0 exactly (they reach dQ): a ragged key block masks every step
+                inner_begin = gl.where(n0 + BLOCK_N > seq_k, end, inner_begin)
+            n_inner = end - inner_begin
+            n_lead = inner_begin - begin
+            n_masked = n_lead
+        n_interior_steps = group * n_inner
+        n_steps = n_interior_steps + group * n_masked
+        walk = (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin)
+    return n_steps, walk
 
 
 @gluon.jit
-def _step_coords(t, walk, LEFT: gl.constexpr):
+def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr):
     """(member of the KV group, query block) of step t of ``walk`` (``_query_walk``)."""
-    n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin = walk
-    inner = t < n_interior_steps
-    u = gl.where(inner, t, t - n_interior_steps)
-    n = gl.maximum(gl.where(inner, n_inner, n_masked), 1)
-    member = u // n
-    v = u - member * n
-    if LEFT:  # masked: [begin, begin + n_lead), then past the n_inner interior blocks
-        blk = gl.where(inner, inner_begin, begin) + v + gl.where(inner | (v < n_lead), 0, n_inner)
-    else:  # masked: [begin, begin + n_lead) only
-        blk = gl.where(inner, inner_begin, begin) + v
+    if LISTS:
+        entry = gl.load(walk[1] + t)
+        member = entry // walk[2]
+        blk = entry - member * walk[2]
+    else:
+        n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin = walk
+        inner = t < n_interior_steps
+        u = gl.where(inner, t, t - n_interior_steps)
+        n = gl.maximum(gl.where(inner, n_inner, n_masked), 1)
+        member = u // n
+        v = u - member * n
+        if LEFT:  # masked: [begin, begin + n_lead), then past the n_inner interior blocks
+            blk = gl.where(inner, inner_begin, begin) + v + gl.where(inner | (v < n_lead), 0, n_inner)
+        else:  # masked: [begin, begin + n_lead) only
+            blk = gl.where(inner, inner_begin, begin) + v
     return member, blk
 
 
@@ -137,8 +153,9 @@ def _step_coords(t, walk, LEFT: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem, q_ring, do_ring,
               lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q, seq_k, heads_q, group,
-              window_left, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr):
+              window_left, entries, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr,
+              LISTS: gl.constexpr):
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
@@ -149,14 +166,15 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
         mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=live)
         tma.async_copy_global_to_shared(k_desc, [batch, head_kv, nc, 0], kv_bars.index(c), k_smem.index(c), pred=live)
         tma.async_copy_global_to_shared(v_desc, [batch, head_kv, nc, 0], kv_bars.index(c), v_smem.index(c), pred=live)
-    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ)
+    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ,
+                                LISTS)
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + dl_desc.block_type.nbytes)
     head0 = head_kv * group
     for t in range(n_steps):
         slot = t % NUM_STAGES
         mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
-        member, blk = _step_coords(t, walk, LEFT)
+        member, blk = _step_coords(t, walk, LEFT, LISTS)
         head = head0 + member
         row = batch * heads_q + head
         bar = ready.index(slot)
@@ -178,17 +196,18 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
 
 
 @gluon.jit
-def _drain(dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_left, SPLIT: gl.constexpr,
-           BLOCK_M: gl.constexpr,
-           BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr):
+def _drain(dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_left, entries, SPLIT: gl.constexpr,
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr,
+           LISTS: gl.constexpr):
     """DQ: per step, each consumer's dQ columns (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
-    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ)
+    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ,
+                                LISTS)
     head0 = head_kv * group
     COLS: gl.constexpr = dq_desc.block_type.shape[3]
     for t in range(n_steps):
-        member, blk = _step_coords(t, walk, LEFT)
+        member, blk = _step_coords(t, walk, LEFT, LISTS)
         for w in gl.static_range(SPLIT):
             mbarrier.wait(dq_full.index(w), t & 1)
             tma_reduce_add(dq_desc, [batch, head0 + member, blk * BLOCK_M, w * COLS], dq_s.index(w))
@@ -308,10 +327,10 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars, dq_state, n0,
-              seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
-              DQ: gl.constexpr):
+              seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, WG: gl.constexpr,
+              SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+              PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -321,7 +340,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     dtype: gl.constexpr = k_smem.dtype
     KEYS: gl.constexpr = k_smem.shape[3]
 
-    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ)
+    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ,
+                                LISTS)
     n_interior_steps = walk[0]
     rule = (seq_k - seq_q, window_left)
     nc = n0 + WG * KEYS
@@ -348,7 +368,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ)
         for t in range(n_interior_steps, n_steps):
-            member, blk = _step_coords(t, walk, LEFT)
+            member, blk = _step_coords(t, walk, LEFT, LISTS)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
                            BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
@@ -367,16 +387,19 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ)
         # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
-        # (every step, when inactive).
-        if LEFT:  # this warpgroup's query blocks (block_range.py, for its 64 keys)
+        # (every step, when inactive): query blocks [w_begin, w_end) are visible.
+        w_end = 2147483647
+        if LISTS:  # every partial tile of the list (the mask's own tiles are whole: the rule masks)
+            w_begin = gl.where(active, 0, 2147483647)
+        elif LEFT:  # this warpgroup's query blocks (block_range.py, for its 64 keys)
             w_begin, _, _, w_end = query_blocks_for_key_block(nc // KEYS, seq_q, seq_k, window_left, 0, BLOCK_M,
                                                               KEYS, LEFT, CAUSAL)
             w_begin = gl.where(active, w_begin, 2147483647)
         elif CAUSAL:  # query blocks before w_begin see none of this warpgroup's keys
             w_begin = gl.where(active, gl.maximum(nc - (seq_k - seq_q), 0) // BLOCK_M, 2147483647)
-        if CAUSAL or LEFT:
+        if CAUSAL or LEFT or LISTS:
             for t in range(interior_end, n_steps):
-                member, blk = _step_coords(t, walk, LEFT)
+                member, blk = _step_coords(t, walk, LEFT, LISTS)
                 if LEFT:
                     visible = (blk >= w_begin) & (blk < w_end)
                 else:
@@ -404,16 +427,17 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 # --------------------------------------------------------------------------- kernel
 
 
-@gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group", "window_left"])
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group", "window_left", "list_stride_b",
+                              "list_stride_h", "list_stride_n"])
 def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
-                    heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
-                    HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                    NUM_STAGES: gl.constexpr,
-                    SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
-                    BLOCK_MAJOR: gl.constexpr, DQ: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, tile_lists, list_stride_b,
+                    list_stride_h, list_stride_n, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
+                    LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
+                    PINGPONG: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
-    2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain."""
+    2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
+    from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 2, "at least two ring slots")
@@ -432,6 +456,10 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     batch = pid_bh // heads_kv
     head_kv = pid_bh % heads_kv
     n0 = pid_n * BLOCK_N
+    entries = tile_lists  # LISTS: this program's list (indexed by KV head)
+    if LISTS:
+        entries = (tile_lists + batch.to(gl.int64) * list_stride_b + head_kv.to(gl.int64) * list_stride_h
+                   + pid_n.to(gl.int64) * list_stride_n)
 
     k_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, KEYS, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, KEYS, HEAD_D], v_desc.layout)
@@ -473,50 +501,46 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     if DQ:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 0, SPLIT,
-                         BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 0,
+                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 1, SPLIT,
-                         BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 1,
+                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, window_left, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ)),
-            (_drain, (dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_left, SPLIT, BLOCK_M,
-                      BLOCK_N, CAUSAL, LEFT, DQ)),
+                         seq_k, heads_q, group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LEFT, DQ, LISTS)),
+            (_drain, (dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_left, entries, SPLIT,
+                      BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ, LISTS)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif SPLIT == 2:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 0, SPLIT,
-                         BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 0,
+                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 1, SPLIT,
-                         BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 1,
+                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, window_left, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ)),
+                         seq_k, heads_q, group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LEFT, DQ, LISTS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 0, SPLIT,
-                         BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 0,
+                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 1, SPLIT,
-                         BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 1,
+                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, qk_scale, softcap_log2, scale, 2, SPLIT,
-                         BLOCK_M,
-                         BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ)),
+                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 2,
+                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, window_left, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ)),
+                         seq_k, heads_q, group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
+                         LEFT, DQ, LISTS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -538,14 +562,15 @@ def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-              block_major: bool, dq_accum=None) -> bool:
+              block_major: bool, dq_accum=None, tile_lists: tuple | None = None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
     Returns False, launching nothing, where TMA cannot address a tensor (the caller then runs the
     Triton pass). The caller checked ``hopper.supports``; ``config.hopper_split`` (2 or 3) and
     ``hopper_pingpong`` (0, 1, 2) pick the schedule, ``block_m`` the query rows per step,
-    ``num_stages`` the ring depth."""
+    ``num_stages`` the ring depth. ``tile_lists``: a mask's lists (lists, batch, head, key-block
+    strides; ``bwd.column_list_args``) at the config's tiles, whose own tiles are all empty or full."""
     q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
@@ -560,11 +585,12 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     key_blocks = triton.cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
     grid = (batch * heads_kv, key_blocks) if block_major else (key_blocks, batch * heads_kv)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
-    _dkdv_ws_kernel[grid](*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv,
-                          spec.window_left, *score_constants(spec), spec.scale, BLOCK_M=config.block_m, HEAD_D=head_dim,
-                          CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
-                          NUM_STAGES=config.num_stages,
-                          SPLIT=config.hopper_split,
-                          PINGPONG=config.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq_accum is not None,
-                          PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+    lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
+    args = (*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
+            *score_constants(spec), spec.scale, *lists)
+    launch(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim, CAUSAL=spec.window_right == 0,
+           LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
+           SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, BLOCK_MAJOR=block_major,
+           DQ=dq_accum is not None, LISTS=tile_lists is not None, PRODUCER_REGS=producer_regs,
+           CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     return True

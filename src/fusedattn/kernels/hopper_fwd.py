@@ -56,7 +56,7 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
-from .hopper import WG_ROWS, descriptor, in_window, log2_scores, turn_pass, turn_wait, ws_registers
+from .hopper import WG_ROWS, descriptor, in_window, launch, log2_scores, turn_pass, turn_wait, ws_registers
 
 
 # --------------------------------------------------------------------------- helpers
@@ -83,10 +83,11 @@ def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STA
 
 
 @gluon.jit
-def _softmax_update(s, m_i, l_i, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr,
+def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr,
                     s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
                     SOFTCAP: gl.constexpr):
-    """Online-softmax step on raw scores s (fp32, s_layout). Returns p (fp32), m, l, alpha.
+    """Online-softmax step on raw scores s (fp32, s_layout) of keys [key_start, + BLOCK_N). Returns p
+    (fp32), m, l, alpha.
 
     m is kept in log2 units of the scaled scores. MASK=False: the block is fully visible
     to every row, no mask math and m_new is finite. Without softcap the scale is applied to the
@@ -96,8 +97,8 @@ def _softmax_update(s, m_i, l_i, j, rows, seq_k, rule, qk_scale, softcap_log2, B
         s, _ = log2_scores(s, qk_scale, softcap_log2, True)
         qk_scale = 1.0
     if MASK:  # SPEC 3.2 for the windows these kernels take: causal or not on the right, any left
-        diag, window_left, key0 = rule
-        cols = key0 + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        diag, window_left = rule
+        cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         cols2 = gl.expand_dims(cols, 0)
         if LEFT:
             last = rows * 0 + (seq_k - 1)
@@ -151,8 +152,8 @@ def _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_
                  CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr):
     k = _kv_tile(k_ring, k_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
-                                         s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2] + j * BLOCK_N, rows, seq_k, rule, qk_scale,
+                                         softcap_log2, BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -206,8 +207,8 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
     o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
     # wgmma groups retire in order: <= 1 outstanding means S_{j+1} is done, PV_j may still run.
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j + 1, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
-                                         s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2] + (j + 1) * BLOCK_N, rows, seq_k, rule, qk_scale,
+                                         softcap_log2, BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
     return acc, o_tok, p_op, p, m_i, l_i, alpha
 
 
@@ -247,7 +248,7 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
     n_lead = inner_begin - first
     n_inner = inner_end - first
     kv_at = (batch, head_kv, first * BLOCK_N)
-    rule = (seq_k - seq_q, window_left, first * BLOCK_N)
+    rule = (seq_k - seq_q, window_left)
 
     # Shared memory: Q (reused for O at the end), K and V rings, barriers.
     q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_D], q_desc.layout)
@@ -282,8 +283,8 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
             # Prologue: S_0 and its softmax (masked path).
             k = _kv_tile(k_ring, k_bars, 0, BLOCK_N, HEAD_D, NUM_STAGES)
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
-            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, 0, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
-                                                 s_layout, CAUSAL, LEFT, True, SOFTCAP)
+            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2], rows, seq_k, rule, qk_scale, softcap_log2,
+                                                 BLOCK_N, s_layout, CAUSAL, LEFT, True, SOFTCAP)
             # Iteration j computes the softmax of block j+1: unmasked for blocks in [n_lead, n_inner).
             # Nothing in flight yet: a retired "PV_{-1}" token on the zero accumulator.
             o_tok = warpgroup_mma_init(acc)
@@ -349,38 +350,48 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, batch,
-                 head, head_kv, m0, key0, n_blocks, ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr):
-    for w in gl.static_range(NQ):
-        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, m0 + w * ROWS, 0], q_bars.index(w), q_smem.index(w))
-    for j in range(n_blocks):
-        slot = j % NUM_STAGES
-        phase = ((j // NUM_STAGES) & 1) ^ 1  # a fresh mbarrier counts as phase 1 complete: round 0 passes
-        mbarrier.wait(k_empty.index(slot), phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, key0 + j * BLOCK_N, 0], k_ready.index(slot),
-                                        k_ring.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, key0 + j * BLOCK_N, 0], v_ready.index(slot),
-                                        v_ring.index(slot))
+def _tile_key(tiles, j, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
+    """First key of the program's j-th key block. ``tiles`` = (first block, blocks, full blocks, list
+    entries): a range of blocks from ``first``, or with LISTS the host's list (tile_lists.py)."""
+    if LISTS:
+        key = gl.load(tiles[3] + j) * BLOCK_N
+    else:
+        key = (tiles[0] + j) * BLOCK_N
+    return key
 
 
 @gluon.jit
-def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i, s_zero, j, rows, seq_k,
-             rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
-             LEFT: gl.constexpr,
-             MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, batch,
+                 head, head_kv, m0, tiles, ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, LISTS: gl.constexpr):
+    for w in gl.static_range(NQ):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, m0 + w * ROWS, 0], q_bars.index(w), q_smem.index(w))
+    for j in range(tiles[1]):
+        slot = j % NUM_STAGES
+        phase = ((j // NUM_STAGES) & 1) ^ 1  # a fresh mbarrier counts as phase 1 complete: round 0 passes
+        key = _tile_key(tiles, j, BLOCK_N, LISTS)
+        mbarrier.wait(k_empty.index(slot), phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, key, 0], k_ready.index(slot), k_ring.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, key, 0], v_ready.index(slot), v_ring.index(slot))
+
+
+@gluon.jit
+def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i, s_zero, j, key_start,
+             rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+             NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+             CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
+             PINGPONG: gl.constexpr):
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     turn_wait(turn_bars, j, WG, PINGPONG)
     s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     turn_pass(turn_bars, WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
                                          s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
@@ -392,12 +403,15 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, a
 
 @gluon.jit
 def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, batch,
-                 head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale, softcap_log2, WG: gl.constexpr,
+                 head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, WG: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr):
+                 CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
+                 LISTS: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of the program's tile, on one warpgroup: every one of the
-    program's key blocks [first, first + n_blocks) (the producer loads each once for all), with the
-    mask on those not interior to this warpgroup's rows."""
+    program's key blocks (``tiles``; the producer loads each once for all), with the mask on those
+    not interior to this warpgroup's rows. With LISTS the host's list says which: its full blocks
+    first (no mask), then the partial ones (the keep rule; the Gluon kernels take only masks whose
+    tiles are all empty or full, so the mask itself is never read)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -407,12 +421,17 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_emp
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     mw = m0 + WG * ROWS
-    # This warpgroup's interior key blocks (block_range.py), counted from the program's first.
-    _, inner_begin, inner_end, _ = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k, window_left, 0, ROWS,
-                                                              BLOCK_N, LEFT, CAUSAL)
-    n_lead = gl.minimum(gl.maximum(inner_begin - first, 0), n_blocks)
-    n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
-    rule = (seq_k - seq_q, window_left, first * BLOCK_N)
+    first, n_blocks, n_full, _ = tiles
+    if LISTS:
+        n_lead = n_full * 0
+        n_inner = n_full
+    else:
+        # This warpgroup's interior key blocks (block_range.py), counted from the program's first.
+        _, inner_begin, inner_end, _ = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k, window_left, 0, ROWS,
+                                                                  BLOCK_N, LEFT, CAUSAL)
+        n_lead = gl.minimum(gl.maximum(inner_begin - first, 0), n_blocks)
+        n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
+    rule = (seq_k - seq_q, window_left)
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
@@ -422,30 +441,36 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_emp
     q_buf = q_smem.index(WG)
     mbarrier.wait(q_bars.index(WG), 0)
     q = q_buf.reshape([ROWS, HEAD_D])
-    if LEFT:
+    if LEFT and not LISTS:
         for j in range(0, n_lead):
             acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                     s_zero, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
-                                     s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG)
-    for j in range(n_lead, n_inner):
+                                     s_zero, j, (first + j) * BLOCK_N, rows, seq_k, rule, qk_scale, softcap_log2,
+                                     BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, True,
+                                     SOFTCAP, WG, PINGPONG)
+    for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                 s_zero, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
+                                 s_zero, j, 0, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
                                  s_layout, o_layout, p_layout, CAUSAL, LEFT, False, SOFTCAP, WG, PINGPONG)
     for j in range(n_inner, n_blocks):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                 s_zero, j, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
-                                 s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG)
+                                 s_zero, j, _tile_key(tiles, j, BLOCK_N, LISTS), rows, seq_k, rule, qk_scale,
+                                 softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT,
+                                 True, SOFTCAP, WG, PINGPONG)
     _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, mw, row_o)
 
 
-@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left"])
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left", "list_stride_b",
+                              "list_stride_h", "list_stride_r", "list_head_div"])
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
-                        softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
+                        softcap_log2, tile_lists, list_stride_b, list_stride_h, list_stride_r, list_head_div,
+                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
                         LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                        PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        PINGPONG: gl.constexpr, LISTS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
-    2), 4 warps each, and the 1-warp producer."""
+    2), 4 warps each, and the 1-warp producer. LISTS: the program's key blocks come from the
+    host's tile list (a mask; tile_lists.py: [full count, partial count, full..., partial...]),
+    else from the block range of block_range.py."""
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
@@ -461,10 +486,17 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     head = pid_bh % num_heads
     head_kv = head // group
     m0 = pid_m * BLOCK_M
-    # The key blocks of the program's rows (block_range.py); each consumer masks those not interior
-    # to its own rows.
-    first, _, _, end = key_blocks_for_query_block(pid_m, seq_q, seq_k, window_left, 0, BLOCK_M, BLOCK_N, LEFT, CAUSAL)
-    n_blocks = end - first
+    if LISTS:
+        entries = (tile_lists + batch.to(gl.int64) * list_stride_b + (head // list_head_div).to(gl.int64) * list_stride_h
+                   + pid_m.to(gl.int64) * list_stride_r)
+        n_full = gl.load(entries)
+        tiles = (n_full * 0, n_full + gl.load(entries + 1), n_full, entries + 2)
+    else:
+        # The key blocks of the program's rows (block_range.py); each consumer masks those not
+        # interior to its own rows.
+        first, _, _, end = key_blocks_for_query_block(pid_m, seq_q, seq_k, window_left, 0, BLOCK_M, BLOCK_N, LEFT,
+                                                      CAUSAL)
+        tiles = (first, end - first, end * 0, tile_lists)
 
     q_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, ROWS, HEAD_D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
@@ -489,34 +521,27 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     if SPLIT == 2:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
-                            softcap_log2, 0, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 0,
+                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
-                            softcap_log2, 1, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 1,
+                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
-                            v_empty, batch, head, head_kv, m0, first * BLOCK_N, n_blocks, ROWS, SPLIT, BLOCK_N,
-                            NUM_STAGES)),
+                            v_empty, batch, head, head_kv, m0, tiles, ROWS, SPLIT, BLOCK_N, NUM_STAGES, LISTS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
-                            softcap_log2, 0, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 0,
+                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
-                            softcap_log2, 1, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 1,
+                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, first, n_blocks, window_left, qk_scale,
-                            softcap_log2, 2, ROWS,
-                            BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG)),
+                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 2,
+                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
             (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
-                            v_empty, batch, head, head_kv, m0, first * BLOCK_N, n_blocks, ROWS, SPLIT, BLOCK_N,
-                            NUM_STAGES)),
+                            v_empty, batch, head, head_kv, m0, tiles, ROWS, SPLIT, BLOCK_N, NUM_STAGES, LISTS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -526,11 +551,13 @@ BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
 
 
-def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
+def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, tile_lists: tuple | None = None):
     """(out in the user layout, lse (B, Hq, Sq) float32), or None when a tensor cannot go through
     TMA (the caller then runs the Triton kernel). ``config.hopper_split`` 2 or 3: the
     warp-specialised kernel with that many consumer warpgroups (``hopper_pingpong``: taking turns);
-    0: the 8-warp kernel with schedule ``config.hopper_overlap``."""
+    0: the 8-warp kernel with schedule ``config.hopper_overlap``. ``tile_lists``: a mask's tile
+    lists at the config's tiles, as ``fwd.row_list_args`` gives them (warp-specialised kernel only;
+    the mask must leave no partial tile of its own: ``tile_lists.tiles_whole``)."""
     q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
@@ -547,15 +574,15 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig):
     if config.hopper_split:
         maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
         grid = (triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split), batch * heads_q)
-        _attn_fwd_ws_kernel[grid](*args, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
-                                  LEFT=spec.has_window_left,
-                                  SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
-                                  PINGPONG=config.hopper_pingpong, PRODUCER_REGS=producer_regs,
-                                  CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+        lists = tile_lists if tile_lists is not None else (lse, 0, 0, 0, 1)
+        launch(_attn_fwd_ws_kernel, grid, (*args, *lists), BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
+               LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
+               SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=tile_lists is not None,
+               PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     else:
+        assert tile_lists is None, "tile lists: the warp-specialised kernel only"
         grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
-        _attn_fwd_kernel[grid](*args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
-                               LEFT=spec.has_window_left,
-                               SOFTCAP=spec.has_softcap, OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages,
-                               num_warps=NUM_WARPS)
+        launch(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
+               LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, OVERLAP=config.hopper_overlap,
+               NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
     return out, lse

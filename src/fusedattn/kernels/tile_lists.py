@@ -107,6 +107,20 @@ def _cached(block_mask: BlockMask, key: tuple, build) -> torch.Tensor:
     return per_mask[key]
 
 
+def tiles_whole(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int) -> bool:
+    """Whether every (block_q, block_k) tile of the mask is EMPTY or FULL (the mask itself, without
+    the keep rule): a kernel walking its lists then never reads the mask (the Gluon kernels need
+    that; block-sparse masks and key padding at tile-aligned lengths have it). One host sync, once
+    per BlockMask and tile size."""
+    def build() -> bool:
+        blocks_q, blocks_k = _cdiv(seqlen_q, block_q), _cdiv(seqlen_k, block_k)
+        user = _regrid(block_mask.states, 2, block_mask.cell[0], block_q, blocks_q)
+        user = _regrid(user, 3, block_mask.cell[1], block_k, blocks_k)
+        return not bool((user == PARTIAL).any())
+
+    return _cached(block_mask, ("whole", seqlen_q, seqlen_k, block_q, block_k), build)
+
+
 def row_lists(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_q: int,
               block_k: int) -> torch.Tensor:
     """int32 (B|1, H|1, query blocks, 2 + key blocks): the key blocks each forward / dQ program
