@@ -147,6 +147,17 @@ def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr):
 
 
 @gluon.jit
+def window_bounds(rows, diag, window_left, seq_k, CAUSAL: gl.constexpr):
+    """(first, last) key that each query row keeps under a left window (SPEC 3.2, bottom-right
+    aligned: ``diag`` = Sk - Sq), the right bound causal or none, keys past Sk excluded: the
+    bounds ``in_window`` takes, for the forward (rows along dim 0) and the dK/dV pass (along 1)."""
+    last = rows * 0 + (seq_k - 1)
+    if CAUSAL:
+        last = gl.minimum(rows + diag, seq_k - 1)
+    return rows + (diag - window_left), last
+
+
+@gluon.jit
 def in_window(keys, first, last):
     """keys in [first, last] (broadcastable tensors: key indices and each query's bounds) by one
     unsigned compare, (keys - first) < (last - first + 1); a query whose bounds cross keeps nothing.

@@ -66,7 +66,7 @@ from ..tuning.configs import KernelConfig
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
 from .hopper import (WG_ROWS, descriptor, in_window, launch, log2_scores, row_stats_descriptor, tma_reduce_add,
-                     turn_pass, turn_wait, ws_registers)
+                     turn_pass, turn_wait, window_bounds, ws_registers)
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -292,11 +292,8 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
         diag, window_left = rule
         if LEFT:  # keys past Sk masked too (needed with DQ, harmless without)
-            last = rows * 0 + (seq_k - 1)
-            if CAUSAL:
-                last = gl.minimum(rows + diag, seq_k - 1)
-            keep = in_window(gl.expand_dims(keys, 1), gl.expand_dims(rows + (diag - window_left), 0),
-                             gl.expand_dims(last, 0))
+            first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
+            keep = in_window(gl.expand_dims(keys, 1), gl.expand_dims(first, 0), gl.expand_dims(last, 0))
         else:
             if CAUSAL:
                 keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag

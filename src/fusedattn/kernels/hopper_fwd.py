@@ -56,7 +56,8 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
-from .hopper import WG_ROWS, descriptor, in_window, launch, log2_scores, turn_pass, turn_wait, ws_registers
+from .hopper import (WG_ROWS, descriptor, in_window, launch, log2_scores, turn_pass, turn_wait, window_bounds,
+                     ws_registers)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -101,10 +102,8 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
         cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         cols2 = gl.expand_dims(cols, 0)
         if LEFT:
-            last = rows * 0 + (seq_k - 1)
-            if CAUSAL:
-                last = gl.minimum(rows + diag, seq_k - 1)
-            keep = in_window(cols2, gl.expand_dims(rows + (diag - window_left), 1), gl.expand_dims(last, 1))
+            first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
+            keep = in_window(cols2, gl.expand_dims(first, 1), gl.expand_dims(last, 1))
         else:
             keep = cols2 < seq_k
             if CAUSAL:
