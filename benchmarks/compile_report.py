@@ -111,7 +111,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     gluon_forward, gluon_dkdv = configs.forward, configs.dkdv
     gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"]  # a mask: by its tile lists
     if flags["HAS_MASK"] and gluon_dkdv.hopper_overlap is not None:
-        gluon_forward, gluon_dkdv = fwd.gluon_mask_configs(gluon_forward, gluon_dkdv)
+        gluon_forward, gluon_dkdv = fwd.gluon_mask_forward(gluon_forward), fwd.gluon_mask_dkdv(gluon_dkdv)
     if gluon_dkdv.hopper_overlap is not None:  # the Triton kernel then runs the fallback's tiles
         configs = replace(configs, dkdv=bwd.triton_dkdv_fallback(gluon_dkdv))
     dq_atomic = {"dq_desc": f"tensordesc<fp32[1,{configs.dkdv.block_m},{block_d}]>"}

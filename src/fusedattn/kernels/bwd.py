@@ -43,7 +43,7 @@ from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
-from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_configs, hopper_supports, mask_args,
+from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, hopper_supports, mask_args,
                   padded_dim, row_list_args, score_constants)
 from .masking import adjust_scores, bias_indices, broadcast_tile_offsets
 from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
@@ -635,7 +635,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
 
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
     if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
-        dkdv_cfg = gluon_mask_configs(configs.forward, dkdv_cfg)[1]
+        dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
     atomic_dq = configs.atomic_dq and not spec.deterministic
     if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias):
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
@@ -803,7 +803,7 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, co
     """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
     takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
     nothing launched, where not (or where TMA cannot address a tensor). With a mask the pass walks
-    its column lists at the config's tiles (``fwd.gluon_mask_configs``)."""
+    its column lists at the config's tiles (``fwd.gluon_mask_dkdv``)."""
     if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias):
         return False
     from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)

@@ -226,12 +226,16 @@ def row_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, se
 GLUON_MASK_TILE = 128
 
 
-def gluon_mask_configs(forward: KernelConfig, dkdv: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
-    """The Gluon configs' tiles where a mask's lists drive them (``GLUON_MASK_TILE``): the
-    warp-specialised forward with two warpgroups taking turns, the dK/dV pass with two."""
-    forward = replace(forward, block_m=2 * 64, block_n=GLUON_MASK_TILE, num_warps=4, hopper_overlap=0,
-                      hopper_split=2, hopper_pingpong=1)
-    return forward, replace(dkdv, block_n=GLUON_MASK_TILE, hopper_split=2)
+def gluon_mask_forward(config: KernelConfig) -> KernelConfig:
+    """The Gluon forward where a mask's lists drive it (``GLUON_MASK_TILE``): warp-specialised, two
+    warpgroups of 64 rows taking turns."""
+    return replace(config, block_m=2 * 64, block_n=GLUON_MASK_TILE, num_warps=4, hopper_overlap=0, hopper_split=2,
+                   hopper_pingpong=1)
+
+
+def gluon_mask_dkdv(config: KernelConfig) -> KernelConfig:
+    """The Gluon dK/dV pass where a mask's lists drive it: two warpgroups of 64 keys."""
+    return replace(config, block_n=GLUON_MASK_TILE, hopper_split=2)
 
 
 def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None) -> bool:
@@ -273,7 +277,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
 
             gluon_config, lists = config, None
             if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
-                gluon_config = gluon_mask_configs(config, config)[0]
+                gluon_config = gluon_mask_forward(config)
                 lists = row_list_args(mask, spec, seqlen_q, seqlen_k, gluon_config.block_m, gluon_config.block_n,
                                       heads_q, heads_kv, lse)
             result = hopper_fwd.attention_forward(q, k, v, spec, gluon_config, lists)

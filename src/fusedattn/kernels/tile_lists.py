@@ -74,14 +74,18 @@ def rule_states(seqlen_q: int, seqlen_k: int, spec: AttentionSpec, block_q: int,
     return torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
 
 
+def _mask_states(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int) -> torch.Tensor:
+    """The mask's own states (no keep rule) at (block_q, block_k) tiles; broadcast dims stay 1."""
+    user = _regrid(block_mask.states, 2, block_mask.cell[0], block_q, _cdiv(seqlen_q, block_q))
+    return _regrid(user, 3, block_mask.cell[1], block_k, _cdiv(seqlen_k, block_k))
+
+
 def tile_states(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_q: int,
                 block_k: int) -> torch.Tensor:
     """int8 (B|1, H|1, query blocks, key blocks): the mask's states at these tile sizes, merged
     with the keep rule: EMPTY if either is, FULL if both are, else PARTIAL."""
-    blocks_q, blocks_k = _cdiv(seqlen_q, block_q), _cdiv(seqlen_k, block_k)
-    user = _regrid(block_mask.states, 2, block_mask.cell[0], block_q, blocks_q)
-    user = _regrid(user, 3, block_mask.cell[1], block_k, blocks_k)
-    user = user.expand(user.shape[0], user.shape[1], blocks_q, blocks_k)
+    user = _mask_states(block_mask, seqlen_q, seqlen_k, block_q, block_k)
+    user = user.expand(user.shape[0], user.shape[1], _cdiv(seqlen_q, block_q), _cdiv(seqlen_k, block_k))
     rule = rule_states(seqlen_q, seqlen_k, spec, block_q, block_k, user.device)
     empty = (user == EMPTY) | (rule == EMPTY)
     full = (user == FULL) & (rule == FULL)
@@ -113,10 +117,7 @@ def tiles_whole(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, block_q: in
     that; block-sparse masks and key padding at tile-aligned lengths have it). One host sync, once
     per BlockMask and tile size."""
     def build() -> bool:
-        blocks_q, blocks_k = _cdiv(seqlen_q, block_q), _cdiv(seqlen_k, block_k)
-        user = _regrid(block_mask.states, 2, block_mask.cell[0], block_q, blocks_q)
-        user = _regrid(user, 3, block_mask.cell[1], block_k, blocks_k)
-        return not bool((user == PARTIAL).any())
+        return not bool((_mask_states(block_mask, seqlen_q, seqlen_k, block_q, block_k) == PARTIAL).any())
 
     return _cached(block_mask, ("whole", seqlen_q, seqlen_k, block_q, block_k), build)
 
