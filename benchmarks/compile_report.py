@@ -187,7 +187,7 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
     def desc(rows: int) -> str:
         block = [1, 1, rows, head_dim]
-        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper.smem_layout(block, TYPES[dtype])!r}>"
+        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper.smem_layout(tuple(block), TYPES[dtype])!r}>"
 
     if cfg.hopper_split:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_ws_kernel, hopper.WG_ROWS, 4
@@ -240,16 +240,16 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
 
     def desc(rows: int) -> str:
         block = [1, 1, rows, head_dim]
-        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper.smem_layout(block, TYPES[dtype])!r}>"
+        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper.smem_layout(tuple(block), TYPES[dtype])!r}>"
 
     stats = [1, cfg.block_m]
-    stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.row_stats_layout(cfg.block_m)!r}>"
+    stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.smem_layout(tuple(stats), torch.float32)!r}>"
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq, LISTS=lists,
                       PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
     dq_block = [1, 1, cfg.block_m, head_dim // 2]
-    dq_layout = triton.experimental.gluon.language.NVMMASharedLayout.get_default_for(dq_block, gl_fp32())
+    dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
     keys = desc(hopper_bwd.KEYS_PER_WG)
     signature = dict(q_desc=desc(cfg.block_m), do_desc=desc(cfg.block_m), k_desc=keys, v_desc=keys, dk_desc=keys,
@@ -262,12 +262,6 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     usage = _resource_usage(compiled.asm["cubin"])
     return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared,
                 serialized=wgmma_serialization(compiled.asm["ptx"]))
-
-
-def gl_fp32():
-    from triton.experimental.gluon import language as gl
-
-    return gl.float32
 
 
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,

@@ -107,6 +107,26 @@ def test_repeated_calls_are_bitwise_identical(backend, device, case):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+def test_calls_with_nothing_to_differentiate_build_no_graph_and_give_the_same_bits(backend, device):
+    """No input requires grad, or grad mode is off: the forward runs without an autograd node
+    (less host time), with the bits the differentiable call gives."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=45, head_dim=32, causal=True,
+                softcap=8.0, dtype=_dtype(device))
+    q, k, v = make_inputs(case, device)[:3]
+    sinks = torch.randn(case.heads_q, device=device)
+    with fusedattn.use_backend(backend):
+        def call(*qkv, sinks_=sinks):
+            return fusedattn.attention(*qkv, sinks=sinks_, return_lse=True, **case.options())
+        plain = call(q, k, v)
+        with torch.no_grad():
+            no_grad = call(*(t.detach().requires_grad_() for t in (q, k, v)), sinks_=sinks.requires_grad_())
+        tracked = call(q, k, v.detach().requires_grad_())
+    assert all(t.grad_fn is None for t in (*plain, *no_grad)) and tracked[0].grad_fn is not None
+    for name, a, b, c in zip(("out", "lse"), plain, no_grad, tracked):
+        assert torch.equal(a, b) and torch.equal(a, c.detach()), name
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k", [(2, 0, 5), (2, 5, 0), (0, 5, 5)])
 def test_empty_sequences(backend, device, batch, seqlen_q, seqlen_k):
     """Sq = 0 gives an empty output; Sk = 0 leaves every row without a key (out 0, lse -inf)."""

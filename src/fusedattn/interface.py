@@ -261,5 +261,10 @@ def attention(
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic)
     args = (q, k, v, sinks, *_mask_args(mask), bias, *spec.op_args(), _resolve_backend(q.device))
-    out, lse = _forward_op(*args) if torch.compiler.is_compiling() else _EagerAttention.apply(*args)
+    if torch.compiler.is_compiling():
+        out, lse = _forward_op(*args)
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias)):
+        out, lse = _EagerAttention.apply(*args)
+    else:  # nothing to differentiate: no autograd node (its host time is a fifth of an inference call's)
+        out, lse = _forward_impl(*args)
     return (out, lse) if return_lse else out

@@ -45,6 +45,7 @@ from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, hopper_supports, mask_args,
                   padded_dim, row_list_args, score_constants)
+from .launch import launch
 from .masking import adjust_scores, bias_indices, broadcast_tile_offsets
 from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
@@ -627,11 +628,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     padded_rows = triton.cdiv(seqlen_q, row_multiple) * row_multiple
     lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
     delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
-    _preprocess_kernel[(padded_rows // pre_block_m, batch * heads_q)](
-        out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
-        *bhs_strides(out, layout), *bhs_strides(dout, layout), seqlen_q, heads_q, padded_rows,
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
-    )
+    launch(_preprocess_kernel, (padded_rows // pre_block_m, batch * heads_q),
+           (out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
+            *bhs_strides(out, layout), *bhs_strides(dout, layout), seqlen_q, heads_q, padded_rows),
+           HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None)
 
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
     if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
@@ -702,21 +702,21 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
 
-    def launch(programs, first_dq_program, run_dkdv, run_dq, cfg):
+    def launch_passes(programs, first_dq_program, run_dkdv, run_dq, cfg):
         dkdv_tma, dq_tma = run_dkdv and dkdv_descs is not None, run_dq and dq_descs is not None
-        _backward_kernel[(programs,)](
-            *tensors, *(dkdv_descs if dkdv_tma else (q, dout)), *(dq_descs if dq_tma else (k, v)), dq_target,
-            *bias_descs,
-            *scalars, first_dq_program, int(block_major), RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma,
-            DQ_TMA_LOADS=dq_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
+        launch(_backward_kernel, (programs,),
+               (*tensors, *(dkdv_descs if dkdv_tma else (q, dout)), *(dq_descs if dq_tma else (k, v)), dq_target,
+                *bias_descs, *scalars, first_dq_program, int(block_major)),
+               RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma, DQ_TMA_LOADS=dq_tma,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
 
     if gluon_dkdv:
-        launch(dq_programs, 0, False, True, dq_cfg)  # dK, dV came from the Gluon pass: the dQ pass alone
+        launch_passes(dq_programs, 0, False, True, dq_cfg)  # dK, dV came from the Gluon pass: the dQ pass alone
     elif configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
-        launch(dkdv_programs + dq_programs, dkdv_programs, True, not atomic_dq, dkdv_cfg)
+        launch_passes(dkdv_programs + dq_programs, dkdv_programs, True, not atomic_dq, dkdv_cfg)
     else:
-        launch(dkdv_programs, dkdv_programs, True, False, dkdv_cfg)
-        launch(dq_programs, 0, False, True, dq_cfg)
+        launch_passes(dkdv_programs, dkdv_programs, True, False, dkdv_cfg)
+        launch_passes(dq_programs, 0, False, True, dq_cfg)
     if dbias_mode == DBIAS_PASS:
         _bias_grad_pass(q, k, v, dout, lse2, delta, user_mask, bias_args, dbias_args, spec, dq_cfg, flags)
     elif dbias_mode == DBIAS_ATOMIC:

@@ -20,6 +20,7 @@ from ..block_mask import BlockMask
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
+from .launch import launch
 from .masking import adjust_scores, bias_indices
 from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
@@ -280,9 +281,8 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
                 gluon_config = gluon_mask_forward(config)
                 lists = row_list_args(mask, spec, seqlen_q, seqlen_k, gluon_config.block_m, gluon_config.block_n,
                                       heads_q, heads_kv, lse)
-            result = hopper_fwd.attention_forward(q, k, v, spec, gluon_config, lists)
-            if result is not None:
-                return result
+            if hopper_fwd.attention_forward(q, k, v, out, lse, spec, gluon_config, lists):
+                return out, lse
         config = triton_fallback(config)
     if bias is not None and config.block_n > 64:
         # A 128x128 bias tile per stage on top of the K/V stages would overflow shared memory.
@@ -294,14 +294,16 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads_q)
     user_mask = mask_args(mask, heads_q, heads_kv, lse)
     tile_lists = row_list_args(mask, spec, seqlen_q, seqlen_k, config.block_m, config.block_n, heads_q, heads_kv, lse)
-    _forward_kernel[grid](
-        q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
-        tile_lists[0], *(descs or (k, v)), bias_desc if bias_desc is not None else lse,
-        *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
-        *bhs_strides(out, spec.layout), *user_mask[1:], *tile_lists[1:],
-        *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
-        seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
-        qk_scale, softcap_log2,
+    launch(
+        _forward_kernel, grid, (
+            q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
+            tile_lists[0], *(descs or (k, v)), bias_desc if bias_desc is not None else lse,
+            *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
+            *bhs_strides(out, spec.layout), *user_mask[1:], *tile_lists[1:],
+            *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
+            seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
+            qk_scale, softcap_log2,
+        ),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,

@@ -20,6 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import UNBOUNDED, AttentionSpec
+from .launch import launch  # noqa: F401 (the Gluon launchers take it from here)
 from .memory import tma_addressable
 
 LOG2E = 1.4426950408889634
@@ -43,54 +44,34 @@ def _major_capability(device_index: int | None) -> int:  # 3 us a query, several
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-# --------------------------------------------------------------------------- launches
+# --------------------------------------------------------------------------- descriptors
 
-_compiled: dict = {}
-
-
-def launch(kernel, grid, args: tuple, **constexprs_and_options):
-    """``kernel[grid](*args, **constexprs_and_options)``, without Triton's per-launch binding and
-    specialisation of every argument (~50 us of host time a Gluon launch, more than the TMA
-    descriptors; benchmarks/NOTES.md v26): the compiled kernel is kept under the key Triton itself
-    would specialise it on -- the constexprs and options, each descriptor's block, dtype and layout
-    class (our descriptors' layouts are functions of those), each pointer's dtype and 16-byte
-    alignment, each int's range, its value 1 and 16-divisibility unless the kernel does not
-    specialise it -- and launched directly. The first launch of a key goes through Triton (and
-    compiles)."""
-    key = (kernel, torch.cuda.current_device(), tuple(constexprs_and_options.items()),
-           tuple(_specialisation(kernel, i, a) for i, a in enumerate(args)))
-    compiled = _compiled.get(key)
-    if compiled is None:
-        _compiled[key] = kernel[grid](*args, **constexprs_and_options)
-        return
-    rest = [constexprs_and_options[name] for name in kernel.arg_names[len(args):]]
-    compiled[(*grid, 1, 1)[:3]](*args, *rest)  # a compiled kernel's runner takes a 3-D grid
+_GL_TYPES = {**GL_DTYPES, torch.float32: gl.float32}
 
 
-def _specialisation(kernel, index: int, arg):
-    if isinstance(arg, TensorDescriptor):
-        return ("desc", tuple(arg.block_shape), arg.base.dtype, type(arg.layout))
-    if isinstance(arg, torch.Tensor):
-        return ("ptr", arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool) or arg is None:
-        return arg
-    if isinstance(arg, int):
-        if kernel.params[index].do_not_specialize:
-            return ("int", -2**31 <= arg < 2**31)
-        return ("int", -2**31 <= arg < 2**31, arg == 1, arg % 16 == 0)
-    if isinstance(arg, float):
-        return "float"
-    raise TypeError(f"hopper.launch: no specialisation rule for {type(arg).__name__}")
+class Descriptor:
+    """A TMA descriptor over a tensor: what a compiled kernel's launcher reads (base, shape,
+    strides, padding) and the key ``launch`` specialises on. Triton's TensorDescriptor checks its
+    fields on every construction (~5 us of host time each, 13 a training step); the one check that
+    can fail here (``tma_addressable``) is the callers', and a real TensorDescriptor is built only
+    for a first launch (``for_triton``). The shared-memory layout is a function of the block and
+    dtype, as ``smem_layout`` makes it."""
 
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding", "key")
 
+    def __init__(self, base: torch.Tensor, block_shape: tuple):
+        self.base, self.shape, self.strides = base, base.shape, base.stride()
+        self.block_shape, self.padding = block_shape, "zero"
+        self.key = ("desc", block_shape, base.dtype)
 
-def smem_layout(block_shape, torch_dtype):
-    return _smem_layout(tuple(block_shape), torch_dtype)
+    def for_triton(self) -> TensorDescriptor:
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                smem_layout(self.block_shape, self.base.dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def _smem_layout(block_shape: tuple, torch_dtype):  # built on every launch: cached (6 us each)
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), GL_DTYPES[torch_dtype])
+def smem_layout(block_shape: tuple, torch_dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_TYPES[torch_dtype])
 
 
 def descriptor(t_bhsd: torch.Tensor, rows: int):
@@ -99,18 +80,12 @@ def descriptor(t_bhsd: torch.Tensor, rows: int):
     tensor (base or a stride not a multiple of 16 bytes)."""
     if not tma_addressable(t_bhsd):
         return None
-    block = [1, 1, rows, t_bhsd.shape[-1]]
-    return TensorDescriptor(t_bhsd, list(t_bhsd.shape), list(t_bhsd.stride()), block, smem_layout(block, t_bhsd.dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def row_stats_layout(rows: int):
-    return gl.NVMMASharedLayout.get_default_for([1, rows], gl.float32)
+    return Descriptor(t_bhsd, (1, 1, rows, t_bhsd.shape[-1]))
 
 
 def row_stats_descriptor(stats: torch.Tensor, rows: int):
     """A 2-D descriptor over fp32 (B*H, padded rows) row statistics, block (1, rows)."""
-    return TensorDescriptor(stats, list(stats.shape), list(stats.stride()), [1, rows], row_stats_layout(rows))
+    return Descriptor(stats, (1, rows))
 
 
 def ws_registers(split: int) -> tuple[int, int, int]:

@@ -59,14 +59,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, descriptor, in_window, launch, log2_scores, row_stats_descriptor, tma_reduce_add,
-                     turn_pass, turn_wait, window_bounds, ws_registers)
+from .hopper import (WG_ROWS, Descriptor, descriptor, in_window, launch, log2_scores, row_stats_descriptor,
+                     tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -553,9 +552,7 @@ def computes_dq(head_dim: int, config: KernelConfig) -> bool:
 
 def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
     """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, block_m, D / 2): one warpgroup's columns."""
-    block = [1, 1, block_m, dq_accum.shape[-1] // 2]
-    return TensorDescriptor(dq_accum, list(dq_accum.shape), list(dq_accum.stride()), block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl.float32))
+    return Descriptor(dq_accum, (1, 1, block_m, dq_accum.shape[-1] // 2))
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,

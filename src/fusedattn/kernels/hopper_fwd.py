@@ -550,24 +550,23 @@ BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
 
 
-def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, tile_lists: tuple | None = None):
-    """(out in the user layout, lse (B, Hq, Sq) float32), or None when a tensor cannot go through
-    TMA (the caller then runs the Triton kernel). ``config.hopper_split`` 2 or 3: the
-    warp-specialised kernel with that many consumer warpgroups (``hopper_pingpong``: taking turns);
-    0: the 8-warp kernel with schedule ``config.hopper_overlap``. ``tile_lists``: a mask's tile
-    lists at the config's tiles, as ``fwd.row_list_args`` gives them (warp-specialised kernel only;
-    the mask must leave no partial tile of its own: ``tile_lists.tiles_whole``)."""
+def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
+                      tile_lists: tuple | None = None) -> bool:
+    """Attention into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32); False, launching
+    nothing, when a tensor cannot go through TMA (the caller then runs the Triton kernel).
+    ``config.hopper_split`` 2 or 3: the warp-specialised kernel with that many consumer warpgroups
+    (``hopper_pingpong``: taking turns); 0: the 8-warp kernel with schedule ``config.hopper_overlap``.
+    ``tile_lists``: a mask's tile lists at the config's tiles, as ``fwd.row_list_args`` gives them
+    (warp-specialised kernel only; the mask must leave no partial tile of its own:
+    ``tile_lists.tiles_whole``)."""
     q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
-    out_shape = (batch, seqlen_q, heads_q, head_dim) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim)
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     q_rows = WG_ROWS if config.hopper_split else BLOCK_M
     descs = [descriptor(q4, q_rows), descriptor(k4, config.block_n), descriptor(v4, config.block_n),
              descriptor(to_bhsd(out, spec.layout), q_rows)]
     if any(d is None for d in descs):
-        return None
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        return False
     args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, *score_constants(spec))
     causal = spec.window_right == 0
     if config.hopper_split:
@@ -584,4 +583,4 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, tile_l
         launch(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
                LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, OVERLAP=config.hopper_overlap,
                NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
-    return out, lse
+    return True

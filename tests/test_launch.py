@@ -1,0 +1,32 @@
+"""launch.launch keys each compiled kernel by what Triton specialises it on (CPU: the keys only;
+the GPU suite launches through the cache: test_hopper_forward.py)."""
+
+import itertools
+
+import pytest
+import torch
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.nvidia.compiler import CUDABackend
+
+from fusedattn.kernels.launch import _specialisation
+
+_storage = torch.empty(64, dtype=torch.float32)
+ARGUMENTS = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 0.0, 1.5, 1e300, True, False,
+             None, _storage, _storage[1:], _storage[4:], _storage.to(torch.bfloat16), _storage.to(torch.float16)]
+
+
+def triton_specialisation(arg):
+    """What Triton's JIT compiles a kernel argument as (type and divisibility), specialising it."""
+    return native_specialize_impl(CUDABackend, arg, False, True, True)
+
+
+def test_launch_keys_differ_where_triton_compiles_differently():
+    """Two arguments Triton would compile differently never share a cached kernel."""
+    shared = [(a, b) for a, b in itertools.combinations(ARGUMENTS, 2)
+              if triton_specialisation(a) != triton_specialisation(b) and _specialisation(a) == _specialisation(b)]
+    assert not shared
+
+
+def test_launch_keys_refuse_arguments_they_have_no_rule_for():
+    with pytest.raises(TypeError, match="no specialisation rule"):
+        _specialisation("text")
