@@ -106,6 +106,41 @@ def test_repeated_calls_are_bitwise_identical(backend, device, case):
             assert torch.equal(first, second), f"{name} differs between runs (deterministic={deterministic})"
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_tiles_a_mask_empties_are_never_read(deterministic):
+    """Keys a mask hides from every query, in whole tiles, are read by no pass of the kernels (the
+    forward, dK/dV, dQ and, with deterministic=True and a broadcast bias, the bias-gradient pass):
+    NaN there leaves every result as it is with those keys zeroed (their own dK, dV: 0)."""
+    device = "cuda" if ON_GPU else "cpu"
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=70, seqlen_k=320, head_dim=32, causal=False,
+                dtype=_dtype(device))
+    q, k, v, dout, dlse = make_inputs(case, device)
+    hidden = slice(128, 256)  # whole tiles at every tile width the kernels use (16 to 128 keys)
+    mask = torch.ones(case.seqlen_q, case.seqlen_k, dtype=torch.bool, device=device)
+    mask[:, hidden] = False
+    mask[5, 300] = False  # and a partial tile elsewhere
+    bias = torch.randn(1, case.heads_q, case.seqlen_q, case.seqlen_k, device=device)  # summed over the batch
+
+    def run(k_, v_):
+        with fusedattn.use_backend("triton"):
+            return forward_backward(
+                lambda a, b, c, bias_=None: fusedattn.attention(a, b, c, bias=bias_, mask=mask, return_lse=True,
+                                                               deterministic=deterministic),
+                q, k_, v_, dout, dlse, bias=bias)
+
+    def with_hidden(value):
+        k_, v_ = k.clone(), v.clone()
+        k_[:, hidden], v_[:, hidden] = value, value
+        return k_, v_
+
+    names = ("out", "lse", "dq", "dk", "dv", "dbias")
+    zeroed, poisoned = run(*with_hidden(0.0)), run(*with_hidden(float("nan")))
+    for name, a, b in zip(names, zeroed, poisoned):
+        assert torch.isfinite(b).all(), f"{name}: a hidden key was read"
+        if deterministic or name not in ("dq", "dbias"):  # fp32 atomics sum in no fixed order otherwise
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
 def test_calls_with_nothing_to_differentiate_build_no_graph_and_give_the_same_bits(backend, device):
     """No input requires grad, or grad mode is off: the forward runs without an autograd node

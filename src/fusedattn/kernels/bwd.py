@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..block_mask import BlockMask
+from ..block_mask import EMPTY, BlockMask
 from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
@@ -49,6 +49,8 @@ from .launch import launch
 from .masking import adjust_scores, bias_indices, broadcast_tile_offsets
 from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
+
+TILE_EMPTY: tl.constexpr = tl.constexpr(EMPTY)  # a tile state (block_mask.py): no kept pair
 
 
 @triton.jit
@@ -528,6 +530,7 @@ def _bias_grad_kernel(
     stride_vb, stride_vh, stride_vs,
     stride_dob, stride_doh, stride_dos,
     stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    TileStates, stride_tb, stride_th, stride_tq, tiles_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, batch_size, heads_q, group_size, window_left, window_right, stride_stats,
     qk_scale, softcap_log2, bias_batches, bias_heads, q_tiles, k_tiles,
@@ -541,7 +544,9 @@ def _bias_grad_kernel(
     or key dim counting as one block -- sums, in a fixed order, the softmax gradient of every tile
     that maps onto it: each batch (bias batch dim 1), each query head of the bias head, each query
     block (bias Sq = 1) and each key block (bias Sk = 1). It recomputes p and dp (2 matmuls per
-    tile), which is the price of not summing with atomics in the dK/dV pass."""
+    tile), which is the price of not summing with atomics in the dK/dV pass. Tiles outside the
+    window, and with a mask those it empties (``TileStates``: tile_lists.tile_states at this pass's
+    tiles), are skipped, as every other pass skips them."""
     pid = tl.program_id(0)
     out_n = pid % k_tiles
     out_m = (pid // k_tiles) % q_tiles
@@ -564,7 +569,12 @@ def _bias_grad_kernel(
         batch = bias_batch + member // heads_per_bias_head
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
             m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-        if (n_block >= begin) & (n_block < end):  # a tile with a kept pair
+        visited = (n_block >= begin) & (n_block < end)  # a tile with a kept pair
+        if HAS_MASK:  # and one the mask does not empty
+            state = tl.load(TileStates + batch * stride_tb + (head // tiles_head_div) * stride_th + m_block * stride_tq
+                            + n_block)
+            visited &= state != TILE_EMPTY
+        if visited:
             head_kv = head // group_size
             start_m = m_block * BLOCK_M
             start_n = n_block * BLOCK_N
@@ -718,7 +728,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         launch_passes(dkdv_programs, dkdv_programs, True, False, dkdv_cfg)
         launch_passes(dq_programs, 0, False, True, dq_cfg)
     if dbias_mode == DBIAS_PASS:
-        _bias_grad_pass(q, k, v, dout, lse2, delta, user_mask, bias_args, dbias_args, spec, dq_cfg, flags)
+        _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec, dq_cfg, flags)
     elif dbias_mode == DBIAS_ATOMIC:
         dbias = dbias.to(bias.dtype)
     if atomic_dq:
@@ -760,7 +770,7 @@ def bias_grad_sums(bias: torch.Tensor | None) -> dict:
                 DBIAS_SUM_K=bias is not None and bias.shape[3] == 1)
 
 
-def _bias_grad_pass(q, k, v, dout, lse2, delta, user_mask, bias_args, dbias_args, spec: AttentionSpec,
+def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec: AttentionSpec,
                     cfg: KernelConfig, flags: dict):
     """Launch ``_bias_grad_kernel``: one program per output tile of the (broadcast) bias gradient."""
     layout = spec.layout
@@ -771,10 +781,13 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, user_mask, bias_args, dbias_args
     q_tiles = 1 if sums["DBIAS_SUM_Q"] else triton.cdiv(seqlen_q, cfg.block_m)
     k_tiles = 1 if sums["DBIAS_SUM_K"] else triton.cdiv(seqlen_k, cfg.block_n)
     bias_batches, bias_heads = bias.shape[0], bias.shape[1]
+    states = None if mask is None else tile_lists.tile_states(mask, spec, seqlen_q, seqlen_k, cfg.block_m,
+                                                              cfg.block_n)
+    state_args = broadcast_args(states, heads_q, heads_kv, lse2)
     _bias_grad_kernel[(bias_batches * bias_heads * q_tiles * k_tiles,)](
         q, k, v, dout, lse2, delta, user_mask[0], bias, dbias_args[0],
         *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-        *user_mask[1:], *bias_args[1:], *dbias_args[1:5],
+        *user_mask[1:], state_args[0], *state_args[1:4], state_args[5], *bias_args[1:], *dbias_args[1:5],
         seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right, lse2.shape[1],
         *score_constants(spec), bias_batches, bias_heads, q_tiles, k_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **sums, **flags, num_warps=cfg.num_warps, num_stages=1)
