@@ -20,7 +20,6 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import UNBOUNDED, AttentionSpec
-from .launch import launch  # noqa: F401 (the Gluon launchers take it from here)
 from .memory import tma_addressable
 
 LOG2E = 1.4426950408889634

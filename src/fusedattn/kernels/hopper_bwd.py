@@ -64,8 +64,9 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, Descriptor, descriptor, in_window, launch, log2_scores, row_stats_descriptor,
+from .hopper import (WG_ROWS, Descriptor, descriptor, in_window, log2_scores, row_stats_descriptor,
                      tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
+from .launch import launch
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 

@@ -56,8 +56,9 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, descriptor, in_window, launch, log2_scores, turn_pass, turn_wait, window_bounds,
+from .hopper import (WG_ROWS, descriptor, in_window, log2_scores, turn_pass, turn_wait, window_bounds,
                      ws_registers)
+from .launch import launch
 
 
 # --------------------------------------------------------------------------- helpers
