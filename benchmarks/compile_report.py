@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 from dataclasses import replace
 import os
 import re
@@ -29,10 +30,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fusedattn.kernels import bwd, fwd, hopper, hopper_bwd, hopper_fwd  # noqa: E402
+from fusedattn.spec import UNBOUNDED, AttentionSpec  # noqa: E402
 from fusedattn.tuning.configs import KernelConfig, _cuda_configs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CAUSAL_SPEC = AttentionSpec("bshd", UNBOUNDED, 0, 1.0, 0.0, False)
 
 
 def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_stages: int,
@@ -234,26 +237,29 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_major: bool = False, dq: bool = False,
-                       softcap: bool = False, left: bool = False, lists: bool = False):
-    """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it."""
+                       softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False):
+    """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
+    (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    def desc(rows: int) -> str:
+    def desc(rows: int, ty: str = dtype) -> str:
         block = [1, 1, rows, head_dim]
-        return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper.smem_layout(tuple(block), TYPES[dtype])!r}>"
+        torch_type = torch.float32 if ty == "fp32" else TYPES[ty]
+        return f"tensordesc<{ty}[{','.join(map(str, block))}],{hopper.smem_layout(tuple(block), torch_type)!r}>"
 
     stats = [1, cfg.block_m]
     stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.smem_layout(tuple(stats), torch.float32)!r}>"
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq, LISTS=lists,
-                      PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
+                      GROUP_SUM=group_sum, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
     dq_block = [1, 1, cfg.block_m, head_dim // 2]
     dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
     keys = desc(hopper_bwd.KEYS_PER_WG)
-    signature = dict(q_desc=desc(cfg.block_m), do_desc=desc(cfg.block_m), k_desc=keys, v_desc=keys, dk_desc=keys,
-                     dv_desc=keys, lse_desc=stats_desc, dl_desc=stats_desc, dq_desc=dq_desc, seq_q="i32", seq_k="i32", heads_q="i32",
+    outputs = desc(hopper_bwd.KEYS_PER_WG, "fp32") if group_sum else keys
+    signature = dict(q_desc=desc(cfg.block_m), do_desc=desc(cfg.block_m), k_desc=keys, v_desc=keys, dk_desc=outputs,
+                     dv_desc=outputs, lse_desc=stats_desc, dl_desc=stats_desc, dq_desc=dq_desc, seq_q="i32", seq_k="i32", heads_q="i32",
                      heads_kv="i32", group="i32", window_left="i32", qk_scale="fp32", softcap_log2="fp32", scale="fp32",
                      tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
                      **{name: "constexpr" for name in constexprs})
@@ -270,16 +276,18 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
             f"{', tile lists' if lists else ''}")
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
-    for block_major in (False, True) if causal else (False,):  # causal GQA launches block-major
+    # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
+    group_sums = (False, True) if causal and hopper_bwd.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists) else (False,)
+    for block_major, group_sum in itertools.product((False, True) if causal else (False,), group_sums):
         try:
-            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap, left, lists)
+            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap, left, lists, group_sum)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
         serial = f"  WGMMA SERIALIZED: {r['serialized']}" if r["serialized"] else ""
         spilled = "  SPILLS" if r["spills"] else ""
-        print(f"  {shown}{' block-major' if block_major else ''}  regs={r['regs']} stack={r['spills']} "
-              f"smem={r['shared']}{serial}{spilled}")
+        print(f"  {shown}{' block-major' if block_major else ''}{' group sums' if group_sum else ''}  "
+              f"regs={r['regs']} stack={r['spills']} smem={r['shared']}{serial}{spilled}")
         # The 5-matmul form spills 80-96 bytes and still beat everything else (NOTES.md v19); the
         # sliding-window pass 40-48 bytes at D=128 and still beat the Triton one it replaced (v25),
         # the causal tile-list walk 32 bytes (its masked loop runs on the diagonal tiles only, v26).

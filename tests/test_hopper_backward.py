@@ -6,7 +6,9 @@ scale, softcap, sliding windows, masks of whole tiles and a gradient on lse -- e
 float64 reference (SPEC 4). A spy proves
 each backward really ran the Gluon pass; problems and tensors it does not take must run the Triton
 pass; with atomic_dq it sums dQ too where it can (D=128), elsewhere the dQ pass runs; dK and dV
-are bitwise reproducible (dQ too where a dQ pass sums it)."""
+are bitwise reproducible (dQ too where a dQ pass sums it) wherever one program walks a KV head's
+whole group -- with GQA outside deterministic mode, programs per query head add their dK/dV into
+fp32 group sums instead (every GQA case above runs that way with two warpgroups)."""
 
 from dataclasses import replace
 
@@ -61,6 +63,21 @@ def gluon_launches(monkeypatch):
     return record_launches(monkeypatch, hopper_bwd, "dkdv_pass")
 
 
+@pytest.fixture
+def group_sum_launches(monkeypatch):
+    """GROUP_SUM of every Gluon dK/dV launch (True: one program per query head, fp32 group sums)."""
+    from fusedattn.kernels import hopper_bwd
+
+    flags, real_launch = [], hopper_bwd.launch
+
+    def spy(kernel, grid, args, **constexprs):
+        flags.append(constexprs["GROUP_SUM"])
+        return real_launch(kernel, grid, args, **constexprs)
+
+    monkeypatch.setattr(hopper_bwd, "launch", spy)
+    return flags
+
+
 def pinned_dkdv(case: Case, config: KernelConfig, **options):
     base = select_configs(torch.device("cuda"), case.dtype, case.head_dim, case.dv)
     return pinned_configs(replace(base, dkdv=config, **options))
@@ -85,8 +102,12 @@ def test_gluon_dkdv_matches_reference(case, config, gluon_launches):
 @pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-pass", "dq-reduce-adds"])
 @pytest.mark.parametrize("block_major", [False, True])
 def test_both_program_orders_give_the_same_bits(block_major, atomic_dq, gluon_launches, monkeypatch):
-    """GQA causal launches block-major by default; either order, and a second run, gives the same
-    dK and dV bits, and the same dQ bits where a dQ pass sums it (reduce-adds sum in arrival order)."""
+    """GQA causal launches block-major by default; with one program per KV head's group (the group
+    sums off, as in deterministic mode), either order, and a second run, gives the same dK and dV
+    bits, and the same dQ bits where a dQ pass sums it (reduce-adds sum in arrival order)."""
+    from fusedattn.kernels import hopper_bwd
+
+    monkeypatch.setattr(hopper_bwd, "GROUP_SUMS", False)
     case = Case(2, 6, 2, 400, 400, 128, causal=True, dtype=torch.bfloat16)
     q, k, v, dout, _ = make_inputs(case, "cuda")
 
@@ -103,6 +124,51 @@ def test_both_program_orders_give_the_same_bits(block_major, atomic_dq, gluon_la
     assert all(torch.equal(a, b) for a, b in zip(first[reproducible], second[reproducible]))
     assert all(torch.equal(a, b) for a, b in zip(first[reproducible], default[reproducible]))
     assert len(gluon_launches) == 3 and all(gluon_launches)
+
+
+GROUP_SUM_CASES = [
+    Case(2, 6, 2, 400, 400, 128, causal=True, dtype=torch.bfloat16),
+    Case(1, 8, 1, 333, 517, 64, causal=True, dtype=torch.bfloat16),  # MQA, Sq < Sk, a ragged key block
+    Case(1, 4, 2, 517, 333, 128, causal=True, softcap=20.0, lse_grad=True, dtype=torch.float16),  # rows see no key
+    Case(2, 4, 2, 300, 300, 64, causal=True, window=(70, 0), layout="bhsd"),
+]
+
+
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-pass", "dq-reduce-adds"])
+@pytest.mark.parametrize("block_major", [False, True])
+@pytest.mark.parametrize("case", GROUP_SUM_CASES, ids=[c.id for c in GROUP_SUM_CASES])
+def test_gqa_group_sums_match_reference(case, block_major, atomic_dq, group_sum_launches, monkeypatch):
+    """Causal GQA outside deterministic mode: a program per query head adds its dK/dV into fp32
+    sums over the group (TMA reduce-adds staged in the K/V tiles and the ring), in either order."""
+    monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", block_major)
+    with pinned_dkdv(case, dkdv(2, 1), atomic_dq=atomic_dq, dq_tma=atomic_dq):
+        check_case(case, "triton", "cuda")
+    assert group_sum_launches == [True]
+
+
+WALK_CASES = [  # (case, schedule) where one program walks a KV head's whole group
+    (Case(1, 6, 2, 300, 300, 64, causal=True, deterministic=True, dtype=torch.bfloat16), dkdv(2, 1)),
+    (Case(1, 6, 2, 300, 300, 128, dtype=torch.bfloat16), dkdv(2, 1)),  # no causal bound: even programs
+    (Case(1, 6, 2, 300, 300, 64, causal=True, dtype=torch.bfloat16), dkdv(3, 1)),  # no room to stage fp32 tiles
+]
+
+
+@pytest.mark.parametrize("case,config", WALK_CASES, ids=[f"{c.id}-{schedule_id(s)}" for c, s in WALK_CASES])
+def test_gqa_walks_the_whole_group_where_sums_do_not_run(case, config, group_sum_launches):
+    """deterministic=True, GQA without a causal bound, or three warpgroups: one program walks the
+    group and sums its dK/dV in a fixed order -- the same bits twice, and the reference's values."""
+    q, k, v, dout, _ = make_inputs(case, "cuda")
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fusedattn.attention(*leaves, causal=case.causal, deterministic=case.deterministic).backward(dout)
+        return [t.grad for t in leaves]
+
+    with pinned_dkdv(case, config, atomic_dq=False):  # dQ by its own pass: reproducible too
+        first, second = grads(), grads()
+        check_case(case, "triton", "cuda")
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert group_sum_launches and not any(group_sum_launches)
 
 
 @pytest.mark.parametrize("config", [dkdv(2, 1), dkdv(3, 1)], ids=schedule_id)

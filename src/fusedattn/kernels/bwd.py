@@ -823,12 +823,16 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, co
 
     if dq_accum is not None and not hopper_bwd.computes_dq(q.shape[-1], config):
         return False
+    batch, heads_q, seqlen_q = to_bhsd(q, spec.layout).shape[:3]
+    heads_kv, seqlen_k = to_bhsd(k, spec.layout).shape[1:3]
     lists = None
     if mask is not None:
-        batch, heads_q, seqlen_q = to_bhsd(q, spec.layout).shape[:3]
-        heads_kv, seqlen_k = to_bhsd(k, spec.layout).shape[1:3]
         lists = column_list_args(mask, spec, seqlen_q, seqlen_k, config, heads_q, heads_kv, lse2)
-    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major, dq_accum, lists)
+    group_sum = hopper_bwd.sums_over_group(spec, heads_q, heads_kv, config, lists is not None)
+    if group_sum and DKDV_BLOCK_MAJOR is None:  # programs per query head: MHA's order (dkdv_block_major)
+        block_major = False
+    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major, dq_accum, lists,
+                                group_sum)
 
 
 DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order
@@ -840,7 +844,9 @@ def dkdv_block_major(spec: AttentionSpec, group_size: int) -> bool:
     program walks its whole group, so the heaviest ones are long; launched head after head, the
     last head's heavy blocks start late and the pass ends on a tail (-15% backward time for GQA
     16/2 causal at S=1k and 4k, NOTES.md v14). MHA keeps head-major order, which keeps one head's
-    Q and dO in L2 (block-major was +3.5% there). The order changes no result."""
+    Q and dO in L2 (block-major was +3.5% there), and so does the Gluon pass where it runs a program
+    per query head with GQA (``hopper_bwd.sums_over_group``: head-major 1.64-1.68 ms, block-major
+    1.67-1.71 at GQA 16/2 S=4k causal, NOTES.md v28). The order changes no result."""
     if DKDV_BLOCK_MAJOR is not None:
         return DKDV_BLOCK_MAJOR
     return spec.has_window_right and group_size > 1

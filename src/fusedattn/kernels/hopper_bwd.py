@@ -37,7 +37,10 @@ the masked ones. Rows past Sq give p = 0 (lse2 = +inf); keys past Sk (zero-fille
 dK, dV rows that the TMA store clips.
 
 Gradients are bitwise reproducible: each key's dK, dV is summed by one warpgroup in a fixed
-order. The dQ pass stays the Triton kernel's (``bwd.py``) -- except with DQ (dQ by atomics, i.e.
+order -- except with GROUP_SUM (GQA outside deterministic mode, ``sums_over_group``): there a
+program covers one query head, not the KV head's whole group, and adds its fp32 dK, dV into
+(B, Hkv, Sk, D) sums by TMA reduce-adds (staged in the K/V tiles and the ring once every walk is
+over), converted to the input dtype after the pass. The dQ pass stays the Triton kernel's (``bwd.py``) -- except with DQ (dQ by atomics, i.e.
 not deterministic; D = 128, two warpgroups), FA3's 5-matmul form: every warpgroup runs every step,
 writes its dS^T half to shared memory, and once both halves are there computes 64 columns of
 dQ = scale * dS K over the program's 128 keys (``_dq_columns``); a 1-warp drain partition
@@ -152,10 +155,11 @@ def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem, q_ring, do_ring,
-              lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q, seq_k, heads_q, group,
-              window_left, entries, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head, n0, seq_q, seq_k, heads_q,
+              group, window_left, entries, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr,
-              LISTS: gl.constexpr):
+              LISTS: gl.constexpr, GROUP_SUM: gl.constexpr):
+    """``group``: the query heads the walk covers, from ``first_head`` on (1 with GROUP_SUM)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
@@ -170,12 +174,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
                                 LISTS)
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + dl_desc.block_type.nbytes)
-    head0 = head_kv * group
     for t in range(n_steps):
         slot = t % NUM_STAGES
         mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
         member, blk = _step_coords(t, walk, LEFT, LISTS)
-        head = head0 + member
+        head = first_head + member
         row = batch * heads_q + head
         bar = ready.index(slot)
         mbarrier.expect(bar, nbytes)
@@ -183,20 +186,44 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
         tma.async_copy_global_to_shared(do_desc, [batch, head, blk * BLOCK_M, 0], bar, do_ring.index(slot))
         tma.async_copy_global_to_shared(lse_desc, [row, blk * BLOCK_M], bar, lse_ring.index(slot))
         tma.async_copy_global_to_shared(dl_desc, [row, blk * BLOCK_M], bar, dl_ring.index(slot))
-    # Each consumer's dK, dV (16-bit, in its K/V buffers) out by TMA, rows past Sk clipped. The
-    # producer issues the stores so that no consumer touches a descriptor: in a consumer, ptxas kept
-    # the descriptor address live across the loop and spilled it.
+    # Each consumer's dK, dV out by TMA, rows past Sk clipped: stored (16-bit, in its K/V buffers),
+    # or with GROUP_SUM added into the fp32 group sums (staged by ``_group_sum_staging``). The
+    # producer issues them so that no consumer touches a descriptor: in a consumer, ptxas kept the
+    # descriptor address live across the loop and spilled it.
+    STAGE_LAYOUT: gl.constexpr = dk_desc.layout
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
         if nc < seq_k:
             mbarrier.wait(done.index(c), 0)
-            tma.async_copy_shared_to_global(dk_desc, [batch, head_kv, nc, 0], k_smem.index(c))
-            tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], v_smem.index(c))
+            if GROUP_SUM:
+                dk_buf, dv_buf = _group_sum_staging(k_smem, v_smem, q_ring, do_ring, c, STAGE_LAYOUT)
+                tma_reduce_add(dk_desc, [batch, head_kv, nc, 0], dk_buf)
+                tma_reduce_add(dv_desc, [batch, head_kv, nc, 0], dv_buf)
+            else:
+                tma.async_copy_shared_to_global(dk_desc, [batch, head_kv, nc, 0], k_smem.index(c))
+                tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], v_smem.index(c))
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _drain(dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_left, entries, SPLIT: gl.constexpr,
+def _group_sum_staging(k_smem, v_smem, q_ring, do_ring, WG: gl.constexpr, layout: gl.constexpr):
+    """GROUP_SUM: the shared-memory tiles that stage warpgroup WG's fp32 dK and dV (64 keys x D,
+    the size of two 16-bit K tiles) for their reduce-adds: warpgroup 0's in the K tiles and the Q
+    ring, warpgroup 1's in the V tiles and the dO ring (two warpgroups, a ring of >= 128 rows). All
+    of them are free once both warpgroups have finished their walk."""
+    KEYS: gl.constexpr = k_smem.shape[3]
+    HEAD_D: gl.constexpr = k_smem.shape[4]
+    if WG == 0:
+        dk_buf = k_smem._reinterpret(gl.float32, [1, 1, KEYS, HEAD_D], layout)
+        dv_buf = q_ring._reinterpret(gl.float32, [1, 1, KEYS, HEAD_D], layout)
+    else:
+        dk_buf = v_smem._reinterpret(gl.float32, [1, 1, KEYS, HEAD_D], layout)
+        dv_buf = do_ring._reinterpret(gl.float32, [1, 1, KEYS, HEAD_D], layout)
+    return dk_buf, dv_buf
+
+
+@gluon.jit
+def _drain(dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, SPLIT: gl.constexpr,
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr,
            LISTS: gl.constexpr):
     """DQ: per step, each consumer's dQ columns (fp32, shared) into the fp32 accumulator by one TMA
@@ -204,13 +231,12 @@ def _drain(dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_le
     ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
     n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ,
                                 LISTS)
-    head0 = head_kv * group
     COLS: gl.constexpr = dq_desc.block_type.shape[3]
     for t in range(n_steps):
         member, blk = _step_coords(t, walk, LEFT, LISTS)
         for w in gl.static_range(SPLIT):
             mbarrier.wait(dq_full.index(w), t & 1)
-            tma_reduce_add(dq_desc, [batch, head0 + member, blk * BLOCK_M, w * COLS], dq_s.index(w))
+            tma_reduce_add(dq_desc, [batch, first_head + member, blk * BLOCK_M, w * COLS], dq_s.index(w))
         tma.store_wait(pendings=0)
         for w in gl.static_range(SPLIT):
             mbarrier.arrive(dq_empty.index(w), count=1)
@@ -323,11 +349,12 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars, dq_state, n0,
-              seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, WG: gl.constexpr,
+def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked, turn_bars,
+              dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, WG: gl.constexpr,
               SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-              PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr):
+              PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
+              stage_layout: gl.constexpr):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -411,7 +438,20 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         else:
             for t in range(interior_end, n_steps):
                 _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
-    if active:
+    if GROUP_SUM:
+        # fp32 dK (* scale) and dV staged for the producer's reduce-adds, in buffers every
+        # warpgroup's walk reads (K tiles, the ring): only once all walks are over (``walked``).
+        gl.thread_barrier()
+        mbarrier.arrive(walked, count=1)
+        mbarrier.wait(walked, 0)
+        if active:
+            dk_buf, dv_buf = _group_sum_staging(k_smem, v_smem, q_ring, do_ring, WG, stage_layout)
+            dk_buf.reshape([KEYS, HEAD_D]).store(dk * scale)
+            dv_buf.reshape([KEYS, HEAD_D]).store(dv)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(done.index(WG), count=1)
+    elif active:
         # dK (* scale) and dV into this warpgroup's K/V buffers (its wgmmas have all retired); the
         # producer stores them (those of keys past Sk are not stored).
         k_s.store((dk * scale).to(dtype))
@@ -431,18 +471,24 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     list_stride_h, list_stride_n, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
                     LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
                     PINGPONG: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
-                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    GROUP_SUM: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
-    from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule."""
+    from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
+    A program covers one KV head's whole group of query heads, or with GROUP_SUM one query head,
+    its dK/dV added into fp32 (B, Hkv, Sk, D) sums (``dk_desc``, ``dv_desc``) by reduce-adds."""
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 2, "at least two ring slots")
     gl.static_assert(not DQ or SPLIT == 2, "dQ: two consumer warpgroups")
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
+    gl.static_assert(not GROUP_SUM or (SPLIT == 2 and NUM_STAGES * BLOCK_M >= 2 * KEYS and not LISTS),
+                     "group sums: staged in two warpgroups' K/V tiles and a ring of >= 128 rows; no lists")
     gl.static_assert(KEYS == 64, "K/V descriptors: 64-key blocks (one wgmma M of a warpgroup)")
     BLOCK_N: gl.constexpr = SPLIT * KEYS
     dtype: gl.constexpr = q_desc.dtype
+    STAGE_LAYOUT: gl.constexpr = dk_desc.layout  # GROUP_SUM: the fp32 dK/dV tiles' (``_group_sum_staging``)
 
     if BLOCK_MAJOR:  # bwd.dkdv_block_major: heaviest key blocks of every head first
         pid_n = gl.program_id(1)
@@ -450,8 +496,16 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     else:
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
-    batch = pid_bh // heads_kv
-    head_kv = pid_bh % heads_kv
+    if GROUP_SUM:  # one query head
+        batch = pid_bh // heads_q
+        first_head = pid_bh % heads_q
+        head_kv = first_head // group
+        walk_group = 1
+    else:  # the whole group of the KV head
+        batch = pid_bh // heads_kv
+        head_kv = pid_bh % heads_kv
+        first_head = head_kv * group
+        walk_group = group
     n0 = pid_n * BLOCK_N
     entries = tile_lists  # LISTS: this program's list (indexed by KV head)
     if LISTS:
@@ -466,6 +520,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     dl_ring = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], dl_desc.layout)
     kv_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+    walked = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # GROUP_SUM: all walks over
     turn_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -476,6 +531,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=SPLIT)  # one release per consumer warpgroup
+    mbarrier.init(walked, count=SPLIT)
     if DQ:
         # dS (keys x queries, both warpgroups' halves, double-buffered) and each warpgroup's dQ columns.
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -497,47 +553,54 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
     if DQ:
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 0,
-                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 1,
-                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
+                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
+                         softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
+                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
+                         softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
-                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LEFT, DQ, LISTS)),
-            (_drain, (dq_desc, dq_state, batch, head_kv, n0, seq_q, seq_k, group, window_left, entries, SPLIT,
-                      BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ, LISTS)),
+                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head,
+                         n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM)),
+            (_drain, (dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left, entries,
+                      SPLIT, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ, LISTS)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     elif SPLIT == 2:
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 0,
-                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 1,
-                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
+                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
+                         softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
+                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
+                         softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
-                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LEFT, DQ, LISTS)),
+                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head,
+                         n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 0,
-                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 1,
-                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, turn_bars,
-                         dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, 2,
-                         SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, DQ, LISTS)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
+                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
+                         softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
+                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
+                         softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
+            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
+                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
+                         softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
-                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, n0, seq_q,
-                         seq_k, heads_q, group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL,
-                         LEFT, DQ, LISTS)),
+                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head,
+                         n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N,
+                         NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -556,8 +619,25 @@ def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
     return Descriptor(dq_accum, (1, 1, block_m, dq_accum.shape[-1] // 2))
 
 
+GROUP_SUMS: bool | None = None  # tests and experiments: force the group sums off (False) or on where they can run
+
+
+def sums_over_group(spec: AttentionSpec, heads_q: int, heads_kv: int, config: KernelConfig, lists: bool) -> bool:
+    """Whether the pass runs one program per query head and sums dK/dV over each KV head's group by
+    fp32 reduce-adds (GROUP_SUM), rather than walking the whole group in one program: with GQA and
+    a right window bound (causal: the programs' lengths differ), outside deterministic mode (the adds
+    land in no fixed order), where the fp32 tiles can be staged (two warpgroups; the ring of >= 2 x
+    64 rows always holds them) and no mask list is walked (a list covers a whole group).
+    GQA 16/2 S=4k causal backward: 1.73-1.83 ms walking the group, 1.64-1.68 summing it (MHA of the
+    same FLOPs 1.53-1.56); without a causal bound the walk's even programs were faster (2.68-2.70 ms
+    against 2.83-3.10: the group's adds meet at once), benchmarks/NOTES.md v28."""
+    possible = (heads_q > heads_kv and spec.has_window_right and not spec.deterministic and not lists
+                and config.hopper_split == 2)
+    return GROUP_SUMS if GROUP_SUMS is not None and possible else possible
+
+
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-              block_major: bool, dq_accum=None, tile_lists: tuple | None = None) -> bool:
+              block_major: bool, dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
@@ -565,20 +645,27 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     Triton pass). The caller checked ``hopper.supports``; ``config.hopper_split`` (2 or 3) and
     ``hopper_pingpong`` (0, 1, 2) pick the schedule, ``block_m`` the query rows per step,
     ``num_stages`` the ring depth. ``tile_lists``: a mask's lists (lists, batch, head, key-block
-    strides; ``bwd.column_list_args``) at the config's tiles, whose own tiles are all empty or full."""
+    strides; ``bwd.column_list_args``) at the config's tiles, whose own tiles are all empty or full.
+    ``group_sum`` (``sums_over_group``): a program per query head, dK/dV summed over each group in
+    fp32 buffers, then converted into ``dk``, ``dv``."""
     q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
     assert config.hopper_split in (2, 3) and lse2.shape[1] % config.block_m == 0
     assert dq_accum is None or computes_dq(head_dim, config)
+    outputs = () if group_sum else (dk4, dv4)
     descs = [descriptor(q4, config.block_m), descriptor(do4, config.block_m),
-             *(descriptor(t, KEYS_PER_WG) for t in (k4, v4, dk4, dv4))]
+             *(descriptor(t, KEYS_PER_WG) for t in (k4, v4, *outputs))]
     if any(d is None for d in descs):
         return False
+    if group_sum:  # dK (scaled), dV summed over each group here, in fp32
+        sums = torch.zeros((2, batch, heads_kv, seqlen_k, head_dim), dtype=torch.float32, device=q.device)
+        descs += [Descriptor(t, (1, 1, KEYS_PER_WG, head_dim)) for t in sums]
     descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
     dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
     key_blocks = triton.cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
-    grid = (batch * heads_kv, key_blocks) if block_major else (key_blocks, batch * heads_kv)
+    heads = batch * (heads_q if group_sum else heads_kv)
+    grid = (heads, key_blocks) if block_major else (key_blocks, heads)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
     args = (*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
@@ -586,6 +673,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     launch(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim, CAUSAL=spec.window_right == 0,
            LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
            SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, BLOCK_MAJOR=block_major,
-           DQ=dq_accum is not None, LISTS=tile_lists is not None, PRODUCER_REGS=producer_regs,
+           DQ=dq_accum is not None, LISTS=tile_lists is not None, GROUP_SUM=group_sum, PRODUCER_REGS=producer_regs,
            CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+    if group_sum:
+        dk4.copy_(sums[0])
+        dv4.copy_(sums[1])
     return True
