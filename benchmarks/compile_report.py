@@ -253,7 +253,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
-    dq_block = [1, 1, cfg.block_m, head_dim // 2]
+    dq_block = [1, 1, cfg.block_m, hopper_bwd.DQ_COLS]
     dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
     keys = desc(hopper_bwd.KEYS_PER_WG)
@@ -343,11 +343,11 @@ def main() -> None:
             name = schedule.removesuffix("dq")
             split, pingpong = int(name[4]), int(name[7:] or 0)
             for d in map(int, args.head_dims.split(",")):
-                if d == 128 and split == 3 or dq and (d != 128 or split != 2):
+                cfg = KernelConfig(64, 64 * split, 4, 2, True, 0, split, pingpong)
+                if d == 128 and split == 3 or dq and not hopper_bwd.computes_dq(d, cfg):
                     continue  # three warpgroups cannot hold D=128's dK, dV accumulators
                 for causal in (False, True):
                     print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon dK/dV schedule {schedule}")
-                    cfg = KernelConfig(64, 64 * split, 4, 2, True, 0, split, pingpong)
                     problems += _report_hopper_dkdv(d, args.dtype, cfg, causal, dq)
             continue
         split = int(schedule[2]) if schedule.startswith("ws") else 0

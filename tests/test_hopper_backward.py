@@ -205,26 +205,32 @@ def test_tensors_tma_cannot_address_run_the_triton_pass(gluon_launches):
     assert gluon_launches == [False]  # tried, declined (no descriptor), then the Triton pass ran
 
 
-DQ_CASES = [c for c in CASES if c.head_dim == 128] + [
+DQ_CASES = CASES + [
     Case(1, 2, 2, 200, 70, 128, layout="bhsd", dtype=torch.bfloat16),  # a ragged key block, a tile past Sk
     Case(2, 4, 1, 300, 300, 128, causal=True, dtype=torch.bfloat16),  # GQA 4/1 causal, block-major
     Case(1, 2, 2, 129, 129, 128, causal=True, lse_grad=True, dtype=torch.float16),
+    Case(1, 2, 2, 200, 70, 64, layout="bhsd", dtype=torch.bfloat16),  # D=64: ragged keys, warpgroups past Sk
+    Case(1, 3, 3, 129, 129, 64, causal=True, lse_grad=True, dtype=torch.float16),
 ]
+# dQ split by columns at D=128 (two warpgroups), by keys at D=64 (two or three)
+DQ_CASE_SCHEDULES = [(case, dkdv(split, pingpong)) for case in DQ_CASES for split in (2, 3) for pingpong in (0, 1)
+                     if fits(case, dkdv(split, pingpong))]
 
 
-@pytest.mark.parametrize("pingpong", [0, 1])
-@pytest.mark.parametrize("case", DQ_CASES, ids=[c.id for c in DQ_CASES])
-def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, pingpong, gluon_launches):
-    """atomic_dq at D=128: the 5-matmul Gluon pass sums dQ too (TMA reduce-adds), no Triton pass."""
-    with pinned_dkdv(case, dkdv(2, pingpong), atomic_dq=True, dq_tma=True):
+@pytest.mark.parametrize("case,config", DQ_CASE_SCHEDULES,
+                         ids=[f"{case.id}-{schedule_id(config)}" for case, config in DQ_CASE_SCHEDULES])
+def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, config, gluon_launches):
+    """atomic_dq: the 5-matmul Gluon pass sums dQ too (TMA reduce-adds), no Triton pass."""
+    with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches)
 
 
-@pytest.mark.parametrize("head_dim,config", [(64, dkdv(3, 1)), (128, dkdv(2, 2, 128))], ids=["d64", "d128-m128"])
-def test_dq_by_atomics_the_gluon_pass_cannot_sum_runs_the_dq_pass(head_dim, config, gluon_launches):
-    """The Gluon pass sums dQ only at D=128 with two warpgroups and 64-row steps (shared memory):
-    with other Gluon configs atomic_dq gives way, the Gluon pass computes dK, dV and the dQ pass dQ."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_by_atomics_the_gluon_pass_cannot_sum_runs_the_dq_pass(head_dim, gluon_launches):
+    """The Gluon pass sums dQ only with 64-row steps (shared memory): with 128-row steps atomic_dq
+    gives way, the Gluon pass computes dK, dV and the dQ pass dQ."""
+    config = dkdv(2, 2, 128)
     case = Case(1, 2, 2, 300, 300, head_dim, causal=True, dtype=torch.bfloat16, layout="bhsd")
     with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")

@@ -40,12 +40,16 @@ Gradients are bitwise reproducible: each key's dK, dV is summed by one warpgroup
 order -- except with GROUP_SUM (GQA outside deterministic mode, ``sums_over_group``): there a
 program covers one query head, not the KV head's whole group, and adds its fp32 dK, dV into
 (B, Hkv, Sk, D) sums by TMA reduce-adds (staged in the K/V tiles and the ring once every walk is
-over), converted to the input dtype after the pass. The dQ pass stays the Triton kernel's (``bwd.py``) -- except with DQ (dQ by atomics, i.e.
-not deterministic; D = 128, two warpgroups), FA3's 5-matmul form: every warpgroup runs every step,
-writes its dS^T half to shared memory, and once both halves are there computes 64 columns of
-dQ = scale * dS K over the program's 128 keys (``_dq_columns``); a 1-warp drain partition
-(``_drain``) sums those into an fp32 accumulator by TMA reduce-adds while the consumers go on
-(benchmarks/NOTES.md v19). dK, dV stay bitwise reproducible; dQ does not (the order of the adds).
+over), converted to the input dtype after the pass -- "causal GQA" in the docs (causal or a
+window with a right bound of 0).
+
+The dQ pass stays the Triton kernel's (``bwd.py``) -- except with DQ (dQ by atomics, i.e. not
+deterministic; ``computes_dq``), FA3's 5-matmul form: every warpgroup runs every step and
+writes its dS^T to shared memory; at D=128 (two warpgroups), once both halves are there, each
+computes 64 columns of dQ = scale * dS K over the program's 128 keys, at D=64 each computes all
+columns over its own 64 keys (``_dq_tile``); a 1-warp drain partition (``_drain``) sums those
+into an fp32 accumulator by TMA reduce-adds while the consumers go on (benchmarks/NOTES.md v19,
+v29). dQ is then not bitwise reproducible (the order of the adds).
 """
 
 from __future__ import annotations
@@ -224,22 +228,25 @@ def _group_sum_staging(k_smem, v_smem, q_ring, do_ring, WG: gl.constexpr, layout
 
 @gluon.jit
 def _drain(dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, SPLIT: gl.constexpr,
-           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr,
-           LISTS: gl.constexpr):
-    """DQ: per step, each consumer's dQ columns (fp32, shared) into the fp32 accumulator by one TMA
-    reduce-add (rows past Sq clipped), then the staging buffers are handed back."""
-    ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
-    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ,
-                                LISTS)
-    COLS: gl.constexpr = dq_desc.block_type.shape[3]
-    for t in range(n_steps):
-        member, blk = _step_coords(t, walk, LEFT, LISTS)
-        for w in gl.static_range(SPLIT):
-            mbarrier.wait(dq_full.index(w), t & 1)
-            tma_reduce_add(dq_desc, [batch, first_head + member, blk * BLOCK_M, w * COLS], dq_s.index(w))
-        tma.store_wait(pendings=0)
-        for w in gl.static_range(SPLIT):
-            mbarrier.arrive(dq_empty.index(w), count=1)
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
+           LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr):
+    """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
+    reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
+    (D=128), or all columns over its own keys (D=64, ``_dq_tile``). Without DQ: nothing."""
+    if DQ:
+        ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
+        n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
+                                    DQ, LISTS)
+        COLS: gl.constexpr = dq_desc.block_type.shape[3]
+        for t in range(n_steps):
+            member, blk = _step_coords(t, walk, LEFT, LISTS)
+            for w in gl.static_range(SPLIT):
+                mbarrier.wait(dq_full.index(w), t & 1)
+                tma_reduce_add(dq_desc, [batch, first_head + member, blk * BLOCK_M, (w * COLS) % HEAD_D],
+                               dq_s.index(w))
+            tma.store_wait(pendings=0)
+            for w in gl.static_range(SPLIT):
+                mbarrier.arrive(dq_empty.index(w), count=1)
 
 
 # --------------------------------------------------------------------------- consumers
@@ -257,26 +264,40 @@ def _skip(t, ready, empty, turn_bars, WG: gl.constexpr, NUM_STAGES: gl.constexpr
 
 
 @gluon.jit
-def _dq_columns(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
-                BLOCK_M: gl.constexpr):
-    """DQ: this warpgroup's dS^T into the step's shared dS buffer; once every warpgroup's is there,
-    dQ[:, 64 WG : 64 WG + 64] = scale * dS K over all the program's keys, staged for the drain.
+def _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
+             BLOCK_M: gl.constexpr):
+    """DQ: this warpgroup's share of the step's dQ = scale * dS K, staged for the drain.
+
+    Split by columns (``dq_cols`` < D: D=128, two warpgroups): dS^T into the step's shared dS
+    buffer; once every warpgroup's is there, dQ[:, 64 WG : 64 WG + 64] over all the program's keys.
     dS is double-buffered by step parity: a warpgroup rewrites buffer t % 2 at step t + 2 only after
-    passing ds_bar at t + 1, which the others arrive on only after their dQ wgmmas of step t."""
+    passing ds_bar at t + 1, which the others arrive on only after their dQ wgmmas of step t.
+    Split by keys (``dq_cols`` = D: D=64, whose 128-byte K rows are one swizzle atom and cannot be
+    split by columns): dQ over this warpgroup's own 64 keys, all columns, from its own dS^T buffer
+    (rewritten a step later, after this step's wgmma has finished); the drain adds every
+    warpgroup's tile. No barrier between warpgroups."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
-    COLS: gl.constexpr = HEAD_D // SPLIT
-    ds_buf = ds_s.index(t % 2)
-    ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds16)
-    fence_async_shared()
-    gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
-    mbarrier.arrive(ds_bar.index(t % 2), count=1)
-    mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
-    dq = dq_zero
-    for c in gl.static_range(SPLIT):
-        k_cols = k_smem.index(c).reshape([KEYS, HEAD_D]).slice(WG * COLS, COLS, dim=1)
-        dq = warpgroup_mma(ds_buf.slice(c * KEYS, KEYS, dim=0).permute((1, 0)), k_cols, dq, use_acc=c > 0)
+    COLS: gl.constexpr = dq_s.shape[4]
+    if COLS == HEAD_D:
+        ds_own = ds_s.index(WG)
+        ds_own.store(ds16)
+        fence_async_shared()
+        gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
+        dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
+                           use_acc=False)
+    else:
+        ds_buf = ds_s.index(t % 2)
+        ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds16)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ds_bar.index(t % 2), count=1)
+        mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
+        dq = dq_zero
+        for c in gl.static_range(SPLIT):
+            k_cols = k_smem.index(c).reshape([KEYS, HEAD_D]).slice(WG * COLS, COLS, dim=1)
+            dq = warpgroup_mma(ds_buf.slice(c * KEYS, KEYS, dim=0).permute((1, 0)), k_cols, dq, use_acc=c > 0)
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)  # the drain has reduced the previous step's
     dq_s.index(WG).reshape([BLOCK_M, COLS]).store(dq * scale)
     fence_async_shared()
@@ -344,7 +365,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk)
     mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
     if DQ:
-        _dq_columns(t, ds16, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M)
+        _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M)
     return dk, dv
 
 
@@ -375,10 +396,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     dk = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
     dv = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
-    if DQ:  # this warpgroup's dQ columns (only two warpgroups split D: a power of two)
+    if DQ:  # this warpgroup's dQ tile (``_dq_tile``)
+        DQ_COLS: gl.constexpr = dq_state[1].shape[4]
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_D // SPLIT, 16])
-        dq_zero = gl.zeros([BLOCK_M, HEAD_D // SPLIT], gl.float32, layout=dq_layout)
+                                                            instr_shape=[16, DQ_COLS, 16])
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
     else:
         dq_zero = s_zero  # never read
     if DQ:
@@ -397,11 +419,12 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                            dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
                            BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
                            SOFTCAP, DQ)
-        # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
-        # is overwritten with dK.
-        ds_bar = dq_state[2]
-        mbarrier.arrive(ds_bar.index(n_steps % 2), count=1)
-        mbarrier.wait(ds_bar.index(n_steps % 2), (n_steps // 2) & 1)
+        if DQ_COLS != HEAD_D:
+            # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
+            # is overwritten with dK.
+            ds_bar = dq_state[2]
+            mbarrier.arrive(ds_bar.index(n_steps % 2), count=1)
+            mbarrier.wait(ds_bar.index(n_steps % 2), (n_steps // 2) & 1)
     else:
         active = nc < seq_k  # else its keys are all past Sk: every step is skipped and nothing is stored
         mbarrier.wait(kv_bars.index(WG), 0, pred=active)
@@ -481,7 +504,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 2, "at least two ring slots")
-    gl.static_assert(not DQ or SPLIT == 2, "dQ: two consumer warpgroups")
+
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     gl.static_assert(not GROUP_SUM or (SPLIT == 2 and NUM_STAGES * BLOCK_M >= 2 * KEYS and not LISTS),
                      "group sums: staged in two warpgroups' K/V tiles and a ring of >= 128 rows; no lists")
@@ -533,10 +556,17 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         mbarrier.init(empty.index(i), count=SPLIT)  # one release per consumer warpgroup
     mbarrier.init(walked, count=SPLIT)
     if DQ:
-        # dS (keys x queries, both warpgroups' halves, double-buffered) and each warpgroup's dQ columns.
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-        ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, BLOCK_M, HEAD_D // SPLIT], dq_desc.layout)
+        # dS (keys x queries, every warpgroup's part, double-buffered) and each warpgroup's dQ tile:
+        # its columns, or with dq_cols = D all of them over its own keys (``_dq_tile``).
+        DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+        gl.static_assert(DQ_COLS == HEAD_D or DQ_COLS * SPLIT == HEAD_D, "dQ tiles: split by keys or columns")
+        if DQ_COLS == HEAD_D:  # each warpgroup's own dS^T (its wgmmas finish before it writes again)
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
+            ds_s = gl.allocate_shared_memory(dtype, [SPLIT, KEYS, BLOCK_M], ds_layout)
+        else:
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+            ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, BLOCK_M, DQ_COLS], dq_desc.layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
@@ -551,7 +581,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     fence_async_shared()
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
-    if DQ:
+    # The 1-warp drain partition runs (and does nothing) without DQ too: one list per warpgroup count.
+    if SPLIT == 2:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
@@ -566,23 +597,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N,
                          NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM)),
             (_drain, (dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left, entries,
-                      SPLIT, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ, LISTS)),
+                      SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    elif SPLIT == 2:
-        gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
-                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
-                         softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
-            (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
-                         turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
-                         softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
-                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head,
-                         n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
@@ -601,22 +617,30 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head,
                          n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N,
                          NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+            (_drain, (dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left, entries,
+                      SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS)),
+        ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- launcher
 
 
 def computes_dq(head_dim: int, config: KernelConfig) -> bool:
-    """Whether the pass can also sum dQ (the 5-matmul form): two warpgroups splitting D = 128 into
-    64-column halves (a half is one 128-byte swizzle atom of the K tile), 64-row query steps (with
-    128 the dS^T and fp32 dQ staging tiles need 330 KB of shared memory, the SM has 227 KB)."""
-    return head_dim == 128 and config.hopper_split == 2 and config.block_m == 64
+    """Whether the pass can also sum dQ (the 5-matmul form), with 64-row query steps (with 128 the
+    dS^T and fp32 dQ staging tiles need 330 KB of shared memory at D=128, the SM has 227 KB): at
+    D=128 two warpgroups each take a 64-column half (one 128-byte swizzle atom of the K tile), at
+    D=64 each warpgroup (two or three) takes all 64 columns over its own keys (``_dq_tile``)."""
+    if config.block_m != 64:
+        return False
+    return head_dim == 128 and config.hopper_split == 2 or head_dim == 64
+
+
+DQ_COLS = 64  # columns of a warpgroup's dQ tile: half of D=128, all of D=64 (``computes_dq``)
 
 
 def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
-    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, block_m, D / 2): one warpgroup's columns."""
-    return Descriptor(dq_accum, (1, 1, block_m, dq_accum.shape[-1] // 2))
+    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, block_m, 64): one warpgroup's tile."""
+    return Descriptor(dq_accum, (1, 1, block_m, DQ_COLS))
 
 
 GROUP_SUMS: bool | None = None  # tests and experiments: force the group sums off (False) or on where they can run
