@@ -282,16 +282,16 @@ def _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT:
     COLS: gl.constexpr = dq_s.shape[4]
     if COLS == HEAD_D:
         ds_own = ds_s.index(WG)
-        ds_own.store(ds16)
-        fence_async_shared()
-        gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
+    else:
+        ds_buf = ds_s.index(t % 2)
+        ds_own = ds_buf.slice(WG * KEYS, KEYS, dim=0)
+    ds_own.store(ds16)
+    fence_async_shared()
+    gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
+    if COLS == HEAD_D:
         dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
                            use_acc=False)
     else:
-        ds_buf = ds_s.index(t % 2)
-        ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds16)
-        fence_async_shared()
-        gl.thread_barrier()
         mbarrier.arrive(ds_bar.index(t % 2), count=1)
         mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
         dq = dq_zero
@@ -657,7 +657,7 @@ def sums_over_group(spec: AttentionSpec, heads_q: int, heads_kv: int, config: Ke
     against 2.83-3.10: the group's adds meet at once), benchmarks/NOTES.md v28."""
     possible = (heads_q > heads_kv and spec.has_window_right and not spec.deterministic and not lists
                 and config.hopper_split == 2)
-    return GROUP_SUMS if GROUP_SUMS is not None and possible else possible
+    return possible and GROUP_SUMS is not False
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
