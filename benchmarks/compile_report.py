@@ -97,8 +97,8 @@ def _resource_usage(cubin: bytes) -> dict:
 def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     """Prints one line per kernel; returns how many failed to compile or had their wgmmas serialised."""
     torch_dtype = TYPES[dtype]
-    flags = dict(dict(HAS_MASK=False, MASK_SHIFT_Q=0, MASK_SHIFT_K=0, HAS_SINKS=False, HAS_BIAS=False, BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False,
-                      DBIAS_SUM_K=False), **flags)
+    flags = dict(dict(HAS_MASK=False, MASK_SHIFT_Q=0, MASK_SHIFT_K=0, MASK_TMA=False, HAS_SINKS=False, HAS_BIAS=False,
+                      BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False), **flags)
     configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
                             flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)
@@ -128,14 +128,17 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
         else configs.forward
     if flags["HAS_BIAS"]:  # as fwd.attention_forward launches it
         triton_forward = replace(triton_forward, block_n=min(triton_forward.block_n, 64))
+    def tile(rows, cols, ty=dtype):
+        return f"tensordesc<{ty}[1,1,{rows},{cols}]>"
+
     bias_descs = {}
-    if flags["BIAS_TMA"]:  # the bias and its gradient through TMA (memory.bias_descriptor)
+    if flags["MASK_TMA"]:  # the mask's bytes through TMA (fwd.mask_descriptor)
+        bias_descs.update(mask_desc=tile(triton_forward.block_m, triton_forward.block_n, "u8"),
+                          mask_dkdv_desc=tile(configs.dkdv.block_m, configs.dkdv.block_n, "u8"),
+                          mask_dq_desc=tile(configs.dq.block_m, configs.dq.block_n, "u8"))
+    if flags["BIAS_TMA"]:  # the bias and its gradient through TMA (memory.score_tile_descriptor)
         dbias_type = "fp32" if flags["DBIAS"] == bwd.DBIAS_ATOMIC else dtype
-
-        def tile(rows, cols, ty=dtype):
-            return f"tensordesc<{ty}[1,1,{rows},{cols}]>"
-
-        bias_descs = dict(bias_desc=tile(triton_forward.block_m, triton_forward.block_n),
+        bias_descs.update(bias_desc=tile(triton_forward.block_m, triton_forward.block_n),
                           bias_dkdv_desc=tile(configs.dkdv.block_m, configs.dkdv.block_n),
                           bias_dq_desc=tile(configs.dq.block_m, configs.dq.block_n),
                           dbias_desc=tile(configs.dkdv.block_m, configs.dkdv.block_n, dbias_type))
@@ -301,7 +304,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16", choices=sorted(TYPES))
     p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
     p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,mask,causal+mask,"
-                        "causal+mask+sinks,bias,causal+bias-atomic")
+                        "causal+mask+sinks,bias,causal+bias-atomic,causal+mask+bias,causal+mask+bias-pointers")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
@@ -326,6 +329,12 @@ def main() -> None:
                                    DBIAS=bwd.DBIAS_ATOMIC),
         "bias-pointers": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True,
                               DBIAS=bwd.DBIAS_STORE),
+        # the top-k + trainable bias row: a (B, H, S, S) mask of partial tiles and a full-shape bias,
+        # both through TMA as on the GPU
+        "causal+mask+bias": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True, MASK_TMA=True,
+                                 HAS_BIAS=True, BIAS_TMA=True, DBIAS=bwd.DBIAS_STORE),
+        "causal+mask+bias-pointers": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True,
+                                          HAS_BIAS=True, BIAS_TMA=True, DBIAS=bwd.DBIAS_STORE),
     }
     problems = 0
     for d in map(int, args.head_dims.split(",")):

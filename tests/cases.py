@@ -229,6 +229,16 @@ FULL: list[Case] = [
          bias_dtype=torch.float32, dtype=torch.bfloat16),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=129, seqlen_k=127, head_dim=64, bias="rows", dtype=torch.float32,
          deterministic=True),
+    # aligned key lengths: a mask by elements is read through TMA (fwd.mask_descriptor), with every
+    # tile state, head forms and the features; with a full-shape bias (the top-k + bias row's form)
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_k=512, head_dim=128, mask="full", causal=True,
+         bias="full", dtype=torch.bfloat16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=333, seqlen_k=256, head_dim=64, mask="kv-heads", mask_cells=32,
+         softcap=20.0, dtype=torch.float16),
+    Case(batch=1, heads_q=4, heads_kv=1, seqlen_q=320, seqlen_k=272, head_dim=96, mask="shared", window=(40, 7),
+         sinks=True, deterministic=True, dtype=torch.bfloat16, layout="bhsd"),
+    Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=256, seqlen_k=256, head_dim=128, mask="heads", mask_cells=64,
+         causal=True, bias="heads", deterministic=True, lse_grad=True, dtype=torch.float16),
     # aligned key lengths: the bias is read, and its gradient stored or added, through TMA
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_k=512, head_dim=128, bias="heads", causal=True,
          dtype=torch.bfloat16),

@@ -225,3 +225,54 @@ def test_classify_kernel_matches_torch_reductions(shape):
     assert torch.equal(states.cpu(), classify_with_torch(mask.cpu(), 16, 16))
     expected = brute_states(mask.cpu(), 16 if shape[2] > 1 else 1, 16 if shape[3] > 1 else 1, whole_only=False)
     assert torch.equal(states.cpu(), expected)
+
+
+TMA_MASKS = [  # (mask shape from (B, H, Sq, Sk), Sk, by blocks, read through TMA)
+    (lambda b, h, sq, sk: (b, h, sq, sk), 256, False, True),
+    (lambda b, h, sq, sk: (sq, sk), 272, False, True),  # one (Sq, Sk) mask for every batch and head
+    (lambda b, h, sq, sk: (b, h, sq, sk), 250, False, False),  # rows not 16-byte aligned: pointers
+    (lambda b, h, sq, sk: (b, 1, 1, sk), 256, False, False),  # key padding: one row, by pointers
+    (lambda b, h, sq, sk: (b, h, -(-sq // 32), -(-sk // 32)), 256, True, False),  # whole blocks: shifted indices
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="TMA descriptors exist on the GPU only")
+@pytest.mark.parametrize("make_shape, seqlen_k, by_blocks, tma", TMA_MASKS,
+                         ids=["full", "shared", "unaligned", "keys", "blocks"])
+def test_masks_by_elements_are_read_through_tma_where_aligned(monkeypatch, make_shape, seqlen_k, by_blocks, tma):
+    """A mask by elements whose rows TMA can address is read through descriptors by the forward
+    and both backward passes (MASK_TMA); the other forms by pointers; every one matches the
+    reference (random entries: every tile partial, so the mask is read on every visited tile)."""
+    from fusedattn.kernels import bwd, fwd
+
+    flags = []
+    for module in (fwd, bwd):
+        def spy(kernel, grid, args, real=module.launch, **constexprs):
+            if "MASK_TMA" in constexprs:
+                flags.append(constexprs["MASK_TMA"])
+            return real(kernel, grid, args, **constexprs)
+        monkeypatch.setattr(module, "launch", spy)
+    batch, heads, seqlen_q, dim = 2, 2, 200, 64
+    gen = torch.Generator().manual_seed(seqlen_k)
+    q, dout = (torch.randn(batch, seqlen_q, heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, seqlen_k, heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    keep = torch.rand(make_shape(batch, heads, seqlen_q, seqlen_k), generator=gen) < 0.7
+    if by_blocks:
+        mask = BlockMask.from_blocks(keep.to(DEVICE), (32, 32), seqlen_q, seqlen_k)
+        dense = mask.to_dense()
+    else:
+        mask = dense = keep.to(DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with fusedattn.use_backend("triton"):
+        out = fusedattn.attention(*leaves, mask=mask, causal=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert flags and all(flag == tma for flag in flags), flags
+
+    def reference(dtype):
+        ref_leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        ref = reference_attention(*ref_leaves, mask=dense.reshape((1,) * (4 - dense.dim()) + dense.shape), causal=True)
+        return (ref, *torch.autograd.grad(ref, ref_leaves, dout.to(dtype)))
+
+    for name, got, lowp, ref64 in zip(("out", "dq", "dk", "dv"), (out, *grads), reference(torch.bfloat16),
+                                      reference(torch.float64)):
+        assert_close_to_reference(name, got, lowp, ref64)

@@ -44,10 +44,10 @@ from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, hopper_supports, mask_args,
-                  padded_dim, row_list_args, score_constants)
+                  mask_descriptor, padded_dim, row_list_args, score_constants)
 from .launch import launch
-from .masking import adjust_scores, bias_indices, broadcast_tile_offsets
-from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
+from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
+from .memory import score_tile_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import log2_scores, lse_for_backward
 
 TILE_EMPTY: tl.constexpr = tl.constexpr(EMPTY)  # a tile state (block_mask.py): no kept pair
@@ -56,16 +56,18 @@ TILE_EMPTY: tl.constexpr = tl.constexpr(EMPTY)  # a tile state (block_mask.py): 
 @triton.jit
 def _probabilities(
     qk, lse2, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-    softcap_log2, mask_base, stride_mq, stride_mk, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
-    bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
+    softcap_log2, mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q: tl.constexpr,
+    MASK_SHIFT_K: tl.constexpr, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
 ):
     """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
     scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
     scores = adjust_scores(scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
-                           mask_base, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
-                           bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED, TRANSPOSED)
+                           mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
+                           MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT,
+                           HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, TRANSPOSED)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -169,13 +171,13 @@ def _dkdv_tiles(
     stride_stats, block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
     Bias, stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh,
-    stride_dbq, stride_dbk, bias_desc, dbias_desc, start_n, tile_list, query_blocks,
+    stride_dbq, stride_dbk, bias_desc, dbias_desc, mask_desc, start_n, tile_list, query_blocks,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
     DBIAS_SUM_K: tl.constexpr, IS_MASKED: tl.constexpr, FROM_LIST: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
-    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
     loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV.
@@ -213,12 +215,13 @@ def _dkdv_tiles(
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
         bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
-        bias_batch, bias_head = bias_indices(batch, head, stride_bb, stride_bh, bias_head_div)
+        mask_batch, mask_head = slice_indices(batch, head, stride_mb, stride_mh, mask_head_div)
+        bias_batch, bias_head = slice_indices(batch, head, stride_bb, stride_bh, bias_head_div)
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
-                                     window_right, qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
-                                     MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head,
-                                     stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-                                     BIAS_TMA, IS_MASKED, True)
+                                     window_right, qk_scale, softcap_log2, mask_desc, mask_base, mask_batch,
+                                     mask_head, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
+                                     bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                     HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, True)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dlogit_t, ds_t = _score_grads(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True)
@@ -246,7 +249,7 @@ def _dkdv_tiles(
 def _dkdv_program(
     n_block, batch, head_kv,
     Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, Bias, DBias, TileLists, q_desc, do_desc, dq_desc, bias_desc,
-    dbias_desc,
+    dbias_desc, mask_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -264,7 +267,7 @@ def _dkdv_program(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
+    INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr, MASK_TMA: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head, summed over the query heads of its group."""
     start_n = n_block * BLOCK_N
@@ -284,7 +287,7 @@ def _dkdv_program(
     scores_args = (offs_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, scale, Mask,
                    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, Bias,
                    stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, DBias, stride_dbb, stride_dbh,
-                   stride_dbq, stride_dbk, bias_desc, dbias_desc, start_n)
+                   stride_dbq, stride_dbk, bias_desc, dbias_desc, mask_desc, start_n)
     # (Tuples carry runtime values only: a constexpr packed into one inside a jit function loses
     # its constness in Triton 3.6.)
     # Full tiles first (the interior stretch, or the list's full tiles), then the masked ones, each
@@ -300,12 +303,12 @@ def _dkdv_program(
             dk, dv, *operands, 0, full_tiles, 0, 0, *scores_args, tile_list + 2, query_blocks, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
             DBIAS_SUM_Q, DBIAS_SUM_K, HAS_BIAS,  # a -inf bias can empty a row on any tile
-            True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, full_tiles, full_tiles + partial_tiles, 0, 0, *scores_args, tile_list + 2,
             query_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
             HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
-            MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
     else:
         begin, interior_begin, interior_end, end = query_blocks_for_key_block(
             n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -314,12 +317,12 @@ def _dkdv_program(
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS,
             BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard it too
-            False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         # both boundary stretches in one masked walk
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, begin, end, interior_begin, interior_end, *scores_args, TileLists, 0, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
-            DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
                dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -331,13 +334,13 @@ def _dkdv_program(
 def _dq_tiles(
     dq, q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
     block_begin, block_end, tile_list, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-    softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base, bias_batch,
+    softcap_log2, mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, bias_desc, bias_base, bias_batch,
     bias_head, stride_bq, stride_bk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
-    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
 ):
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
     positions of ``tile_list`` (tile_lists.py), as the forward walks them."""
@@ -355,10 +358,10 @@ def _dq_tiles(
                        IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
-                                     window_right, qk_scale, softcap_log2, mask_base, stride_mq, stride_mk,
-                                     MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head,
-                                     stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS,
-                                     BIAS_TMA, IS_MASKED, False)
+                                     window_right, qk_scale, softcap_log2, mask_desc, mask_base, mask_batch,
+                                     mask_head, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
+                                     bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                     HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         _, ds = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -368,7 +371,7 @@ def _dq_tiles(
 @triton.jit
 def _dq_program(
     m_block, batch, head,
-    Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, TileLists, k_desc, v_desc, bias_desc,
+    Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, TileLists, k_desc, v_desc, bias_desc, mask_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -383,11 +386,13 @@ def _dq_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    MASK_TMA: tl.constexpr,
 ):
     """dQ of one query block of one query head, in registers: a fixed summation order."""
     mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
+    mask_batch, mask_head = slice_indices(batch, head, stride_mb, stride_mh, mask_head_div)
     bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
-    bias_batch, bias_head = bias_indices(batch, head, stride_bb, stride_bh, bias_head_div)
+    bias_batch, bias_head = slice_indices(batch, head, stride_bb, stride_bh, bias_head_div)
     batch_head = batch * heads_q + head
     head_kv = head // group_size
     start_m = m_block * BLOCK_M
@@ -407,8 +412,9 @@ def _dq_program(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     operands = (q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs)
-    scores_args = (start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, mask_base,
-                   stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk)
+    scores_args = (start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, mask_desc,
+                   mask_base, mask_batch, mask_head, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head,
+                   stride_bq, stride_bk)
     if HAS_MASK:  # the tiles the mask leaves, as the forward walks them (tile_lists.row_lists)
         tile_list = head_base(TileLists, batch, head // lists_head_div, stride_lb, stride_lh) + m_block * stride_lr
         full_tiles = tl.load(tile_list)
@@ -417,11 +423,11 @@ def _dq_program(
                        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                        HAS_BIAS,  # a -inf bias can empty a row on any tile
                        True, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         dq = _dq_tiles(dq, *operands, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args, HEAD_DIM,
                        HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
                        BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
     else:
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
             m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -429,16 +435,16 @@ def _dq_program(
                        BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                        HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
                        False, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         if HAS_LEFT:
             dq = _dq_tiles(dq, *operands, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                            BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                            True, False, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         dq = _dq_tiles(dq, *operands, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                        DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
     store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 
@@ -448,7 +454,7 @@ def _dq_program(
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks"])
 def _backward_kernel(
     Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, RowLists, q_desc, do_desc, k_desc, v_desc,
-    dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc,
+    dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc, mask_dkdv_desc, mask_dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -468,6 +474,7 @@ def _backward_kernel(
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
+    MASK_TMA: tl.constexpr,
 ):
     """The backward after the pre-pass. Programs ``[0, dkdv_programs)`` compute dK/dV (the heavier
     work, so it starts first), the rest compute dQ. Launched once with both kinds (they fill each
@@ -491,7 +498,7 @@ def _backward_kernel(
             _dkdv_program(
                 n_block, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
                 Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, q_desc, do_desc, dq_desc,
-                bias_dkdv_desc, dbias_desc,
+                bias_dkdv_desc, dbias_desc, mask_dkdv_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
                 stride_dvs, stride_dqb, stride_dqh, stride_dqs, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
@@ -500,7 +507,8 @@ def _backward_kernel(
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS)
+                HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS,
+                MASK_TMA)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -510,7 +518,7 @@ def _backward_kernel(
                 m_block = query_blocks - 1 - m_block
             _dq_program(
                 m_block, batch_head // heads_q, batch_head % heads_q,
-                Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, RowLists, k_desc, v_desc, bias_dq_desc,
+                Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, RowLists, k_desc, v_desc, bias_dq_desc, mask_dq_desc,
                 stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                 stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
                 stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q, MASK_SHIFT_K,
@@ -519,7 +527,7 @@ def _backward_kernel(
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS)
+                HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS, MASK_TMA)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
@@ -596,9 +604,10 @@ def _bias_grad_kernel(
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             p, tanh_arg = _probabilities(
                 qk, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
-                softcap_log2, head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh), stride_mq,
-                stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, Bias, head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), 0, 0, stride_bq,
-                stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, False, True, False)
+                softcap_log2, Mask, head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh), 0, 0,
+                stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, Bias,
+                head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), 0, 0, stride_bq, stride_bk,
+                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, False, False, True, False)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             dlogit, _ = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
             acc += dlogit
@@ -686,13 +695,19 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
     dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
     # The bias (and its gradient) through TMA where all three descriptors can be made; else pointers.
-    bias_descs = [bias_descriptor(bias, dkdv_cfg.block_m, dkdv_cfg.block_n),
-                  bias_descriptor(bias, dq_cfg.block_m, dq_cfg.block_n),
-                  bias_descriptor(dbias, dkdv_cfg.block_m, dkdv_cfg.block_n) if dbias_mode in (DBIAS_STORE, DBIAS_ATOMIC)
+    bias_descs = [score_tile_descriptor(bias, dkdv_cfg.block_m, dkdv_cfg.block_n),
+                  score_tile_descriptor(bias, dq_cfg.block_m, dq_cfg.block_n),
+                  score_tile_descriptor(dbias, dkdv_cfg.block_m, dkdv_cfg.block_n) if dbias_mode in (DBIAS_STORE, DBIAS_ATOMIC)
                   else lse2]
     bias_tma = all(d is not None for d in bias_descs)
     if not bias_tma:
         bias_descs = [lse2] * 3
+    # The mask's bytes through TMA likewise, at each pass's tiles (fwd.mask_descriptor).
+    mask_descs = [mask_descriptor(mask, dkdv_cfg.block_m, dkdv_cfg.block_n),
+                  mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)]
+    mask_tma = mask is not None and all(d is not None for d in mask_descs)
+    if not mask_tma:
+        mask_descs = [lse2] * 2
     tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
                column_lists[0], row_lists[0])
     scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
@@ -708,6 +723,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
         DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and configs.dq_tma,
         DBIAS=dbias_mode if dbias_mode != DBIAS_PASS else DBIAS_OFF, **bias_grad_sums(bias), BIAS_TMA=bias_tma,
+        MASK_TMA=mask_tma,
         # Boundary stretches of the dK/dV pass run a few tiles per program: pipelining them buys
         # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
@@ -716,7 +732,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         dkdv_tma, dq_tma = run_dkdv and dkdv_descs is not None, run_dq and dq_descs is not None
         launch(_backward_kernel, (programs,),
                (*tensors, *(dkdv_descs if dkdv_tma else (q, dout)), *(dq_descs if dq_tma else (k, v)), dq_target,
-                *bias_descs, *scalars, first_dq_program, int(block_major)),
+                *bias_descs, *mask_descs, *scalars, first_dq_program, int(block_major)),
                RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma, DQ_TMA_LOADS=dq_tma,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
 

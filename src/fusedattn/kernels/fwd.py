@@ -21,8 +21,8 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .launch import launch
-from .masking import adjust_scores, bias_indices
-from .memory import bias_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
+from .masking import adjust_scores, slice_indices
+from .memory import score_tile_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 from .tile_lists import row_lists, tiles_whole
 
@@ -31,13 +31,13 @@ from .tile_lists import row_lists, tiles_whole
 def _forward_tiles(
     acc, row_max, row_sum, q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs,
     block_begin, block_end, tile_list, start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right,
-    qk_scale, softcap_log2, mask_base, stride_mq, stride_mk, bias_desc, bias_base,
+    qk_scale, softcap_log2, mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, bias_desc, bias_base,
     bias_batch, bias_head, stride_bq, stride_bk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
-    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
+    MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
 ):
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
     positions of ``tile_list`` (tile_lists.py)."""
@@ -54,9 +54,9 @@ def _forward_tiles(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores, _ = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
         scores = adjust_scores(scores, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left, window_right,
-                               mask_base, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
-                               bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, IS_MASKED,
-                               False)
+                               mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
+                               MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT,
+                               HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
@@ -69,7 +69,7 @@ def _forward_tiles(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, k_desc, v_desc, bias_desc,
+    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, k_desc, v_desc, bias_desc, mask_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -82,8 +82,8 @@ def _forward_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA_LOADS: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -105,15 +105,17 @@ def _forward_kernel(
     v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
     mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
     bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
-    bias_batch, bias_head = bias_indices(batch, head, stride_bb, stride_bh, bias_head_div)
+    mask_batch, mask_head = slice_indices(batch, head, stride_mb, stride_mh, mask_head_div)
+    bias_batch, bias_head = slice_indices(batch, head, stride_bb, stride_bh, bias_head_div)
     q = load_tile(tile_ptrs(q_base, start_m, stride_qs, offs_tile, offs_d), offs_m, seqlen_q,
                   offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
     row_max, row_sum = initial_row_stats(Sinks, head, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     common = (q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs)
-    scores_args = (start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, mask_base,
-                   stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk)
+    scores_args = (start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, mask_desc,
+                   mask_base, mask_batch, mask_head, stride_mq, stride_mk, bias_desc, bias_base, bias_batch, bias_head,
+                   stride_bq, stride_bk)
     if HAS_MASK:  # the tiles the mask leaves, listed on the host (tile_lists.py): full ones, then partial
         tile_list = head_base(TileLists, batch, head // lists_head_div, stride_lb, stride_lh) + m_block * stride_lr
         full_tiles = tl.load(tile_list)
@@ -123,12 +125,12 @@ def _forward_kernel(
             BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
             HAS_BIAS,  # a -inf bias can empty a row on any tile
             True, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
             BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
     else:
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
             m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -137,18 +139,18 @@ def _forward_kernel(
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
             False, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         if HAS_LEFT:
             acc, row_max, row_sum = _forward_tiles(
                 acc, row_max, row_sum, *common, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                 DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
             DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     o_base = head_base(Out, batch, head, stride_ob, stride_oh)
@@ -209,6 +211,15 @@ def mask_args(mask: BlockMask | None, heads_q: int, heads_kv: int, placeholder: 
         return (*broadcast_args(None, heads_q, heads_kv, placeholder), 0, 0)
     source = mask.source.view(torch.uint8)  # the same bytes: 1 = attend
     return (*broadcast_args(source, heads_q, heads_kv, placeholder), *mask.source_shift)
+
+
+def mask_descriptor(mask: BlockMask | None, block_q: int, block_k: int):
+    """A TMA descriptor over the bytes a mask's partial tiles read (``memory.score_tile_descriptor``),
+    or None: no mask, a keep map of whole blocks (read by shifted indices), or a tensor TMA cannot
+    address."""
+    if mask is None or any(mask.source_shift):
+        return None
+    return score_tile_descriptor(mask.source.view(torch.uint8), block_q, block_k)
 
 
 def row_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_m: int,
@@ -287,7 +298,8 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     if bias is not None and config.block_n > 64:
         # A 128x128 bias tile per stage on top of the K/V stages would overflow shared memory.
         config = replace(config, block_n=64)
-    bias_desc = bias_descriptor(bias, config.block_m, config.block_n)
+    bias_desc = score_tile_descriptor(bias, config.block_m, config.block_n)
+    mask_desc = mask_descriptor(mask, config.block_m, config.block_n)
     qk_scale, softcap_log2 = score_constants(spec)
     block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
     descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)
@@ -298,6 +310,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         _forward_kernel, grid, (
             q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
             tile_lists[0], *(descs or (k, v)), bias_desc if bias_desc is not None else lse,
+            mask_desc if mask_desc is not None else lse,
             *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
             *bhs_strides(out, spec.layout), *user_mask[1:], *tile_lists[1:],
             *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
@@ -308,7 +321,8 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
         HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
-        HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

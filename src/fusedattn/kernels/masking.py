@@ -70,9 +70,9 @@ def broadcast_tile_offsets(offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_
 
 
 @triton.jit
-def bias_indices(batch, head, stride_b, stride_h, head_div):
-    """(batch, head) of a query head's slice in a bias's own (B|1, Hq|Hkv|1, ...) shape: 0 on a
-    broadcast dim (stride 0), ``head // head_div`` for one bias per KV group."""
+def slice_indices(batch, head, stride_b, stride_h, head_div):
+    """(batch, head) of a query head's slice in a bias's or mask's own (B|1, Hq|Hkv|1, ...) shape:
+    0 on a broadcast dim (stride 0), ``head // head_div`` for one slice per KV group."""
     return tl.where(stride_b == 0, 0, batch), tl.where(stride_h == 0, 0, head // head_div)
 
 
@@ -98,17 +98,26 @@ def load_bias_tile(desc, base, bias_batch, bias_head, start_q, start_k, offs_q, 
 
 
 @triton.jit
-def load_mask_tile(base, offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k,
-                   SHIFT_Q: tl.constexpr, SHIFT_K: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """A score tile's entries of a boolean mask (bytes, 0 past Sq or Sk) as a bool tile; entry (i, j)
-    at (i >> SHIFT_Q, j >> SHIFT_K) of this (batch, head)'s slice at ``base``. The shifts are
-    constexprs: 0 folds away, so the key offsets stay provably contiguous and the bytes load as
-    vectors (runtime shifts made the top-k forward 1.9x slower, benchmarks/NOTES.md v23). The tile
-    is always read with keys along the fast axis and transposed in registers for the dK/dV pass: a
-    transposed gather of single bytes cost that pass ~3 ms at S=4k."""
-    offsets = tile_offsets(offs_q >> SHIFT_Q, offs_k >> SHIFT_K, stride_q, stride_k, False)
-    inside = tile_inside(offs_q, offs_k, seqlen_q, seqlen_k, False)
-    keep = tl.load(base + offsets, mask=inside, other=0)
+def load_mask_tile(desc, base, mask_batch, mask_head, start_q, start_k, offs_q, offs_k, seqlen_q, seqlen_k, stride_q,
+                   stride_k, SHIFT_Q: tl.constexpr, SHIFT_K: tl.constexpr, USE_DESC: tl.constexpr,
+                   TRANSPOSED: tl.constexpr):
+    """A score tile's entries of a boolean mask (bytes, 0 past Sq or Sk) as a bool tile.
+
+    ``USE_DESC``: ``desc`` is a TMA descriptor over the mask's own (B|1, H|Hkv|1, Sq, Sk) bytes with
+    block (1, 1, queries, keys), read at (``mask_batch``, ``mask_head``) -- no tile of 64-bit offsets
+    in registers (with them the top-k forward sat at 255 registers and spilled, benchmarks/NOTES.md
+    v31). Otherwise entry (i, j) at (i >> SHIFT_Q, j >> SHIFT_K) of this (batch, head)'s slice at
+    ``base``; the shifts are constexprs: 0 folds away, so the key offsets stay provably contiguous
+    and the bytes load as vectors (runtime shifts made the top-k forward 1.9x slower, NOTES.md v23).
+    Either way the tile is read with keys along the fast axis and transposed in registers for the
+    dK/dV pass: a transposed gather of single bytes cost that pass ~3 ms at S=4k."""
+    if USE_DESC:
+        keep = desc.load([mask_batch, mask_head, start_q, start_k])
+        keep = keep.reshape(desc.block_shape[2], desc.block_shape[3])
+    else:
+        offsets = tile_offsets(offs_q >> SHIFT_Q, offs_k >> SHIFT_K, stride_q, stride_k, False)
+        inside = tile_inside(offs_q, offs_k, seqlen_q, seqlen_k, False)
+        keep = tl.load(base + offsets, mask=inside, other=0)
     if TRANSPOSED:
         keep = tl.trans(keep)
     return keep != 0
@@ -117,15 +126,16 @@ def load_mask_tile(base, offs_q, offs_k, seqlen_q, seqlen_k, stride_q, stride_k,
 @triton.jit
 def adjust_scores(
     scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
-    mask_base, stride_mq, stride_mk, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, bias_desc, bias_base,
-    bias_batch, bias_head,
+    mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q: tl.constexpr,
+    MASK_SHIFT_K: tl.constexpr, bias_desc, bias_base, bias_batch, bias_head,
     stride_bq, stride_bk, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+    BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """Everything SPEC 3 does to a log2-domain score tile after scale and softcap: the user's
     bias (times log2 e; -inf entries mask), the keep rule (boundary tiles only: ``IS_MASKED``)
     and the user's boolean mask (True = attend). ``mask_base`` / ``bias_base`` point at this
-    (batch, head) of their 4-D tensor; the bias may come through a descriptor (``load_bias_tile``).
+    (batch, head) of their 4-D tensor; either may instead come through a descriptor read at its
+    own (batch, head) indices (``load_bias_tile``, ``load_mask_tile``).
     The mask entry of (i, j) is at (i >> MASK_SHIFT_Q, j >> MASK_SHIFT_K): shifts 0 for a mask by
     elements, log2 of the block size for a keep map of whole blocks (``block_mask.from_blocks``).
     Entries past Sq or Sk read bias 0 and mask False."""
@@ -136,7 +146,7 @@ def adjust_scores(
         scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT, TRANSPOSED)
     if HAS_MASK:
-        keep = load_mask_tile(mask_base, offs_q, offs_k, seqlen_q, seqlen_k, stride_mq, stride_mk, MASK_SHIFT_Q,
-                              MASK_SHIFT_K, TRANSPOSED)
+        keep = load_mask_tile(mask_desc, mask_base, mask_batch, mask_head, start_q, start_k, offs_q, offs_k, seqlen_q,
+                              seqlen_k, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, MASK_TMA, TRANSPOSED)
         scores = tl.where(keep, scores, float("-inf"))
     return scores

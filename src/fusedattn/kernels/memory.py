@@ -86,11 +86,11 @@ def loop_descriptors(pairs, layout: str, block_rows: int, use: bool):
     return None if any(d is None for d in descs) else descs
 
 
-def bias_descriptor(t: torch.Tensor | None, block_q: int, block_k: int):
-    """A TMA descriptor over a 4-D bias (or its gradient) in its own (B|1, H|1, Sq, Sk) shape with
-    block (1, 1, block_q, block_k), or None where tiles cannot come through TMA: on CPU, a broadcast
-    query or key dim (those read one row or column, by pointers), an expanded dim (stride 0, size
-    > 1), or an unaligned tensor."""
+def score_tile_descriptor(t: torch.Tensor | None, block_q: int, block_k: int):
+    """A TMA descriptor over a 4-D tensor laid out like the score matrix -- a bias, its gradient,
+    a mask's bytes -- in its own (B|1, H|1, Sq, Sk) shape with block (1, 1, block_q, block_k), or
+    None where tiles cannot come through TMA: on CPU, a broadcast query or key dim (those read one
+    row or column, by pointers), an expanded dim (stride 0, size > 1), or an unaligned tensor."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if t is None or not t.is_cuda or t.shape[2] == 1 or t.shape[3] == 1 or not tma_addressable(t):
