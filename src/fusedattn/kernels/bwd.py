@@ -47,7 +47,8 @@ from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, h
                   mask_descriptor, padded_dim, row_list_args, score_constants)
 from .launch import launch
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
-from .memory import score_tile_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
+from .memory import (all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor,
+                     store_tile, tile_ptrs)
 from .softmax import log2_scores, lse_for_backward
 
 TILE_EMPTY: tl.constexpr = tl.constexpr(EMPTY)  # a tile state (block_mask.py): no kept pair
@@ -303,7 +304,8 @@ def _dkdv_program(
             dk, dv, *operands, 0, full_tiles, 0, 0, *scores_args, tile_list + 2, query_blocks, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
             DBIAS_SUM_Q, DBIAS_SUM_K, HAS_BIAS,  # a -inf bias can empty a row on any tile
-            True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS,
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, full_tiles, full_tiles + partial_tiles, 0, 0, *scores_args, tile_list + 2,
             query_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
@@ -317,12 +319,14 @@ def _dkdv_program(
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS,
             BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard it too
-            False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS,
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
         # both boundary stretches in one masked walk
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, begin, end, interior_begin, interior_end, *scores_args, TileLists, 0, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
-            DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS,
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
 
     store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
                dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -507,8 +511,8 @@ def _backward_kernel(
                 seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
                 qk_scale, softcap_log2, scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS,
-                MASK_TMA)
+                HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
+                INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS, MASK_TMA)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -695,19 +699,15 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
     dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
     # The bias (and its gradient) through TMA where all three descriptors can be made; else pointers.
-    bias_descs = [score_tile_descriptor(bias, dkdv_cfg.block_m, dkdv_cfg.block_n),
-                  score_tile_descriptor(bias, dq_cfg.block_m, dq_cfg.block_n),
-                  score_tile_descriptor(dbias, dkdv_cfg.block_m, dkdv_cfg.block_n) if dbias_mode in (DBIAS_STORE, DBIAS_ATOMIC)
-                  else lse2]
-    bias_tma = all(d is not None for d in bias_descs)
-    if not bias_tma:
-        bias_descs = [lse2] * 3
+    writes_dbias = dbias_mode in (DBIAS_STORE, DBIAS_ATOMIC)
+    bias_descs, bias_tma = all_or_placeholders(
+        [score_tile_descriptor(bias, dkdv_cfg.block_m, dkdv_cfg.block_n),
+         score_tile_descriptor(bias, dq_cfg.block_m, dq_cfg.block_n),
+         score_tile_descriptor(dbias, dkdv_cfg.block_m, dkdv_cfg.block_n) if writes_dbias else lse2], lse2)
     # The mask's bytes through TMA likewise, at each pass's tiles (fwd.mask_descriptor).
-    mask_descs = [mask_descriptor(mask, dkdv_cfg.block_m, dkdv_cfg.block_n),
-                  mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)]
-    mask_tma = mask is not None and all(d is not None for d in mask_descs)
-    if not mask_tma:
-        mask_descs = [lse2] * 2
+    mask_descs, mask_tma = all_or_placeholders(
+        [mask_descriptor(mask, dkdv_cfg.block_m, dkdv_cfg.block_n),
+         mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)], lse2)
     tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
                column_lists[0], row_lists[0])
     scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),

@@ -22,7 +22,7 @@ from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .launch import launch
 from .masking import adjust_scores, slice_indices
-from .memory import score_tile_descriptor, head_base, load_block, load_tile, loop_descriptors, store_tile, tile_ptrs
+from .memory import head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor, store_tile, tile_ptrs
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 from .tile_lists import row_lists, tiles_whole
 

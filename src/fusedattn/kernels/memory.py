@@ -98,3 +98,11 @@ def score_tile_descriptor(t: torch.Tensor | None, block_q: int, block_k: int):
     if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
         return None
     return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, block_q, block_k])
+
+
+def all_or_placeholders(descs: list, placeholder: torch.Tensor) -> tuple[list, bool]:
+    """(descs, True) where every one of a kernel's descriptors could be made, else (placeholders,
+    False): the kernel then reads all of those tensors by pointers (one constexpr switches them)."""
+    if all(d is not None for d in descs):
+        return descs, True
+    return [placeholder] * len(descs), False
