@@ -112,9 +112,15 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
         return {n: f"tensordesc<{dtype}[1,1,{rows},{block_d}]>" for n in names} if tma_loads else {}
 
     gluon_forward, gluon_dkdv = configs.forward, configs.dkdv
-    gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"]  # a mask: by its tile lists
+    # a mask: by its tile lists; a bias by elements through TMA: the Gluon forward reads it
+    gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"]
+    gluon_forward_runs = not flags["HAS_SINKS"] and (not flags["HAS_BIAS"] or flags["BIAS_TMA"])
+    # a mask of partial tiles (read through TMA or pointers) keeps the Triton kernels
+    gluon_forward_runs = gluon_forward_runs and not (flags["HAS_MASK"] and flags["HAS_BIAS"])
+    if (flags["HAS_MASK"] or flags["HAS_BIAS"]) and gluon_dkdv.hopper_overlap is not None:
+        gluon_forward = fwd.gluon_mask_forward(gluon_forward)
     if flags["HAS_MASK"] and gluon_dkdv.hopper_overlap is not None:
-        gluon_forward, gluon_dkdv = fwd.gluon_mask_forward(gluon_forward), fwd.gluon_mask_dkdv(gluon_dkdv)
+        gluon_dkdv = fwd.gluon_mask_dkdv(gluon_dkdv)
     if gluon_dkdv.hopper_overlap is not None:  # the Triton kernel then runs the fallback's tiles
         configs = replace(configs, dkdv=bwd.triton_dkdv_fallback(gluon_dkdv))
     dq_atomic = {"dq_desc": f"tensordesc<fp32[1,{configs.dkdv.block_m},{block_d}]>"}
@@ -155,14 +161,19 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
          {**dkdv_descs, **dq_atomic}),
     ]
     problems = 0
-    if gluon_forward.hopper_overlap is not None and tma_loads and gluon_runs:
+    if gluon_forward.hopper_overlap is not None and tma_loads and gluon_forward_runs:
         problems += _report_hopper_forward(head_dim, dtype, gluon_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-                                           flags["HAS_LEFT"], flags["HAS_MASK"])
+                                           flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"])
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_runs:
         # deterministic calls run the pass without dQ; the default at D=128 the 5-matmul form
         for with_dq in (False, True) if configs.atomic_dq else (False,):
             problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
                                             flags["HAS_SOFTCAP"], flags["HAS_LEFT"], flags["HAS_MASK"])
+    gluon_dkdv_bias = (flags["HAS_BIAS"] and flags["BIAS_TMA"] and not flags["HAS_SOFTCAP"] and not flags["HAS_SINKS"]
+                       and flags["DBIAS"] == bwd.DBIAS_STORE and configs.atomic_dq and head_dim == 128)
+    if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_dkdv_bias:  # the 5-matmul form only
+        problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], True, False,
+                                        flags["HAS_LEFT"], flags["HAS_MASK"], True)
     for name, kernel, cfg, extra, descriptors in jobs:  # with a Gluon forward, Triton's is its fallback
         if kernel is bwd._backward_kernel:
             constexprs = dict(common, DKDV_BLOCK_M=configs.dkdv.block_m, DKDV_BLOCK_N=configs.dkdv.block_n,
@@ -186,23 +197,25 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
 
 def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
-                           lists: bool = False):
+                           lists: bool = False, bias: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
-    ``lists``: walking a mask's tile lists (warp-specialised kernel)."""
+    ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype
+    (warp-specialised kernel)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    def desc(rows: int) -> str:
-        block = [1, 1, rows, head_dim]
+    def desc(rows: int, cols: int = head_dim) -> str:
+        block = [1, 1, rows, cols]
         return f"tensordesc<{dtype}[{','.join(map(str, block))}],{hopper.smem_layout(tuple(block), TYPES[dtype])!r}>"
 
     if cfg.hopper_split:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_ws_kernel, hopper.WG_ROWS, 4
         maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
-                          SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, PRODUCER_REGS=producer_regs,
-                          CONSUMER_REGS=consumer_regs, num_warps=num_warps)
+                          SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
+                          PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=num_warps)
         list_args = dict(tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
-                         list_head_div="i32")
+                         list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),
+                         bias_batches="i32", bias_head_div="i32")
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
@@ -222,15 +235,16 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
-                           lists: bool = False) -> int:
+                           lists: bool = False, bias: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
-    shown = f"forward (Gluon, {kind}{', tile lists' if lists else ''}) {rows}x{cfg.block_n} s{cfg.num_stages}"
+    shown = (f"forward (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}) "
+             f"{rows}x{cfg.block_n} s{cfg.num_stages}")
     try:
-        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists)
+        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1
@@ -240,9 +254,11 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_major: bool = False, dq: bool = False,
-                       softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False):
+                       softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
+                       bias: bool = False, dbias: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
-    (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group)."""
+    (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
+    ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, ty: str = dtype) -> str:
@@ -255,17 +271,22 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq, LISTS=lists,
-                      GROUP_SUM=group_sum, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4)
+                      GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, PRODUCER_REGS=producer_regs,
+                      CONSUMER_REGS=consumer_regs, num_warps=4)
     dq_block = [1, 1, cfg.block_m, hopper_bwd.DQ_COLS]
     dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
+    score_block = [1, 1, cfg.block_m, 64 * cfg.hopper_split]
+    score_layout = hopper.smem_layout(tuple(score_block), TYPES[dtype])
+    score_tile = f"tensordesc<{dtype}[{','.join(map(str, score_block))}],{score_layout!r}>"
     keys = desc(hopper_bwd.KEYS_PER_WG)
     outputs = desc(hopper_bwd.KEYS_PER_WG, "fp32") if group_sum else keys
     signature = dict(q_desc=desc(cfg.block_m), do_desc=desc(cfg.block_m), k_desc=keys, v_desc=keys, dk_desc=outputs,
                      dv_desc=outputs, lse_desc=stats_desc, dl_desc=stats_desc, dq_desc=dq_desc, seq_q="i32", seq_k="i32", heads_q="i32",
                      heads_kv="i32", group="i32", window_left="i32", qk_scale="fp32", softcap_log2="fp32", scale="fp32",
                      tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
-                     **{name: "constexpr" for name in constexprs})
+                     bias_desc=score_tile if bias else dq_desc, dbias_desc=score_tile if dbias else dq_desc,
+                     bias_batches="i32", bias_head_div="i32", **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(hopper_bwd._dkdv_ws_kernel, signature, constexprs)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
     usage = _resource_usage(compiled.asm["cubin"])
@@ -274,16 +295,17 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
 
 
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
-                        left: bool = False, lists: bool = False) -> int:
+                        left: bool = False, lists: bool = False, bias: bool = False) -> int:
     kind = (f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
-            f"{', tile lists' if lists else ''}")
+            f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}")
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
     group_sums = (False, True) if causal and hopper_bwd.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists) else (False,)
     for block_major, group_sum in itertools.product((False, True) if causal else (False,), group_sums):
         try:
-            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap, left, lists, group_sum)
+            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap, left, lists, group_sum,
+                                    bias, bias)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
@@ -303,8 +325,10 @@ def main() -> None:
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtype", default="bf16", choices=sorted(TYPES))
     p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
-    p.add_argument("--variants", default=None, help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,mask,causal+mask,"
-                        "causal+mask+sinks,bias,causal+bias-atomic,causal+mask+bias,causal+mask+bias-pointers")
+    p.add_argument("--variants", default=None,
+                   help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,mask,causal+mask,"
+                        "causal+mask+sinks,bias,causal+bias,causal+bias-atomic,causal+mask+bias,"
+                        "causal+mask+bias-pointers")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
@@ -325,6 +349,8 @@ def main() -> None:
         # a trainable bias: full shape (its gradient stored; through TMA, as on the GPU where the bias is aligned), and shared by the batch (added by atomics)
         "bias": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True, BIAS_TMA=True,
                      DBIAS=bwd.DBIAS_STORE),
+        "causal+bias": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_BIAS=True, BIAS_TMA=True,
+                            DBIAS=bwd.DBIAS_STORE),
         "causal+bias-atomic": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_BIAS=True, BIAS_TMA=True,
                                    DBIAS=bwd.DBIAS_ATOMIC),
         "bias-pointers": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True,

@@ -98,15 +98,17 @@ def make_bias(case: Case, device) -> torch.Tensor | None:
     return bias.to(device=device, dtype=case.bias_dtype or case.dtype)
 
 
-def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False, sinks=None, bias=None):
+def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False, sinks=None, bias=None, bias_grad=True):
     """(out, lse, dq, dk, dv[, dsinks][, dbias]) of ``fn(q, k, v, sinks_=..., bias_=...) -> (out, lse)``
-    (the keywords only when given); q/k/v cast to ``dtype``, the sinks and bias only to float64."""
+    (the keywords only when given); q/k/v cast to ``dtype``, the sinks and bias only to float64.
+    ``bias_grad`` False: the bias is a constant (no dbias)."""
     leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v)]
     named = {}
     for name, extra in (("sinks_", sinks), ("bias_", bias)):
         if extra is not None:
-            named[name] = extra.detach().to(torch.float64 if dtype == torch.float64 else extra.dtype).requires_grad_()
-            leaves.append(named[name])
+            named[name] = extra.detach().to(torch.float64 if dtype == torch.float64 else extra.dtype)
+            if name == "sinks_" or bias_grad:
+                leaves.append(named[name].requires_grad_())
     out, lse = fn(*leaves[:3], **named)
     outputs, grads = [out], [dout.to(out.dtype)]
     if lse_grad:
@@ -133,11 +135,12 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
         return reference_attention(q_, k_, v_, sinks=sinks_, mask=dense_mask(mask), bias=as_4d(bias_), return_lse=True,
                                    **opts)
 
-    extras = dict(lse_grad=case.lse_grad, sinks=sinks, bias=bias)
+    extras = dict(lse_grad=case.lse_grad, sinks=sinks, bias=bias, bias_grad=case.bias_trainable)
     got = forward_backward(ours, q, k, v, dout, dlse, **extras)
     lowp = forward_backward(reference, q, k, v, dout, dlse, **extras)
     ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, **extras)
-    names = ["out", "lse", "dq", "dk", "dv"] + ["dsinks"] * (sinks is not None) + ["dbias"] * (bias is not None)
+    names = (["out", "lse", "dq", "dk", "dv"] + ["dsinks"] * (sinks is not None)
+             + ["dbias"] * (bias is not None and case.bias_trainable))
     assert len(names) == len(got) == len(ref64)
     for name, ours_t, lowp_t, ref_t in zip(names, got, lowp, ref64):
         assert_close_to_reference(f"{case.id} {name}", ours_t, lowp_t, ref_t)

@@ -43,6 +43,7 @@ class Case:
     mask_blocks: tuple[int, int] | None = None
     bias: str | None = None  # a trainable float bias of one of the BROADCAST_SHAPES forms, with its gradient
     bias_dtype: torch.dtype | None = None  # None: the dtype of q, k, v
+    bias_trainable: bool = True  # False: a fixed bias (no gradient asked for)
     dtype: torch.dtype = torch.float16
 
     @property
@@ -73,7 +74,8 @@ class Case:
                          + ("-whole" if self.mask_cells and not self.mask_cells_partial else "")
                          + (f"-blocks{self.mask_blocks[0]}x{self.mask_blocks[1]}" if self.mask_blocks else ""))
         if self.bias:
-            parts.append(f"bias-{self.bias}" + (str(self.bias_dtype).replace("torch.", "-") if self.bias_dtype else ""))
+            parts.append(f"bias-{self.bias}" + (str(self.bias_dtype).replace("torch.", "-") if self.bias_dtype else "")
+                         + ("" if self.bias_trainable else "-fixed"))
         return "-".join(parts)
 
     def options(self) -> dict:
@@ -159,6 +161,7 @@ QUICK: list[Case] = [
          lse_grad=True),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, bias="rows", causal=True, dtype=torch.float32),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, bias="rows", deterministic=True, sinks=True),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="kv-heads", bias_trainable=False, causal=True),
 ]
 
 FULL_LENGTHS = [(1, 1), (17, 17), (113, 255), (255, 113), (127, 129), (1000, 1000), (1, 1000), (1000, 17)]

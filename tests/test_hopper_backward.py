@@ -2,7 +2,8 @@
 config may name (2 or 3 consumer warpgroups, ping-pong 0/1/2, 64- and 128-row query steps, a deeper
 ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA in both program
 orders, a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
-scale, softcap, sliding windows, masks of whole tiles and a gradient on lse -- every gradient against the
+scale, softcap, sliding windows, masks of whole tiles, a trainable bias (read, its gradient stored, in
+the 5-matmul form) and a gradient on lse -- every gradient against the
 float64 reference (SPEC 4). A spy proves
 each backward really ran the Gluon pass; problems and tensors it does not take must run the Triton
 pass; with atomic_dq it sums dQ too where it can (D=128), elsewhere the dQ pass runs; dK and dV
@@ -257,6 +258,66 @@ def test_masks_with_partial_tiles_run_the_triton_pass(gluon_launches):
     with pinned_dkdv(case, dkdv(2, 1)):
         check_case(case, "triton", "cuda")
     assert not gluon_launches
+
+
+@pytest.fixture
+def bias_launches(monkeypatch):
+    """(BIAS, DBIAS) of every Gluon dK/dV launch."""
+    from fusedattn.kernels import hopper_bwd
+
+    flags, real_launch = [], hopper_bwd.launch
+
+    def spy(kernel, grid, args, **constexprs):
+        flags.append((constexprs["BIAS"], constexprs["DBIAS"]))
+        return real_launch(kernel, grid, args, **constexprs)
+
+    monkeypatch.setattr(hopper_bwd, "launch", spy)
+    return flags
+
+
+# A trainable 16-bit bias of the full (B, Hq, Sq, Sk) shape at D=128: the 5-matmul pass reads it
+# and stores its gradient (bwd.gluon_dkdv_takes_bias) -- ragged query and key blocks, GQA (group
+# sums when causal), causal rows that see no key, a window, a mask of whole tiles (its emptied
+# tiles keep the zeros the gradient starts with), a gradient on lse, and the bias's own -inf
+# entries (a whole row of them: an empty row).
+BIAS_CASES = [
+    Case(2, 4, 4, 300, 256, 128, bias="full", dtype=torch.bfloat16),
+    Case(1, 4, 2, 333, 520, 128, causal=True, bias="full", dtype=torch.bfloat16, layout="bhsd"),
+    Case(2, 2, 2, 400, 264, 128, causal=True, bias="full", lse_grad=True, dtype=torch.float16),
+    Case(1, 2, 2, 1000, 1000, 128, causal=True, window=(300, 0), bias="full", dtype=torch.bfloat16),
+    Case(1, 2, 2, 256, 384, 128, bias="full", mask="full", mask_blocks=(128, 128), dtype=torch.bfloat16),
+    # a fixed bias shared by the batch (ALiBi-like): read, no gradient
+    Case(2, 4, 2, 300, 256, 128, causal=True, bias="heads", bias_trainable=False, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=[c.id for c in BIAS_CASES])
+def test_gluon_pass_reads_a_bias_and_stores_its_gradient(case, bias_launches, monkeypatch):
+    triton_launches = []
+    real_launch = bwd.launch
+
+    def counted_launch(kernel, grid, *args, **kwargs):
+        if kernel is bwd._backward_kernel:
+            triton_launches.append(grid)
+        return real_launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(bwd, "launch", counted_launch)
+    with pinned_dkdv(case, dkdv(2, 1), atomic_dq=True, dq_tma=True):
+        check_case(case, "triton", "cuda")
+    # the whole backward in one pass
+    assert bias_launches == [(True, case.bias_trainable)] and not triton_launches
+
+
+@pytest.mark.parametrize("case", [
+    Case(2, 2, 2, 200, 256, 128, bias="heads", causal=True, dtype=torch.bfloat16),  # a gradient summed over B
+    Case(1, 2, 2, 200, 256, 128, bias="full", softcap=20.0, dtype=torch.bfloat16),  # dS^T carries 1 - tanh^2
+    Case(1, 2, 2, 200, 256, 128, bias="full", deterministic=True, dtype=torch.bfloat16),  # no 5-matmul form
+    Case(1, 2, 2, 200, 256, 64, bias="full", dtype=torch.bfloat16),  # D=64: dQ split by keys
+    Case(1, 2, 2, 200, 256, 128, bias="full", bias_dtype=torch.float32, dtype=torch.bfloat16),
+], ids=["broadcast", "softcap", "deterministic", "d64", "fp32-bias"])
+def test_biases_the_gluon_pass_does_not_take_run_the_triton_passes(case, bias_launches):
+    check_case(case, "triton", "cuda")
+    assert (True, True) not in bias_launches and (True, False) not in bias_launches
 
 
 def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):

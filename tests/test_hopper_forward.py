@@ -1,7 +1,7 @@
 """The Gluon forwards of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width they
 may be launched with (8-warp kernel; warp-specialised kernel, 2 or 3 warpgroups, ping-pong), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
 decoding, both layouts, a strided view, a custom scale, softcap, sliding windows, masks of whole tiles
-(block-sparse, key padding) -- output, lse and the gradients of the
+(block-sparse, key padding), a 16-bit bias by elements -- output, lse and the gradients of the
 backward that consumes its lse, against the float64 reference (SPEC 4). A spy proves each
 launch really ran the Gluon kernel; unsupported problems must fall back to the Triton kernel."""
 
@@ -80,6 +80,39 @@ def test_gluon_forward_walks_the_tile_lists_of_whole_tile_masks(case, gluon_laun
     with pinned_forward(case, SCHEDULES[-1]):  # any Gluon schedule: a mask's lists take ws2 ping-pong
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+
+
+# A 16-bit bias by elements over queries and keys, TMA-addressable (fwd.gluon_reads_bias): the
+# warp-specialised kernel reads its tiles through a ring of their own. Every head form, with GQA,
+# causal rows that see no key (Sq > Sk), a ragged last query block, windows, softcap, a mask of
+# whole tiles and the bias's own -inf entries (one whole row of them: an empty row).
+BIAS_CASES = [
+    Case(2, 4, 2, 200, 512, 128, causal=True, bias="full", dtype=torch.bfloat16),
+    Case(1, 4, 2, 333, 264, 128, bias="kv-heads", softcap=20.0, dtype=torch.float16),
+    Case(2, 4, 4, 300, 256, 64, causal=True, window=(50, 0), bias="heads", lse_grad=True, dtype=torch.bfloat16),
+    Case(1, 2, 1, 300, 200, 64, causal=True, bias="full", dtype=torch.float16, layout="bhsd"),
+    Case(1, 2, 2, 256, 384, 128, bias="shared", mask="full", mask_blocks=(128, 128), dtype=torch.bfloat16),
+    Case(1, 4, 4, 1000, 1000, 128, causal=True, window=(300, 0), softcap=30.0, bias="full", dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=[c.id for c in BIAS_CASES])
+def test_gluon_forward_reads_a_bias(case, gluon_launches):
+    with pinned_forward(case, SCHEDULES[-1]):  # any Gluon schedule: a bias takes ws2 ping-pong
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+
+
+@pytest.mark.parametrize("case", [
+    Case(1, 2, 2, 200, 256, 128, bias="full", bias_dtype=torch.float32, dtype=torch.bfloat16),  # fp32 bias
+    Case(2, 2, 2, 200, 256, 128, bias="keys", dtype=torch.bfloat16),  # one row for every query
+    Case(1, 2, 2, 200, 256, 128, bias="rows", dtype=torch.bfloat16),  # one column for every key
+    Case(1, 2, 2, 200, 255, 128, bias="full", dtype=torch.bfloat16),  # rows of 510 bytes: no TMA
+], ids=["fp32", "keys", "rows", "unaligned"])
+def test_biases_it_cannot_read_run_the_triton_kernel(case, gluon_launches):
+    with pinned_forward(case, SCHEDULES[-1]):
+        check_case(case, "triton", "cuda")
+    assert not gluon_launches
 
 
 def test_masks_with_partial_tiles_run_the_triton_kernel(gluon_launches):

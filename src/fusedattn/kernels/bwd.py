@@ -14,7 +14,8 @@ dQ is summed one of two ways, as the launch config says (tuning/configs.py):
 - on Hopper, where the dK/dV config names it and the problem allows (``fwd.hopper_supports``: a
   mask only if none of its 128x128 tiles is partial): the warp-specialised Gluon pass of
   ``hopper_bwd.py``: dK/dV, then the dQ programs below alone; or, with dQ by atomics at D=128, the
-  whole backward in that pass (dQ by TMA reduce-adds);
+  whole backward in that pass (dQ by TMA reduce-adds), a 16-bit bias read and its gradient stored
+  there too (``gluon_dkdv_takes_bias``);
 - ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
   - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
     registers and walks the query blocks of every query head of its KV group (one flat
@@ -43,8 +44,8 @@ from ..spec import AttentionSpec, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
-from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, hopper_supports, mask_args,
-                  mask_descriptor, padded_dim, row_list_args, score_constants)
+from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
+                  mask_args, mask_descriptor, padded_dim, row_list_args, score_constants)
 from .launch import launch
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor,
@@ -660,7 +661,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
         dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
     atomic_dq = configs.atomic_dq and not spec.deterministic
-    if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias):
+    # The Gluon pass reads a bias (and stores its gradient) in its 5-matmul form only.
+    bias_in_gluon = atomic_dq and gluon_dkdv_takes_bias(q, spec, bias, dbias_mode)
+    if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias,
+                                                                      bias_in_gluon):
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     block_major = dkdv_block_major(spec, heads_q // heads_kv)
     if atomic_dq:
@@ -670,9 +674,9 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg, block_major,
-                                  dq_buffer if atomic_dq else None, mask, bias)
-    if gluon_dkdv and atomic_dq:  # the Gluon pass computed all three gradients (it takes no bias)
-        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, None
+                                  dq_buffer if atomic_dq else None, mask, bias, bias_in_gluon, dbias)
+    if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
+        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
         dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     if atomic_dq:
@@ -815,12 +819,25 @@ def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
     return KernelConfig(config.block_m, 64, 4, config.num_stages, config.tma_loads)
 
 
-def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=None, bias=None) -> bool:
+def gluon_dkdv_takes_bias(q, spec: AttentionSpec, bias: torch.Tensor | None, dbias_mode: int) -> bool:
+    """Whether the Gluon dK/dV pass, in its 5-matmul form, can read ``bias`` and write its gradient:
+    D=128 (dS is staged in shared memory there, split by key columns, and goes out as the gradient
+    from there), no softcap (the gradient is dS before the cap's derivative), a bias of q's dtype
+    that the Gluon forward can read (``fwd.gluon_reads_bias``), its gradient -- if wanted -- one
+    value per entry (``DBIAS_STORE``; a broadcast bias's gradient sums over programs)."""
+    return (bias is not None and gluon_reads_bias(bias) and bias.dtype == q.dtype and q.shape[-1] == 128
+            and not spec.has_softcap and dbias_mode in (DBIAS_OFF, DBIAS_STORE))
+
+
+def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=None, bias=None,
+                       reads_bias: bool = False) -> bool:
     """Whether ``config`` names a Gluon dK/dV pass that takes this problem and can also sum dQ
     (hopper_bwd.computes_dq: D=128, 2 warpgroups, 64-row steps). Where a Gluon config's pass does
     not, dQ runs as its own pass: the fused Triton atomic programs are not what the Gluon config's
-    tiles were chosen for (with 128-row steps they do not even fit shared memory)."""
-    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias):
+    tiles were chosen for (with 128-row steps they do not even fit shared memory). ``reads_bias``:
+    it may take the bias (``gluon_dkdv_takes_bias``)."""
+    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias,
+                                                            reads_bias=reads_bias):
         return False
     from . import hopper_bwd
 
@@ -828,12 +845,17 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
 
 
 def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-                     block_major: bool, dq_accum: torch.Tensor | None = None, mask=None, bias=None) -> bool:
+                     block_major: bool, dq_accum: torch.Tensor | None = None, mask=None, bias=None,
+                     reads_bias: bool = False, dbias: torch.Tensor | None = None) -> bool:
     """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
     takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
     nothing launched, where not (or where TMA cannot address a tensor). With a mask the pass walks
-    its column lists at the config's tiles (``fwd.gluon_mask_dkdv``)."""
-    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias):
+    its column lists at the config's tiles (``fwd.gluon_mask_dkdv``). ``reads_bias``
+    (``gluon_dkdv_takes_bias``, with ``dq_accum``): it reads ``bias`` and stores ``dbias``, its
+    gradient, when one is given."""
+    reads_bias = reads_bias and dq_accum is not None
+    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias,
+                                                            reads_bias=reads_bias):
         return False
     from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
@@ -848,7 +870,7 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, co
     if group_sum and DKDV_BLOCK_MAJOR is None:  # programs per query head: MHA's order (dkdv_block_major)
         block_major = False
     return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major, dq_accum, lists,
-                                group_sum)
+                                group_sum, bias, dbias)
 
 
 DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order

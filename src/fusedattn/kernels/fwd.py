@@ -21,8 +21,9 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .launch import launch
-from .masking import adjust_scores, slice_indices
-from .memory import head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor, store_tile, tile_ptrs
+from .masking import ONE_ROW, adjust_scores, slice_indices
+from .memory import (head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor, score_tiles_addressable,
+                     store_tile, tile_ptrs)
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 from .tile_lists import row_lists, tiles_whole
 
@@ -210,7 +211,10 @@ def mask_args(mask: BlockMask | None, heads_q: int, heads_kv: int, placeholder: 
     if mask is None:
         return (*broadcast_args(None, heads_q, heads_kv, placeholder), 0, 0)
     source = mask.source.view(torch.uint8)  # the same bytes: 1 = attend
-    return (*broadcast_args(source, heads_q, heads_kv, placeholder), *mask.source_shift)
+    shift_q, shift_k = mask.source_shift
+    if source.shape[-2] == 1:  # one row for every query: read as a key vector
+        shift_q = ONE_ROW.value
+    return (*broadcast_args(source, heads_q, heads_kv, placeholder), shift_q, shift_k)
 
 
 def mask_descriptor(mask: BlockMask | None, block_q: int, block_k: int):
@@ -239,10 +243,11 @@ GLUON_MASK_TILE = 128
 
 
 def gluon_mask_forward(config: KernelConfig) -> KernelConfig:
-    """The Gluon forward where a mask's lists drive it (``GLUON_MASK_TILE``): warp-specialised, two
-    warpgroups of 64 rows taking turns."""
-    return replace(config, block_m=2 * 64, block_n=GLUON_MASK_TILE, num_warps=4, hopper_overlap=0, hopper_split=2,
-                   hopper_pingpong=1)
+    """The Gluon forward where a mask's lists drive it (``GLUON_MASK_TILE``) or a bias is read:
+    warp-specialised, two warpgroups of 64 rows taking turns, two stages (a bias's ring of 2 x 2
+    tiles of 64 x 128 takes the shared memory a third warpgroup's Q would)."""
+    return replace(config, block_m=2 * 64, block_n=GLUON_MASK_TILE, num_warps=4, num_stages=2, hopper_overlap=0,
+                   hopper_split=2, hopper_pingpong=1)
 
 
 def gluon_mask_dkdv(config: KernelConfig) -> KernelConfig:
@@ -250,10 +255,19 @@ def gluon_mask_dkdv(config: KernelConfig) -> KernelConfig:
     return replace(config, block_n=GLUON_MASK_TILE, hopper_split=2)
 
 
-def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None) -> bool:
-    """Whether the Gluon kernels take the problem: no sinks or bias (yet); a mask only where none
-    of its own tiles is partial (``GLUON_MASK_TILE``)."""
-    if not q.is_cuda or sinks is not None or bias is not None:
+def gluon_reads_bias(bias: torch.Tensor | None) -> bool:
+    """Whether the Gluon forward can read a bias: 16-bit, one value per query and key (a broadcast
+    query or key dim reads a row or column: pointers), tiles TMA can address
+    (``memory.score_tiles_addressable``). fp32 biases take the Triton kernel: their tiles would not
+    fit beside K and V in shared memory."""
+    return bias is not None and bias.dtype in (torch.float16, torch.bfloat16) and score_tiles_addressable(bias)
+
+
+def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> bool:
+    """Whether the Gluon kernels take the problem: no sinks; a bias only in a kernel that reads one
+    (``reads_bias``: the forward) and where it can (``gluon_reads_bias``); a mask only where none of
+    its own tiles is partial (``GLUON_MASK_TILE``)."""
+    if not q.is_cuda or sinks is not None or bias is not None and not (reads_bias and gluon_reads_bias(bias)):
         return False
     from . import hopper  # Gluon: imported only where it runs (not under the interpreter)
 
@@ -284,15 +298,16 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         return out.zero_(), lse.copy_(sinks.view(1, heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
-        if hopper_supports(q, k, v, spec, sinks, mask, bias):
+        if hopper_supports(q, k, v, spec, sinks, mask, bias, reads_bias=True):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             gluon_config, lists = config, None
-            if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
+            if mask is not None or bias is not None:
                 gluon_config = gluon_mask_forward(config)
+            if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
                 lists = row_list_args(mask, spec, seqlen_q, seqlen_k, gluon_config.block_m, gluon_config.block_n,
                                       heads_q, heads_kv, lse)
-            if hopper_fwd.attention_forward(q, k, v, out, lse, spec, gluon_config, lists):
+            if hopper_fwd.attention_forward(q, k, v, out, lse, spec, gluon_config, lists, bias):
                 return out, lse
         config = triton_fallback(config)
     if bias is not None and config.block_n > 64:

@@ -74,6 +74,7 @@ from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, descriptor, in_window, log2_scores, row_stats_descriptor,
                      tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
 from .launch import launch
+from .memory import tma_addressable
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -158,12 +159,14 @@ def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem, q_ring, do_ring,
-              lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head, n0, seq_q, seq_k, heads_q,
-              group, window_left, entries, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr,
-              LISTS: gl.constexpr, GROUP_SUM: gl.constexpr):
-    """``group``: the query heads the walk covers, from ``first_head`` on (1 with GROUP_SUM)."""
+def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem, v_smem, q_ring,
+              do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch, head_kv, first_head, n0, seq_q,
+              seq_k, heads_q, group, window_left, entries, bias_at, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+              DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr):
+    """``group``: the query heads the walk covers, from ``first_head`` on (1 with GROUP_SUM). BIAS:
+    each step's bias tile (queries x the program's keys) lands in the ring slot with Q and dO, read
+    in the bias's own shape at batch ``bias_at[0]``, head ``head // bias_at[1]``."""
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
@@ -177,7 +180,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
     n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ,
                                 LISTS)
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
-                            + dl_desc.block_type.nbytes)
+                            + dl_desc.block_type.nbytes + (bias_desc.block_type.nbytes if BIAS else 0))
     for t in range(n_steps):
         slot = t % NUM_STAGES
         mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
@@ -190,6 +193,9 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
         tma.async_copy_global_to_shared(do_desc, [batch, head, blk * BLOCK_M, 0], bar, do_ring.index(slot))
         tma.async_copy_global_to_shared(lse_desc, [row, blk * BLOCK_M], bar, lse_ring.index(slot))
         tma.async_copy_global_to_shared(dl_desc, [row, blk * BLOCK_M], bar, dl_ring.index(slot))
+        if BIAS:
+            tma.async_copy_global_to_shared(bias_desc, [bias_at[0], head // bias_at[1], blk * BLOCK_M, n0], bar,
+                                            bias_ring.index(slot))
     # Each consumer's dK, dV out by TMA, rows past Sk clipped: stored (16-bit, in its K/V buffers),
     # or with GROUP_SUM added into the fp32 group sums (staged by ``_group_sum_staging``). The
     # producer issues them so that no consumer touches a descriptor: in a consumer, ptxas kept the
@@ -227,14 +233,17 @@ def _group_sum_staging(k_smem, v_smem, q_ring, do_ring, WG: gl.constexpr, layout
 
 
 @gluon.jit
-def _drain(dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, SPLIT: gl.constexpr,
-           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
-           LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr):
+def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, bias_at,
+           SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+           CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, DBIAS: gl.constexpr):
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
-    (D=128), or all columns over its own keys (D=64, ``_dq_tile``). Without DQ: nothing."""
+    (D=128), or all columns over its own keys (D=64, ``_dq_tile``). DBIAS: also the step's dS
+    (queries x the program's keys, staged query-major by ``_dq_tile``) stored as the bias gradient,
+    one program per entry (a bias of the full (B, Hq, Sq, Sk) shape), rows past Sq and keys past Sk
+    clipped. Without DQ: nothing."""
     if DQ:
-        ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
+        ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ, LISTS)
         COLS: gl.constexpr = dq_desc.block_type.shape[3]
@@ -244,6 +253,9 @@ def _drain(dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window
                 mbarrier.wait(dq_full.index(w), t & 1)
                 tma_reduce_add(dq_desc, [batch, first_head + member, blk * BLOCK_M, (w * COLS) % HEAD_D],
                                dq_s.index(w))
+            if DBIAS:  # every warpgroup's dQ wgmma came after its dS store: the whole tile is there
+                tma.async_copy_shared_to_global(dbias_desc, [bias_at[0], (first_head + member) // bias_at[1],
+                                                             blk * BLOCK_M, n0], ds_s.index(t % 2))
             tma.store_wait(pendings=0)
             for w in gl.static_range(SPLIT):
                 mbarrier.arrive(dq_empty.index(w), count=1)
@@ -265,7 +277,7 @@ def _skip(t, ready, empty, turn_bars, WG: gl.constexpr, NUM_STAGES: gl.constexpr
 
 @gluon.jit
 def _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
-             BLOCK_M: gl.constexpr):
+             BLOCK_M: gl.constexpr, BIAS: gl.constexpr):
     """DQ: this warpgroup's share of the step's dQ = scale * dS K, staged for the drain.
 
     Split by columns (``dq_cols`` < D: D=128, two warpgroups): dS^T into the step's shared dS
@@ -275,17 +287,23 @@ def _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT:
     Split by keys (``dq_cols`` = D: D=64, whose 128-byte K rows are one swizzle atom and cannot be
     split by columns): dQ over this warpgroup's own 64 keys, all columns, from its own dS^T buffer
     (rewritten a step later, after this step's wgmma has finished); the drain adds every
-    warpgroup's tile. No barrier between warpgroups."""
-    ds_s, dq_s, ds_bar, dq_full, dq_empty = dq_state
+    warpgroup's tile. No barrier between warpgroups.
+    BIAS (columns split only): dS is staged query-major instead -- a (queries x keys) tile, this
+    warpgroup's keys a column slice, written transposed -- so that the drain can store it as the
+    bias gradient (TMA cannot transpose); dQ's wgmma then reads it K-major."""
+    ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     COLS: gl.constexpr = dq_s.shape[4]
     if COLS == HEAD_D:
         ds_own = ds_s.index(WG)
+        ds_own.store(ds16)
+    elif BIAS:
+        ds_buf = ds_s.index(t % 2).reshape([BLOCK_M, SPLIT * KEYS])
+        ds_buf.slice(WG * KEYS, KEYS, dim=1).store(ds16.permute((1, 0)))
     else:
         ds_buf = ds_s.index(t % 2)
-        ds_own = ds_buf.slice(WG * KEYS, KEYS, dim=0)
-    ds_own.store(ds16)
+        ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds16)
     fence_async_shared()
     gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
     if COLS == HEAD_D:
@@ -297,7 +315,11 @@ def _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT:
         dq = dq_zero
         for c in gl.static_range(SPLIT):
             k_cols = k_smem.index(c).reshape([KEYS, HEAD_D]).slice(WG * COLS, COLS, dim=1)
-            dq = warpgroup_mma(ds_buf.slice(c * KEYS, KEYS, dim=0).permute((1, 0)), k_cols, dq, use_acc=c > 0)
+            if BIAS:
+                ds_keys = ds_buf.slice(c * KEYS, KEYS, dim=1)
+            else:
+                ds_keys = ds_buf.slice(c * KEYS, KEYS, dim=0).permute((1, 0))
+            dq = warpgroup_mma(ds_keys, k_cols, dq, use_acc=c > 0)
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)  # the drain has reduced the previous step's
     dq_s.index(WG).reshape([BLOCK_M, COLS]).store(dq * scale)
     fence_async_shared()
@@ -310,10 +332,11 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
           dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
           HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          LEFT: gl.constexpr,
-          SOFTCAP: gl.constexpr, DQ: gl.constexpr):
+          LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only. With
-    SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2."""
+    SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
+    BIAS (with DQ, without SOFTCAP): the slot's bias tile, this warpgroup's keys read transposed,
+    added in log2 units (its -inf entries give p = 0; a row with no key has lse2 = +inf)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_s = k_smem.index(WG).reshape([k_smem.shape[3], HEAD_D])
     slot = t % NUM_STAGES
@@ -334,6 +357,12 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         turn_pass(turn_bars, WG, PINGPONG)
     if SOFTCAP:  # log2 units now (the cap is not linear)
         s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True)
+        qk_scale = 1.0
+    if BIAS:
+        bias_ring = dq_state[5]
+        KEYS: gl.constexpr = k_smem.shape[3]
+        bias = bias_ring.index(slot).reshape([BLOCK_M, bias_ring.shape[4]]).slice(WG * KEYS, KEYS, dim=1)
+        s = s * qk_scale + bias.permute((1, 0)).load(s_layout).to(gl.float32) * 1.4426950408889634  # log2(e)
         qk_scale = 1.0
     if MASK:
         rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
@@ -365,7 +394,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk)
     mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
     if DQ:
-        _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M)
+        _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M, BIAS)
     return dk, dv
 
 
@@ -375,7 +404,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
-              stage_layout: gl.constexpr):
+              stage_layout: gl.constexpr, BIAS: gl.constexpr):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -412,13 +441,13 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         for t in range(0, n_interior_steps):
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
-                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ)
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS)
         for t in range(n_interior_steps, n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
                            BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
-                           SOFTCAP, DQ)
+                           SOFTCAP, DQ, BIAS)
         if DQ_COLS != HEAD_D:
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -432,7 +461,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         for t in range(0, interior_end):
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
-                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ)
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS)
         # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
         # (every step, when inactive): query blocks [w_begin, w_end) are visible.
         w_end = 2147483647
@@ -455,7 +484,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                     dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars,
                                    dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale,
                                    softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
-                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ)
+                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
@@ -488,19 +517,26 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group", "window_left", "list_stride_b",
-                              "list_stride_h", "list_stride_n"])
+                              "list_stride_h", "list_stride_n", "bias_batches", "bias_head_div"])
 def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
                     heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, tile_lists, list_stride_b,
-                    list_stride_h, list_stride_n, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
+                    list_stride_h, list_stride_n, bias_desc, dbias_desc, bias_batches, bias_head_div,
+                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
                     LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
                     PINGPONG: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
-                    GROUP_SUM: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
     A program covers one KV head's whole group of query heads, or with GROUP_SUM one query head,
-    its dK/dV added into fp32 (B, Hkv, Sk, D) sums (``dk_desc``, ``dv_desc``) by reduce-adds."""
+    its dK/dV added into fp32 (B, Hkv, Sk, D) sums (``dk_desc``, ``dv_desc``) by reduce-adds.
+    BIAS: a 16-bit bias by elements (``bias_desc``, block (1, 1, BLOCK_M, BLOCK_N) over its own
+    (B|1, H|1, Sq, Sk) shape; batch index ``batch * bias_batches``, head ``head // bias_head_div``);
+    DBIAS: its gradient stored through ``dbias_desc`` (same block, the full shape). Only in the
+    5-matmul form with dQ split by columns (D=128), without softcap (``fwd.gluon_reads_bias``)."""
+    gl.static_assert(not BIAS or (DQ and not SOFTCAP and HEAD_D == 128), "a bias: D=128, with dQ, no softcap")
+    gl.static_assert(BIAS or not DBIAS, "a bias gradient needs the bias")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 2, "at least two ring slots")
@@ -563,6 +599,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         if DQ_COLS == HEAD_D:  # each warpgroup's own dS^T (its wgmmas finish before it writes again)
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [SPLIT, KEYS, BLOCK_M], ds_layout)
+        elif BIAS:  # query-major, laid out as the bias gradient's TMA tiles (``_dq_tile``)
+            ds_s = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, BLOCK_N], bias_desc.layout)
         else:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
@@ -575,9 +613,16 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         for i in gl.static_range(SPLIT):
             mbarrier.init(dq_full.index(i), count=1)
             mbarrier.init(dq_empty.index(i), count=1)
-        dq_state = (ds_s, dq_s, ds_bar, dq_full, dq_empty)
+        if BIAS:  # one bias tile per ring slot, loaded with its Q and dO
+            bias_ring = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_N],
+                                                  bias_desc.layout)
+        else:
+            bias_ring = ds_s  # never read
+        dq_state = (ds_s, dq_s, ds_bar, dq_full, dq_empty, bias_ring)
     else:
-        dq_state = (ready, ready, ready, ready, ready)  # never read
+        bias_ring = ready  # never read
+        dq_state = (ready, ready, ready, ready, ready, ready)  # never read
+    bias_at = (batch * bias_batches, bias_head_div)
     fence_async_shared()
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
@@ -587,38 +632,38 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
-                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head,
-                         n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM)),
-            (_drain, (dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left, entries,
-                      SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
+                         v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
+                         head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
+                         SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS)),
+            (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
+                      entries, bias_at, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS, DBIAS)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT)),
-            (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
-                         q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, batch, head_kv, first_head,
-                         n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, SPLIT, BLOCK_M, BLOCK_N,
-                         NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM)),
-            (_drain, (dq_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left, entries,
-                      SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
+                         v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
+                         head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
+                         SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS)),
+            (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
+                      entries, bias_at, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS, DBIAS)),
         ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -661,7 +706,8 @@ def sums_over_group(spec: AttentionSpec, heads_q: int, heads_kv: int, config: Ke
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-              block_major: bool, dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False) -> bool:
+              block_major: bool, dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
+              bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
@@ -671,7 +717,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     ``num_stages`` the ring depth. ``tile_lists``: a mask's lists (lists, batch, head, key-block
     strides; ``bwd.column_list_args``) at the config's tiles, whose own tiles are all empty or full.
     ``group_sum`` (``sums_over_group``): a program per query head, dK/dV summed over each group in
-    fp32 buffers, then converted into ``dk``, ``dv``."""
+    fp32 buffers, then converted into ``dk``, ``dv``. ``bias`` (with ``dq_accum``, D=128, no softcap;
+    ``fwd.gluon_reads_bias``): read by tiles; ``dbias`` (its gradient, the full (B, Hq, Sq, Sk)
+    shape, the bias's dtype, its unvisited tiles already zero) stored tile by tile."""
     q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
@@ -687,17 +735,27 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
         descs += [Descriptor(t, (1, 1, KEYS_PER_WG, head_dim)) for t in sums]
     descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
     dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
+    if bias is not None:
+        assert dq_accum is not None and head_dim == 128 and not spec.has_softcap
+        if dbias is not None and not tma_addressable(dbias):
+            return False
+        tile = (1, 1, config.block_m, KEYS_PER_WG * config.hopper_split)
+        bias_args = (Descriptor(bias, tile), Descriptor(dbias, tile) if dbias is not None else dq_desc,
+                     int(bias.shape[0] > 1), heads_q // bias.shape[1])
+    else:
+        bias_args = (dq_desc, dq_desc, 0, 1)
     key_blocks = triton.cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
     heads = batch * (heads_q if group_sum else heads_kv)
     grid = (heads, key_blocks) if block_major else (key_blocks, heads)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
     args = (*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
-            *score_constants(spec), spec.scale, *lists)
+            *score_constants(spec), spec.scale, *lists, *bias_args)
     launch(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim, CAUSAL=spec.window_right == 0,
            LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
            SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, BLOCK_MAJOR=block_major,
-           DQ=dq_accum is not None, LISTS=tile_lists is not None, GROUP_SUM=group_sum, PRODUCER_REGS=producer_regs,
+           DQ=dq_accum is not None, LISTS=tile_lists is not None, GROUP_SUM=group_sum, BIAS=bias is not None,
+           DBIAS=dbias is not None, PRODUCER_REGS=producer_regs,
            CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     if group_sum:
         dk4.copy_(sums[0])

@@ -56,7 +56,7 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, descriptor, in_window, log2_scores, turn_pass, turn_wait, window_bounds,
+from .hopper import (WG_ROWS, Descriptor, descriptor, in_window, log2_scores, turn_pass, turn_wait, window_bounds,
                      ws_registers)
 from .launch import launch
 
@@ -85,18 +85,23 @@ def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STA
 
 
 @gluon.jit
-def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr,
+def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias, BLOCK_N: gl.constexpr,
                     s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
-                    SOFTCAP: gl.constexpr):
+                    SOFTCAP: gl.constexpr, BIAS: gl.constexpr):
     """Online-softmax step on raw scores s (fp32, s_layout) of keys [key_start, + BLOCK_N). Returns p
     (fp32), m, l, alpha.
 
     m is kept in log2 units of the scaled scores. MASK=False: the block is fully visible
     to every row, no mask math and m_new is finite. Without softcap the scale is applied to the
     row max and inside exp2's argument (one FMA); the cap is not linear, so with it the scores
-    are brought to log2 units first."""
+    are brought to log2 units first. BIAS: ``bias`` (the tile's bias, fp32, s_layout) is added
+    after scale and softcap (SPEC 3.3), in log2 units; its -inf entries mask, so every tile then
+    guards rows with no visible key, as masked ones do."""
     if SOFTCAP:
         s, _ = log2_scores(s, qk_scale, softcap_log2, True)
+        qk_scale = 1.0
+    if BIAS:
+        s = s * qk_scale + bias * 1.4426950408889634  # log2(e)
         qk_scale = 1.0
     if MASK:  # SPEC 3.2 for the windows these kernels take: causal or not on the right, any left
         diag, window_left = rule
@@ -111,7 +116,7 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
                 keep = keep & (cols2 <= gl.expand_dims(rows, 1) + diag)
         s = gl.where(keep, s, -float("inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    if MASK:
+    if MASK or BIAS:
         # A row with no visible key so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
     else:
@@ -153,7 +158,7 @@ def _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_
     k = _kv_tile(k_ring, k_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2] + j * BLOCK_N, rows, seq_k, rule, qk_scale,
-                                         softcap_log2, BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
+                                         softcap_log2, s, BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, False)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -208,7 +213,7 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
     # wgmma groups retire in order: <= 1 outstanding means S_{j+1} is done, PV_j may still run.
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2] + (j + 1) * BLOCK_N, rows, seq_k, rule, qk_scale,
-                                         softcap_log2, BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
+                                         softcap_log2, s, BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, False)
     return acc, o_tok, p_op, p, m_i, l_i, alpha
 
 
@@ -283,8 +288,8 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
             # Prologue: S_0 and its softmax (masked path).
             k = _kv_tile(k_ring, k_bars, 0, BLOCK_N, HEAD_D, NUM_STAGES)
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
-            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2], rows, seq_k, rule, qk_scale, softcap_log2,
-                                                 BLOCK_N, s_layout, CAUSAL, LEFT, True, SOFTCAP)
+            p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2], rows, seq_k, rule, qk_scale, softcap_log2, s,
+                                                 BLOCK_N, s_layout, CAUSAL, LEFT, True, SOFTCAP, False)
             # Iteration j computes the softmax of block j+1: unmasked for blocks in [n_lead, n_inner).
             # Nothing in flight yet: a retired "PV_{-1}" token on the zero accumulator.
             o_tok = warpgroup_mma_init(acc)
@@ -361,9 +366,12 @@ def _tile_key(tiles, j, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, batch,
-                 head, head_kv, m0, tiles, ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, LISTS: gl.constexpr):
+def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty,
+                 bias_state, batch, head, head_kv, bias_at, m0, tiles, ROWS: gl.constexpr, NQ: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
+    """Q once, then per key block K, each consumer's bias tile (BIAS: ``bias_state`` = its ring and
+    barriers, read at ``bias_at`` = (batch, head) of the bias's own shape) and V, in the order the
+    consumers use them."""
     for w in gl.static_range(NQ):
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, head, m0 + w * ROWS, 0], q_bars.index(w), q_smem.index(w))
@@ -374,25 +382,50 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [batch, head_kv, key, 0], k_ready.index(slot), k_ring.index(slot))
+        if BIAS:
+            bias_ring, b_ready, b_empty = bias_state
+            for w in gl.static_range(NQ):
+                b = slot * NQ + w
+                mbarrier.wait(b_empty.index(b), phase)
+                mbarrier.expect(b_ready.index(b), bias_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(bias_desc, [bias_at[0], bias_at[1], m0 + w * ROWS, key],
+                                                b_ready.index(b), bias_ring.index(b))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [batch, head_kv, key, 0], v_ready.index(slot), v_ring.index(slot))
 
 
 @gluon.jit
-def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i, s_zero, j, key_start,
-             rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+def _bias_tile(bias_state, j, WG: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """BIAS: this warpgroup's bias tile of key block j (rows x keys) from its ring slot, as fp32,
+    then the slot is handed back (the load into registers has completed)."""
+    bias_ring, b_ready, b_empty = bias_state
+    NQ: gl.constexpr = bias_ring.shape[0] // NUM_STAGES
+    slot = (j % NUM_STAGES) * NQ + WG
+    mbarrier.wait(b_ready.index(slot), (j // NUM_STAGES) & 1)
+    tile = bias_ring.index(slot).reshape([bias_ring.shape[3], bias_ring.shape[4]]).load(s_layout)
+    mbarrier.arrive(b_empty.index(slot), count=1)
+    return tile.to(gl.float32)
+
+
+@gluon.jit
+def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc, m_i, l_i, s_zero, j,
+             key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
              CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr):
+             PINGPONG: gl.constexpr, BIAS: gl.constexpr):
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     turn_wait(turn_bars, j, WG, PINGPONG)
     s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     turn_pass(turn_bars, WG, PINGPONG)
+    if BIAS:  # read under the score matmul
+        bias = _bias_tile(bias_state, j, WG, NUM_STAGES, s_layout)
+    else:
+        bias = s_zero  # never read
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
-                                         s_layout, CAUSAL, LEFT, MASK, SOFTCAP)
+    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias,
+                                         BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, BIAS)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -402,11 +435,11 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, a
 
 
 @gluon.jit
-def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, Lse, batch,
-                 head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, WG: gl.constexpr,
+def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, Lse,
+                 batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, WG: gl.constexpr,
                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
-                 LISTS: gl.constexpr):
+                 LISTS: gl.constexpr, BIAS: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of the program's tile, on one warpgroup: every one of the
     program's key blocks (``tiles``; the producer loads each once for all), with the mask on those
     not interior to this warpgroup's rows. With LISTS the host's list says which: its full blocks
@@ -443,34 +476,38 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_emp
     q = q_buf.reshape([ROWS, HEAD_D])
     if LEFT and not LISTS:
         for j in range(0, n_lead):
-            acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                     s_zero, j, (first + j) * BLOCK_N, rows, seq_k, rule, qk_scale, softcap_log2,
-                                     BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, True,
-                                     SOFTCAP, WG, PINGPONG)
+            acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc,
+                                     m_i, l_i, s_zero, j, (first + j) * BLOCK_N, rows, seq_k, rule, qk_scale,
+                                     softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL,
+                                     LEFT, True, SOFTCAP, WG, PINGPONG, BIAS)
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
-        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                 s_zero, j, 0, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
-                                 s_layout, o_layout, p_layout, CAUSAL, LEFT, False, SOFTCAP, WG, PINGPONG)
+        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc, m_i,
+                                 l_i, s_zero, j, 0, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D,
+                                 NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False, SOFTCAP, WG, PINGPONG,
+                                 BIAS)
     for j in range(n_inner, n_blocks):
-        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                                 s_zero, j, _tile_key(tiles, j, BLOCK_N, LISTS), rows, seq_k, rule, qk_scale,
+        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc, m_i,
+                                 l_i, s_zero, j, _tile_key(tiles, j, BLOCK_N, LISTS), rows, seq_k, rule, qk_scale,
                                  softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT,
-                                 True, SOFTCAP, WG, PINGPONG)
+                                 True, SOFTCAP, WG, PINGPONG, BIAS)
     _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, mw, row_o)
 
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left", "list_stride_b",
-                              "list_stride_h", "list_stride_r", "list_head_div"])
+                              "list_stride_h", "list_stride_r", "list_head_div", "bias_batches", "bias_head_div"])
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
                         softcap_log2, tile_lists, list_stride_b, list_stride_h, list_stride_r, list_head_div,
-                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
-                        LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                        PINGPONG: gl.constexpr, LISTS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                        bias_desc, bias_batches, bias_head_div, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                        CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        SPLIT: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. LISTS: the program's key blocks come from the
     host's tile list (a mask; tile_lists.py: [full count, partial count, full..., partial...]),
-    else from the block range of block_range.py."""
+    else from the block range of block_range.py. BIAS: a 16-bit bias by elements over queries and
+    keys (``bias_desc``, block (1, 1, 64, BLOCK_N) over its own (B|1, H|1, Sq, Sk) shape; its batch
+    is ``batch`` when ``bias_batches`` is 1, else 0, its head ``head // bias_head_div``), one tile per
+    consumer warpgroup and key block through a ring of its own."""
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
@@ -515,33 +552,52 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=SPLIT)  # one release per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=SPLIT)
+    if BIAS:  # a slot per (stage, consumer warpgroup): each warpgroup hands back its own tile
+        bias_ring = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES * SPLIT, 1, 1, ROWS, BLOCK_N],
+                                              bias_desc.layout)
+        b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * SPLIT, 1], mbarrier.MBarrierLayout())
+        b_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES * SPLIT, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES * SPLIT):
+            mbarrier.init(b_ready.index(i), count=1)
+            mbarrier.init(b_empty.index(i), count=1)
+        bias_state = (bias_ring, b_ready, b_empty)
+    else:
+        bias_state = (k_ready, k_ready, k_ready)  # never read
+    bias_at = (batch * bias_batches, head // bias_head_div)
     fence_async_shared()
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
     if SPLIT == 2:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 0,
-                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
+                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
+                            softcap_log2, 0, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 1,
-                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
-            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
-                            v_empty, batch, head, head_kv, m0, tiles, ROWS, SPLIT, BLOCK_N, NUM_STAGES, LISTS)),
+                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
+                            softcap_log2, 1, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS)),
+            (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready,
+                            k_empty, v_empty, bias_state, batch, head, head_kv, bias_at, m0, tiles, ROWS, SPLIT,
+                            BLOCK_N, NUM_STAGES, LISTS, BIAS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 0,
-                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
+                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
+                            softcap_log2, 0, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 1,
-                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
+                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
+                            softcap_log2, 1, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, 2,
-                            ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS)),
-            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty,
-                            v_empty, batch, head, head_kv, m0, tiles, ROWS, SPLIT, BLOCK_N, NUM_STAGES, LISTS)),
+                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
+                            softcap_log2, 2, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS)),
+            (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready,
+                            k_empty, v_empty, bias_state, batch, head, head_kv, bias_at, m0, tiles, ROWS, SPLIT,
+                            BLOCK_N, NUM_STAGES, LISTS, BIAS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -551,15 +607,24 @@ BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
 
 
+def bias_slice_args(bias: torch.Tensor, heads_q: int) -> tuple[int, int]:
+    """(bias_batches, bias_head_div) of ``_attn_fwd_ws_kernel``: where a query head's slice of a
+    (B|1, Hq|Hkv|1, Sq, Sk) bias lies -- batch index times 1 or 0, head index divided by 1 (Hq),
+    the group size (Hkv) or Hq (one head for all: index 0)."""
+    return int(bias.shape[0] > 1), heads_q // bias.shape[1]
+
+
 def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
-                      tile_lists: tuple | None = None) -> bool:
+                      tile_lists: tuple | None = None, bias: torch.Tensor | None = None) -> bool:
     """Attention into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32); False, launching
     nothing, when a tensor cannot go through TMA (the caller then runs the Triton kernel).
     ``config.hopper_split`` 2 or 3: the warp-specialised kernel with that many consumer warpgroups
     (``hopper_pingpong``: taking turns); 0: the 8-warp kernel with schedule ``config.hopper_overlap``.
     ``tile_lists``: a mask's tile lists at the config's tiles, as ``fwd.row_list_args`` gives them
     (warp-specialised kernel only; the mask must leave no partial tile of its own:
-    ``tile_lists.tiles_whole``)."""
+    ``tile_lists.tiles_whole``). ``bias``: 16-bit, by elements over queries and keys, TMA-addressable
+    (``fwd.gluon_reads_bias``; warp-specialised kernel only, 2 consumer warpgroups and 2 stages: the
+    bias ring takes the shared memory a third warpgroup would)."""
     q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
@@ -574,12 +639,18 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
         maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
         grid = (triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split), batch * heads_q)
         lists = tile_lists if tile_lists is not None else (lse, 0, 0, 0, 1)
-        launch(_attn_fwd_ws_kernel, grid, (*args, *lists), BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
-               LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
+        if bias is not None:
+            assert config.hopper_split == 2 and config.num_stages == 2, "the bias ring fits beside 2 x 2 tiles"
+            bias_args = (Descriptor(bias, (1, 1, WG_ROWS, config.block_n)), *bias_slice_args(bias, heads_q))
+        else:
+            bias_args = (descs[0], 0, 1)
+        launch(_attn_fwd_ws_kernel, grid, (*args, *lists, *bias_args), BLOCK_N=config.block_n, HEAD_D=head_dim,
+               CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
                SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=tile_lists is not None,
-               PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+               BIAS=bias is not None, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
+               maxnreg=maxnreg)
     else:
-        assert tile_lists is None, "tile lists: the warp-specialised kernel only"
+        assert tile_lists is None and bias is None, "tile lists, bias: the warp-specialised kernel only"
         grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
         launch(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
                LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, OVERLAP=config.hopper_overlap,

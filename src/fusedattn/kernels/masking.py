@@ -18,6 +18,10 @@ import triton.language as tl
 
 from .softmax import LOG2E
 
+# MASK_SHIFT_Q of a mask with one query row for every query ((B|1, H|1, 1, Sk)): not a shift, the
+# rule "every query reads row 0" (``load_mask_tile``).
+ONE_ROW: tl.constexpr = tl.constexpr(-1)
+
 
 @triton.jit
 def apply_mask(
@@ -110,16 +114,28 @@ def load_mask_tile(desc, base, mask_batch, mask_head, start_q, start_k, offs_q, 
     ``base``; the shifts are constexprs: 0 folds away, so the key offsets stay provably contiguous
     and the bytes load as vectors (runtime shifts made the top-k forward 1.9x slower, NOTES.md v23).
     Either way the tile is read with keys along the fast axis and transposed in registers for the
-    dK/dV pass: a transposed gather of single bytes cost that pass ~3 ms at S=4k."""
+    dK/dV pass: a transposed gather of single bytes cost that pass ~3 ms at S=4k.
+    SHIFT_Q = ``ONE_ROW``: the mask has one query row, read as a key vector (the returned keep is
+    (1, keys), or (keys, 1) when ``TRANSPOSED``, and broadcasts over the queries)."""
     if USE_DESC:
         keep = desc.load([mask_batch, mask_head, start_q, start_k])
         keep = keep.reshape(desc.block_shape[2], desc.block_shape[3])
+        if TRANSPOSED:
+            keep = tl.trans(keep)
+    elif SHIFT_Q == ONE_ROW:
+        # One row for every query (a (B|1, H|1, 1, Sk) mask): a vector of the tile's keys, broadcast
+        # over its queries -- no (queries x keys) tile of offsets (the random key mask row, v32).
+        keys = tl.load(base + (offs_k >> SHIFT_K).to(tl.int64) * stride_k, mask=offs_k < seqlen_k, other=0)
+        if TRANSPOSED:
+            keep = keys[:, None]
+        else:
+            keep = keys[None, :]
     else:
         offsets = tile_offsets(offs_q >> SHIFT_Q, offs_k >> SHIFT_K, stride_q, stride_k, False)
         inside = tile_inside(offs_q, offs_k, seqlen_q, seqlen_k, False)
         keep = tl.load(base + offsets, mask=inside, other=0)
-    if TRANSPOSED:
-        keep = tl.trans(keep)
+        if TRANSPOSED:
+            keep = tl.trans(keep)
     return keep != 0
 
 

@@ -93,11 +93,17 @@ def score_tile_descriptor(t: torch.Tensor | None, block_q: int, block_k: int):
     row or column, by pointers), an expanded dim (stride 0, size > 1), or an unaligned tensor."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if t is None or not t.is_cuda or t.shape[2] == 1 or t.shape[3] == 1 or not tma_addressable(t):
-        return None
-    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+    if not score_tiles_addressable(t):
         return None
     return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, block_q, block_k])
+
+
+def score_tiles_addressable(t: torch.Tensor | None) -> bool:
+    """Whether TMA can read (queries x keys) tiles of a 4-D score-shaped tensor in its own shape:
+    ``score_tile_descriptor``'s rule."""
+    if t is None or not t.is_cuda or t.shape[2] == 1 or t.shape[3] == 1 or not tma_addressable(t):
+        return False
+    return not any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
 
 
 def all_or_placeholders(descs: list, placeholder: torch.Tensor) -> tuple[list, bool]:
