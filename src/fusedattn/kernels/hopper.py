@@ -87,6 +87,13 @@ def row_stats_descriptor(stats: torch.Tensor, rows: int):
     return Descriptor(stats, (1, rows))
 
 
+def bias_slice_args(bias: torch.Tensor, heads_q: int) -> tuple[int, int]:
+    """(bias_batches, bias_head_div) of the Gluon kernels: where a query head's slice of a (B|1,
+    Hq|Hkv|1, Sq, Sk) bias lies -- batch index times 1 or 0, head index divided by 1 (Hq), the
+    group size (Hkv) or Hq (one head for all: index 0)."""
+    return int(bias.shape[0] > 1), heads_q // bias.shape[1]
+
+
 def ws_registers(split: int) -> tuple[int, int, int]:
     """(maxnreg at launch, consumer registers, producer registers) for ``split`` consumer warpgroups:
     the launch divides the register file over every warp (the producer's warpgroup included); the

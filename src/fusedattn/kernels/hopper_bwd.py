@@ -71,8 +71,8 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, Descriptor, descriptor, in_window, log2_scores, row_stats_descriptor,
-                     tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
+from .hopper import (WG_ROWS, Descriptor, bias_slice_args, descriptor, in_window, log2_scores,
+                     row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
 from .launch import launch
 from .memory import tma_addressable
 
@@ -534,7 +534,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     BIAS: a 16-bit bias by elements (``bias_desc``, block (1, 1, BLOCK_M, BLOCK_N) over its own
     (B|1, H|1, Sq, Sk) shape; batch index ``batch * bias_batches``, head ``head // bias_head_div``);
     DBIAS: its gradient stored through ``dbias_desc`` (same block, the full shape). Only in the
-    5-matmul form with dQ split by columns (D=128), without softcap (``fwd.gluon_reads_bias``)."""
+    5-matmul form with dQ split by columns (D=128), without softcap (``bwd.gluon_dkdv_takes_bias``)."""
     gl.static_assert(not BIAS or (DQ and not SOFTCAP and HEAD_D == 128), "a bias: D=128, with dQ, no softcap")
     gl.static_assert(BIAS or not DBIAS, "a bias gradient needs the bias")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
@@ -741,7 +741,7 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
             return False
         tile = (1, 1, config.block_m, KEYS_PER_WG * config.hopper_split)
         bias_args = (Descriptor(bias, tile), Descriptor(dbias, tile) if dbias is not None else dq_desc,
-                     int(bias.shape[0] > 1), heads_q // bias.shape[1])
+                     *bias_slice_args(bias, heads_q))
     else:
         bias_args = (dq_desc, dq_desc, 0, 1)
     key_blocks = triton.cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)

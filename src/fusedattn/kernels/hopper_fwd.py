@@ -56,8 +56,8 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, Descriptor, descriptor, in_window, log2_scores, turn_pass, turn_wait, window_bounds,
-                     ws_registers)
+from .hopper import (WG_ROWS, Descriptor, bias_slice_args, descriptor, in_window, log2_scores, turn_pass, turn_wait,
+                     window_bounds, ws_registers)
 from .launch import launch
 
 
@@ -605,13 +605,6 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
 BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
-
-
-def bias_slice_args(bias: torch.Tensor, heads_q: int) -> tuple[int, int]:
-    """(bias_batches, bias_head_div) of ``_attn_fwd_ws_kernel``: where a query head's slice of a
-    (B|1, Hq|Hkv|1, Sq, Sk) bias lies -- batch index times 1 or 0, head index divided by 1 (Hq),
-    the group size (Hkv) or Hq (one head for all: index 0)."""
-    return int(bias.shape[0] > 1), heads_q // bias.shape[1]
 
 
 def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
