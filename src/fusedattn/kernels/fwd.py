@@ -256,7 +256,8 @@ def gluon_mask_dkdv(config: KernelConfig) -> KernelConfig:
 
 
 def gluon_reads_bias(bias: torch.Tensor | None) -> bool:
-    """Whether the Gluon forward can read a bias: 16-bit, one value per query and key (a broadcast
+    """Whether the Gluon kernels can read a bias (the forward always; the dK/dV pass under the
+    further terms of ``bwd.gluon_dkdv_takes_bias``): 16-bit, one value per query and key (a broadcast
     query or key dim reads a row or column: pointers), tiles TMA can address
     (``memory.score_tiles_addressable``). fp32 biases take the Triton kernel: their tiles would not
     fit beside K and V in shared memory."""
@@ -265,8 +266,8 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> bool:
 
 def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> bool:
     """Whether the Gluon kernels take the problem: no sinks; a bias only in a kernel that reads one
-    (``reads_bias``: the forward) and where it can (``gluon_reads_bias``); a mask only where none of
-    its own tiles is partial (``GLUON_MASK_TILE``)."""
+    (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
+    (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``)."""
     if not q.is_cuda or sinks is not None or bias is not None and not (reads_bias and gluon_reads_bias(bias)):
         return False
     from . import hopper  # Gluon: imported only where it runs (not under the interpreter)
