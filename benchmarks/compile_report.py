@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import itertools
 from dataclasses import replace
 import os
 import re
@@ -225,7 +224,7 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         list_args = {}
     signature = dict(q_desc=desc(rows), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(rows),
                      Lse="*fp32", seq_q="i32", seq_k="i32", num_heads="i32", group="i32", window_left="i32", qk_scale="fp32",
-                     softcap_log2="fp32", **list_args,
+                     softcap_log2="fp32", query_blocks="i32", chunk_heads="i32", **list_args,
                      **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(kernel, signature, constexprs, {(4,): [["tt.divisibility", 16]]})
     compiled = triton.compile(src, target=TARGET, options=options)
@@ -253,7 +252,7 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
     return int(bool(r["serialized"]))
 
 
-def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_major: bool = False, dq: bool = False,
+def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False,
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
                        bias: bool = False, dbias: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
@@ -270,7 +269,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
     stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.smem_layout(tuple(stats), torch.float32)!r}>"
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
-                      SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, BLOCK_MAJOR=block_major, DQ=dq, LISTS=lists,
+                      SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, PRODUCER_REGS=producer_regs,
                       CONSUMER_REGS=consumer_regs, num_warps=4)
     dq_block = [1, 1, cfg.block_m, hopper_bwd.DQ_COLS]
@@ -286,7 +285,8 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, block_majo
                      heads_kv="i32", group="i32", window_left="i32", qk_scale="fp32", softcap_log2="fp32", scale="fp32",
                      tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
                      bias_desc=score_tile if bias else dq_desc, dbias_desc=score_tile if dbias else dq_desc,
-                     bias_batches="i32", bias_head_div="i32", **{name: "constexpr" for name in constexprs})
+                     bias_batches="i32", bias_head_div="i32", key_blocks="i32", chunk_heads="i32",
+                     **{name: "constexpr" for name in constexprs})
     src = GluonASTSource(hopper_bwd._dkdv_ws_kernel, signature, constexprs)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
     usage = _resource_usage(compiled.asm["cubin"])
@@ -302,16 +302,16 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     failed = 0
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
     group_sums = (False, True) if causal and hopper_bwd.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists) else (False,)
-    for block_major, group_sum in itertools.product((False, True) if causal else (False,), group_sums):
+    for group_sum in group_sums:
         try:
-            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, block_major, dq, softcap, left, lists, group_sum,
+            r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,
                                     bias, bias)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
         serial = f"  WGMMA SERIALIZED: {r['serialized']}" if r["serialized"] else ""
         spilled = "  SPILLS" if r["spills"] else ""
-        print(f"  {shown}{' block-major' if block_major else ''}{' group sums' if group_sum else ''}  "
+        print(f"  {shown}{' group sums' if group_sum else ''}  "
               f"regs={r['regs']} stack={r['spills']} smem={r['shared']}{serial}{spilled}")
         # The 5-matmul form spills 80-96 bytes and still beat everything else (NOTES.md v19); the
         # sliding-window pass 40-48 bytes at D=128 and still beat the Triton one it replaced (v25),

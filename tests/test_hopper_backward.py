@@ -1,7 +1,7 @@
 """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py (sm_90 only): every schedule a
 config may name (2 or 3 consumer warpgroups, ping-pong 0/1/2, 64- and 128-row query steps, a deeper
-ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA in both program
-orders, a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
+ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA in every program
+order (chunks of heads), a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
 scale, softcap, sliding windows, masks of whole tiles, a trainable bias (read, its gradient stored, in
 the 5-matmul form) and a gradient on lse -- every gradient against the
 float64 reference (SPEC 4). A spy proves
@@ -100,13 +100,18 @@ def test_gluon_dkdv_matches_reference(case, config, gluon_launches):
     assert gluon_launches and all(gluon_launches), "the Gluon dK/dV pass did not run"
 
 
+# Head rows per chunk of the launch order (hopper.launch_order): head-major, 3 (the last chunk is
+# partial for 4 or 8 rows), block-major.
+ORDERS = {"head-major": 1, "chunks-of-3": 3, "block-major": 0}
+
+
 @pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-pass", "dq-reduce-adds"])
-@pytest.mark.parametrize("block_major", [False, True])
-def test_both_program_orders_give_the_same_bits(block_major, atomic_dq, gluon_launches, monkeypatch):
-    """GQA causal launches block-major by default; with one program per KV head's group (the group
-    sums off, as in deterministic mode), either order, and a second run, gives the same dK and dV
-    bits, and the same dQ bits where a dQ pass sums it (reduce-adds sum in arrival order)."""
-    from fusedattn.kernels import hopper_bwd
+@pytest.mark.parametrize("chunk", ORDERS.values(), ids=ORDERS.keys())
+def test_every_program_order_gives_the_same_bits(chunk, atomic_dq, gluon_launches, monkeypatch):
+    """With one program per KV head's group (the group sums off, as in deterministic mode), every
+    launch order, and a second run, gives the default's dK and dV bits, and the same dQ bits where a
+    dQ pass sums it (reduce-adds sum in arrival order)."""
+    from fusedattn.kernels import hopper, hopper_bwd
 
     monkeypatch.setattr(hopper_bwd, "GROUP_SUMS", False)
     case = Case(2, 6, 2, 400, 400, 128, causal=True, dtype=torch.bfloat16)
@@ -119,7 +124,7 @@ def test_both_program_orders_give_the_same_bits(block_major, atomic_dq, gluon_la
 
     with pinned_dkdv(case, dkdv(2, 1), atomic_dq=atomic_dq, dq_tma=atomic_dq):
         default = grads()
-        monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", block_major)
+        monkeypatch.setattr(hopper, "CHUNK_HEADS", chunk)
         first, second = grads(), grads()
     reproducible = slice(1 if atomic_dq else 0, 3)
     assert all(torch.equal(a, b) for a, b in zip(first[reproducible], second[reproducible]))
@@ -136,12 +141,14 @@ GROUP_SUM_CASES = [
 
 
 @pytest.mark.parametrize("atomic_dq", [False, True], ids=["dq-pass", "dq-reduce-adds"])
-@pytest.mark.parametrize("block_major", [False, True])
+@pytest.mark.parametrize("chunk", ORDERS.values(), ids=ORDERS.keys())
 @pytest.mark.parametrize("case", GROUP_SUM_CASES, ids=[c.id for c in GROUP_SUM_CASES])
-def test_gqa_group_sums_match_reference(case, block_major, atomic_dq, group_sum_launches, monkeypatch):
+def test_gqa_group_sums_match_reference(case, chunk, atomic_dq, group_sum_launches, monkeypatch):
     """Causal GQA outside deterministic mode: a program per query head adds its dK/dV into fp32
-    sums over the group (TMA reduce-adds staged in the K/V tiles and the ring), in either order."""
-    monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", block_major)
+    sums over the group (TMA reduce-adds staged in the K/V tiles and the ring), in every order."""
+    from fusedattn.kernels import hopper
+
+    monkeypatch.setattr(hopper, "CHUNK_HEADS", chunk)
     with pinned_dkdv(case, dkdv(2, 1), atomic_dq=atomic_dq, dq_tma=atomic_dq):
         check_case(case, "triton", "cuda")
     assert group_sum_launches == [True]

@@ -1,7 +1,7 @@
 """The Gluon forwards of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width they
 may be launched with (8-warp kernel; warp-specialised kernel, 2 or 3 warpgroups, ping-pong), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
 decoding, both layouts, a strided view, a custom scale, softcap, sliding windows, masks of whole tiles
-(block-sparse, key padding), a 16-bit bias by elements -- output, lse and the gradients of the
+(block-sparse, key padding), a 16-bit bias by elements, every program order -- output, lse and the gradients of the
 backward that consumes its lse, against the float64 reference (SPEC 4). A spy proves each
 launch really ran the Gluon kernel; unsupported problems must fall back to the Triton kernel."""
 
@@ -68,6 +68,33 @@ def test_gluon_forward_matches_reference(case, forward, gluon_launches):
     with pinned_forward(case, forward):
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+
+
+# Head rows per chunk of the launch order (hopper.launch_order): head-major, 3 (10 rows: the last
+# chunk is partial), block-major.
+ORDERS = {"head-major": 1, "chunks-of-3": 3, "block-major": 0}
+ORDER_CASES = [Case(2, 5, 5, 700, 700, 128, causal=True, dtype=torch.bfloat16),
+               Case(2, 5, 1, 517, 700, 64, causal=True, window=(200, 0), dtype=torch.float16)]
+
+
+@pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)
+@pytest.mark.parametrize("case", ORDER_CASES, ids=[c.id for c in ORDER_CASES])
+def test_every_program_order_gives_the_same_bits(case, forward, gluon_launches, monkeypatch):
+    """Programs started in chunks of head rows, heaviest query block first in each: every chunk
+    size covers every tile once -- the reference's output and lse, and head-major order's bits."""
+    from fusedattn.kernels import hopper
+
+    q, k, v, _, _ = make_inputs(case, "cuda")
+    results = {}
+    with pinned_forward(case, forward):
+        for name, chunk in ORDERS.items():
+            monkeypatch.setattr(hopper, "CHUNK_HEADS", chunk)
+            results[name] = fusedattn.attention(q, k, v, **case.options(), return_lse=True)
+        check_case(case, "triton", "cuda")  # the last order, block-major, against the reference
+    want = results["head-major"]
+    for name, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+    assert gluon_launches and all(gluon_launches)
 
 
 # Masks none of whose 128x128 tiles is partial: the warp-specialised kernel walks their tile lists

@@ -673,7 +673,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         dq_buffer = torch.zeros((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
-    gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg, block_major,
+    gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
                                   dq_buffer if atomic_dq else None, mask, bias, bias_in_gluon, dbias)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias
@@ -845,7 +845,7 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
 
 
 def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-                     block_major: bool, dq_accum: torch.Tensor | None = None, mask=None, bias=None,
+                     dq_accum: torch.Tensor | None = None, mask=None, bias=None,
                      reads_bias: bool = False, dbias: torch.Tensor | None = None) -> bool:
     """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
     takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
@@ -867,9 +867,7 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, co
     if mask is not None:
         lists = column_list_args(mask, spec, seqlen_q, seqlen_k, config, heads_q, heads_kv, lse2)
     group_sum = hopper_bwd.sums_over_group(spec, heads_q, heads_kv, config, lists is not None)
-    if group_sum and DKDV_BLOCK_MAJOR is None:  # programs per query head: MHA's order (dkdv_block_major)
-        block_major = False
-    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, block_major, dq_accum, lists,
+    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, dq_accum, lists,
                                 group_sum, bias, dbias)
 
 
@@ -877,14 +875,13 @@ DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV p
 
 
 def dkdv_block_major(spec: AttentionSpec, group_size: int) -> bool:
-    """Launch the dK/dV programs block-major (heaviest first across all heads) where their work is
-    uneven (a right window bound: the first key blocks see the most queries) and few: with GQA each
-    program walks its whole group, so the heaviest ones are long; launched head after head, the
-    last head's heavy blocks start late and the pass ends on a tail (-15% backward time for GQA
+    """Launch the Triton dK/dV programs block-major (heaviest first across all heads) where their
+    work is uneven (a right window bound: the first key blocks see the most queries) and few: with
+    GQA each program walks its whole group, so the heaviest ones are long; launched head after head,
+    the last head's heavy blocks start late and the pass ends on a tail (-15% backward time for GQA
     16/2 causal at S=1k and 4k, NOTES.md v14). MHA keeps head-major order, which keeps one head's
-    Q and dO in L2 (block-major was +3.5% there), and so does the Gluon pass where it runs a program
-    per query head with GQA (``hopper_bwd.sums_over_group``: head-major 1.64-1.68 ms, block-major
-    1.67-1.71 at GQA 16/2 S=4k causal, NOTES.md v28). The order changes no result."""
+    Q and dO in L2 (block-major was +3.5% there). The Gluon pass orders its programs in chunks of
+    heads instead (``hopper.chunk_head_rows``). The order changes no result."""
     if DKDV_BLOCK_MAJOR is not None:
         return DKDV_BLOCK_MAJOR
     return spec.has_window_right and group_size > 1

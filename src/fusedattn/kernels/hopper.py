@@ -94,6 +94,46 @@ def bias_slice_args(bias: torch.Tensor, heads_q: int) -> tuple[int, int]:
     return int(bias.shape[0] > 1), heads_q // bias.shape[1]
 
 
+@gluon.jit
+def launch_order(pid, head_rows, blocks, chunk_heads):
+    """(head row, block) of program ``pid`` of a 1-D launch of ``head_rows * blocks`` programs, in
+    chunks of ``chunk_heads`` head rows: within a chunk every row's block 0, then every row's block
+    1, ... (the caller makes block 0 its heaviest). chunk_heads = 1 is head-major order,
+    ``head_rows`` block-major (``chunk_head_rows`` picks it)."""
+    chunk_tiles = chunk_heads * blocks
+    chunk = pid // chunk_tiles
+    first_row = chunk * chunk_heads
+    rows = gl.minimum(chunk_heads, head_rows - first_row)
+    within = pid - chunk * chunk_tiles
+    block = within // rows
+    return first_row + within - block * rows, block
+
+
+CHUNK_HEADS: int | None = None  # tests and experiments: force the head rows per chunk (0: all of them)
+
+
+def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.device) -> int:
+    """Head rows per chunk of ``launch_order``: 1 (head-major) unless ``chunked``, else about one
+    wave of programs, round(SMs / blocks) rows, heaviest block first in each chunk. The hardware
+    starts programs in launch order as SMs free up; with programs of uneven length, head-major
+    order starts the last heads' long programs late and the grid ends on a tail, block-major order
+    puts every head's operands in flight at once (+3.5% for MHA, NOTES.md v14). Measured (H200,
+    NOTES.md v33): the dK/dV pass under a causal bound in chunks of 4 rows at S=4k, -2 to -5% of
+    the backward (GQA 16/2 causal -3 to -8%); the forward of a sliding window -6 to -9%. The
+    causal forward gained nothing (head-major, it already ends on each head's light programs), so
+    its callers chunk the forward with a left window bound only."""
+    if CHUNK_HEADS is not None:
+        return max(1, min(CHUNK_HEADS or head_rows, head_rows))
+    if not chunked:
+        return 1
+    return max(1, min(head_rows, round(_sm_count(device.index) / blocks)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def ws_registers(split: int) -> tuple[int, int, int]:
     """(maxnreg at launch, consumer registers, producer registers) for ``split`` consumer warpgroups:
     the launch divides the register file over every warp (the producer's warpgroup included); the

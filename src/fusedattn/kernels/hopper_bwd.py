@@ -71,8 +71,9 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, Descriptor, bias_slice_args, descriptor, in_window, log2_scores,
-                     row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
+from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
+                     log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait, window_bounds,
+                     ws_registers)
 from .launch import launch
 from .memory import tma_addressable
 
@@ -517,13 +518,14 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group", "window_left", "list_stride_b",
-                              "list_stride_h", "list_stride_n", "bias_batches", "bias_head_div"])
+                              "list_stride_h", "list_stride_n", "bias_batches", "bias_head_div", "key_blocks",
+                              "chunk_heads"])
 def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
                     heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, tile_lists, list_stride_b,
-                    list_stride_h, list_stride_n, bias_desc, dbias_desc, bias_batches, bias_head_div,
-                    BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
+                    list_stride_h, list_stride_n, bias_desc, dbias_desc, bias_batches, bias_head_div, key_blocks,
+                    chunk_heads, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
                     LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                    PINGPONG: gl.constexpr, BLOCK_MAJOR: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
+                    PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
                     GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
@@ -549,12 +551,9 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     dtype: gl.constexpr = q_desc.dtype
     STAGE_LAYOUT: gl.constexpr = dk_desc.layout  # GROUP_SUM: the fp32 dK/dV tiles' (``_group_sum_staging``)
 
-    if BLOCK_MAJOR:  # bwd.dkdv_block_major: heaviest key blocks of every head first
-        pid_n = gl.program_id(1)
-        pid_bh = gl.program_id(0)
-    else:
-        pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1)
+    # A 1-D launch of (batch, head) rows x key blocks, key block 0 (the heaviest under a causal
+    # bound) first within each chunk of rows (``hopper.launch_order``).
+    pid_bh, pid_n = launch_order(gl.program_id(0), gl.num_programs(0) // key_blocks, key_blocks, chunk_heads)
     if GROUP_SUM:  # one query head
         batch = pid_bh // heads_q
         first_head = pid_bh % heads_q
@@ -706,7 +705,7 @@ def sums_over_group(spec: AttentionSpec, heads_q: int, heads_kv: int, config: Ke
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-              block_major: bool, dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
+              dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
               bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
@@ -714,8 +713,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     Returns False, launching nothing, where TMA cannot address a tensor (the caller then runs the
     Triton pass). The caller checked ``hopper.supports``; ``config.hopper_split`` (2 or 3) and
     ``hopper_pingpong`` (0, 1, 2) pick the schedule, ``block_m`` the query rows per step,
-    ``num_stages`` the ring depth. ``tile_lists``: a mask's lists (lists, batch, head, key-block
-    strides; ``bwd.column_list_args``) at the config's tiles, whose own tiles are all empty or full.
+    ``num_stages`` the ring depth; programs start in ``hopper.launch_order``. ``tile_lists``: a
+    mask's lists (lists, batch, head, key-block strides; ``bwd.column_list_args``) at the config's
+    tiles, whose own tiles are all empty or full.
     ``group_sum`` (``sums_over_group``): a program per query head, dK/dV summed over each group in
     fp32 buffers, then converted into ``dk``, ``dv``. ``bias`` (with ``dq_accum``, D=128, no softcap;
     ``fwd.gluon_reads_bias``): read by tiles; ``dbias`` (its gradient, the full (B, Hq, Sq, Sk)
@@ -746,17 +746,17 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
         bias_args = (dq_desc, dq_desc, 0, 1)
     key_blocks = triton.cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
     heads = batch * (heads_q if group_sum else heads_kv)
-    grid = (heads, key_blocks) if block_major else (key_blocks, heads)
+    chunk = chunk_head_rows(heads, key_blocks, spec.has_window_right, q.device)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
     args = (*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
-            *score_constants(spec), spec.scale, *lists, *bias_args)
-    launch(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim, CAUSAL=spec.window_right == 0,
-           LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
-           SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, BLOCK_MAJOR=block_major,
+            *score_constants(spec), spec.scale, *lists, *bias_args, key_blocks, chunk)
+    launch(_dkdv_ws_kernel, (heads * key_blocks,), args, BLOCK_M=config.block_m, HEAD_D=head_dim,
+           CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
+           NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
            DQ=dq_accum is not None, LISTS=tile_lists is not None, GROUP_SUM=group_sum, BIAS=bias is not None,
-           DBIAS=dbias is not None, PRODUCER_REGS=producer_regs,
-           CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+           DBIAS=dbias is not None, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
+           maxnreg=maxnreg)
     if group_sum:
         dk4.copy_(sums[0])
         dv4.copy_(sums[1])

@@ -56,8 +56,8 @@ from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
-from .hopper import (WG_ROWS, Descriptor, bias_slice_args, descriptor, in_window, log2_scores, turn_pass, turn_wait,
-                     window_bounds, ws_registers)
+from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
+                     log2_scores, turn_pass, turn_wait, window_bounds, ws_registers)
 from .launch import launch
 
 
@@ -217,16 +217,26 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
     return acc, o_tok, p_op, p, m_i, l_i, alpha
 
 
+@gluon.jit
+def _program_tile(query_blocks, chunk_heads, CAUSAL: gl.constexpr):
+    """(batch * heads + head, query block) of this program of a 1-D launch (``hopper.launch_order``):
+    under a causal bound the last query block, which sees the most keys, counts as block 0."""
+    pid_bh, block = launch_order(gl.program_id(0), gl.num_programs(0) // query_blocks, query_blocks, chunk_heads)
+    if CAUSAL:
+        block = query_blocks - 1 - block
+    return pid_bh, block
+
+
 # --------------------------------------------------------------------------- kernel
 
 
 # Lengths/heads are not specialised (no recompiles between ragged and aligned lengths, and the
 # compile report's plain-i32 signature is the kernel that runs).
-@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left"])
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left", "query_blocks", "chunk_heads"])
 def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
-                     softcap_log2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                     CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, OVERLAP: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     softcap_log2, query_blocks, chunk_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                     OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -236,10 +246,7 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # heaviest query blocks first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
+    pid_bh, pid_m = _program_tile(query_blocks, chunk_heads, CAUSAL)
     batch = pid_bh // num_heads
     head = pid_bh % num_heads
     head_kv = head // group
@@ -493,14 +500,16 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_emp
     _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, mw, row_o)
 
 
-@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left", "list_stride_b",
-                              "list_stride_h", "list_stride_r", "list_head_div", "bias_batches", "bias_head_div"])
+@gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left", "query_blocks", "chunk_heads",
+                              "list_stride_b", "list_stride_h", "list_stride_r", "list_head_div", "bias_batches",
+                              "bias_head_div"])
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
-                        softcap_log2, tile_lists, list_stride_b, list_stride_h, list_stride_r, list_head_div,
-                        bias_desc, bias_batches, bias_head_div, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                        CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        SPLIT: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                        softcap_log2, query_blocks, chunk_heads, tile_lists, list_stride_b, list_stride_h,
+                        list_stride_r, list_head_div, bias_desc, bias_batches, bias_head_div,
+                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                        SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
+                        LISTS: gl.constexpr, BIAS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. LISTS: the program's key blocks come from the
     host's tile list (a mask; tile_lists.py: [full count, partial count, full..., partial...]),
@@ -515,10 +524,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     BLOCK_M: gl.constexpr = SPLIT * ROWS
     dtype: gl.constexpr = q_desc.dtype
 
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # heaviest query blocks first
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
+    pid_bh, pid_m = _program_tile(query_blocks, chunk_heads, CAUSAL)
     batch = pid_bh // num_heads
     head = pid_bh % num_heads
     head_kv = head // group
@@ -626,11 +632,14 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
              descriptor(to_bhsd(out, spec.layout), q_rows)]
     if any(d is None for d in descs):
         return False
-    args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, *score_constants(spec))
     causal = spec.window_right == 0
+    query_blocks = triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
+    chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, q.device)
+    grid = (batch * heads_q * query_blocks,)
+    args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, *score_constants(spec),
+            query_blocks, chunk)
     if config.hopper_split:
         maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
-        grid = (triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split), batch * heads_q)
         lists = tile_lists if tile_lists is not None else (lse, 0, 0, 0, 1)
         if bias is not None:
             assert config.hopper_split == 2 and config.num_stages == 2, "the bias ring fits beside 2 x 2 tiles"
@@ -644,7 +653,6 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
                maxnreg=maxnreg)
     else:
         assert tile_lists is None and bias is None, "tile lists, bias: the warp-specialised kernel only"
-        grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads_q)
         launch(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
                LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, OVERLAP=config.hopper_overlap,
                NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
