@@ -525,7 +525,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     list_stride_h, list_stride_n, bias_desc, dbias_desc, bias_batches, bias_head_div, key_blocks,
                     chunk_heads, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
                     LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                    PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
+                    PINGPONG: gl.constexpr, CHUNKED: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
                     GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
@@ -551,9 +551,13 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     dtype: gl.constexpr = q_desc.dtype
     STAGE_LAYOUT: gl.constexpr = dk_desc.layout  # GROUP_SUM: the fp32 dK/dV tiles' (``_group_sum_staging``)
 
-    # A 1-D launch of (batch, head) rows x key blocks, key block 0 (the heaviest under a causal
-    # bound) first within each chunk of rows (``hopper.launch_order``).
-    pid_bh, pid_n = launch_order(gl.program_id(0), gl.num_programs(0) // key_blocks, key_blocks, chunk_heads)
+    if CHUNKED:  # a 1-D launch, key block 0 (the heaviest under a causal bound) first in each chunk of rows
+        pid_bh, pid_n = launch_order(gl.program_id(0), gl.num_programs(0) // key_blocks, key_blocks, chunk_heads)
+    else:
+        # Head-major: a 2-D grid (key blocks, rows). Block indices read from the grid cost no registers
+        # across the loops (computed ones cost D=64's three-warpgroup pass 8 bytes of spills).
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
     if GROUP_SUM:  # one query head
         batch = pid_bh // heads_q
         first_head = pid_bh % heads_q
@@ -751,9 +755,10 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
     args = (*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
             *score_constants(spec), spec.scale, *lists, *bias_args, key_blocks, chunk)
-    launch(_dkdv_ws_kernel, (heads * key_blocks,), args, BLOCK_M=config.block_m, HEAD_D=head_dim,
+    grid = (heads * key_blocks,) if chunk > 1 else (key_blocks, heads)
+    launch(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
            CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
-           NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
+           NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, CHUNKED=chunk > 1,
            DQ=dq_accum is not None, LISTS=tile_lists is not None, GROUP_SUM=group_sum, BIAS=bias is not None,
            DBIAS=dbias is not None, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
            maxnreg=maxnreg)
