@@ -2,7 +2,7 @@
 
 import torch
 
-from fusedattn.bench.__main__ import GQA_HEADS, _inputs, measure, standard_shapes, table
+from fusedattn.bench.__main__ import GQA_HEADS, _inputs, measure, merge_rounds, run, standard_shapes, table
 from fusedattn.bench.systems import CPU_SYSTEMS, Shape
 
 
@@ -28,3 +28,31 @@ def test_grouped_query_rows_use_fewer_key_value_heads_and_agree_with_sdpa():
     assert peer_row["output_agrees"] and peer_row["max_diff_vs_fusedattn"] < 1e-4, peer_row
     printed = table([our_row, peer_row]).splitlines()
     assert printed[2].startswith(shape.name) and "sdpa-math" in printed[2] and printed[2].endswith("x")
+
+
+def _row(**times):
+    return dict(system="s", case="c", B=2, H=4, Hkv=4, Sq=256, Sk=256, D=64, causal=False, **times)
+
+
+def test_rounds_merge_into_medians_and_rates_from_them():
+    merged = merge_rounds([_row(fwd_ms=1.0, fwdbwd_ms=4.0, graph_fwdbwd_ms=3.0, graph_fwd_ms=0.5),
+                           _row(fwd_ms=3.0, fwdbwd_ms=5.0, graph_fwdbwd_ms=2.0, graph_fwd_ms=0.7),
+                           _row(fwd_ms=2.0, fwdbwd_ms=9.0, graph_fwdbwd_ms=4.0, graph_fwd_ms=0.6)])
+    assert (merged["fwd_ms"], merged["fwdbwd_ms"], merged["graph_fwdbwd_ms"]) == (2.0, 5.0, 3.0)
+    assert merged["rounds"] == 3 and merged["fwd_ms_rounds"] == [1.0, 3.0, 2.0]
+    assert merged["bwd_ms"] == 3.0 and abs(merged["graph_bwd_ms"] - 2.4) < 1e-12
+    flops_fwd = 4 * 2 * 4 * 256 * 256 * 64
+    assert abs(merged["fwd_tflops"] - flops_fwd / 2.0 * 1e-9) < 1e-12
+    assert abs(merged["graph_fwdbwd_tflops"] - 3.5 * flops_fwd / 3.0 * 1e-9) < 1e-12
+    failed = merge_rounds([_row(fwd_ms=1.0, fwdbwd_ms=2.0), _row(note="fails: RuntimeError: x")])
+    assert "fwd_ms" not in failed and failed["note"].startswith("fails")  # one failed round fails the row
+
+
+def test_rounds_give_one_row_per_system_and_shape():
+    shapes = [Shape(1, 2, 32, 16, causal, torch.float32) for causal in (False, True)]
+    saved = []
+    rows = run(shapes, CPU_SYSTEMS, "cpu", on_row=lambda rows: saved.append(len(rows)), rounds=2)
+    assert [(r["case"], r["system"]) for r in rows] == [(s.name, system.name) for s in shapes for system in CPU_SYSTEMS]
+    assert all(r["rounds"] == 2 and len(r["fwdbwd_ms_rounds"]) == 2 for r in rows)
+    assert saved == [2, 4]  # saved after each shape
+    assert all(r["output_agrees"] for r in rows if r["system"] != "fusedattn")

@@ -6,8 +6,14 @@
     python -m fusedattn.bench --variants      # bias, softcap, window, sinks, GQA, mask, top-k rows (bench/variants.py)
 
 Writes ``benchmarks/results/<gpu>-<date>.json`` (and a PNG plot when matplotlib is
-there) and prints a table. Times are medians of ``triton.testing.do_bench`` on CUDA.
-On a CPU-only machine it runs a tiny float32 comparison instead, for a smoke test.
+there) and prints a table. Times are medians of ``triton.testing.do_bench`` on CUDA,
+taken two ways for every system: eager calls (what a training loop pays, host time
+included) and replays of a CUDA graph of the same calls (the GPU's time alone: a short
+step whose Python outlasts its kernels measures the host there, not the kernels).
+``--rounds N`` measures every system N times per shape in rotated order and keeps
+the medians: this machine's clocks drift a few % between minutes, and rounds take
+peers at the same minutes. On a CPU-only machine it runs a tiny float32 comparison
+instead, for a smoke test.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import datetime
 import json
 import platform
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -73,6 +80,31 @@ def _median_ms(fn, grad_to_none=None) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _graph_ms(step, grad_to_none=None) -> float:
+    """Median time of replays of a CUDA graph of ``step`` (captured after warm-up on a side stream,
+    as torch.cuda.graphs asks): the GPU's time for the step, without the host's launch time."""
+    def clear_grads():
+        for t in grad_to_none or ():
+            t.grad = None
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            clear_grads()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    clear_grads()  # gradients captured as fresh tensors in the graph's pool, rewritten by each replay
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    try:
+        return _median_ms(graph.replay)
+    finally:
+        clear_grads()
+        del graph
+
+
 def _inputs(shape: Shape, device):
     gen = torch.Generator(device=device).manual_seed(0)
     q_size = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
@@ -99,6 +131,13 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
             fn(*leaves).backward(dout)
 
         fwdbwd_ms = _median_ms(step, grad_to_none=leaves)
+        if torch.cuda.is_available():
+            try:
+                with torch.no_grad():
+                    row["graph_fwd_ms"] = _graph_ms(lambda: fn(q, k, v))
+                row["graph_fwdbwd_ms"] = _graph_ms(step, grad_to_none=leaves)
+            except Exception as e:  # noqa: BLE001  a peer that cannot be captured keeps its eager times
+                row["graph_note"] = f"graph capture fails: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     except Unavailable as e:
         row["note"] = f"skipped: {e}"
         return row, None
@@ -112,9 +151,8 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
     if baseline_out is not None:  # never report a time for a wrong answer without saying so
         diff = (out.float() - baseline_out.float()).abs().max().item()
         row.update(max_diff_vs_fusedattn=diff, output_agrees=diff <= (0.05 if shape.dtype != torch.float32 else 1e-3))
-    row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, bwd_ms=fwdbwd_ms - fwd_ms,
-               fwd_tflops=shape.flops("fwd") / fwd_ms * 1e-9, fwdbwd_tflops=shape.flops("fwdbwd") / fwdbwd_ms * 1e-9,
-               bwd_tflops=shape.flops("bwd") / max(fwdbwd_ms - fwd_ms, 1e-6) * 1e-9)
+    row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms)
+    row.update(_rates(row))
     return row, out
 
 
@@ -139,35 +177,80 @@ def environment() -> dict:
     return env
 
 
-def run(shapes, systems, device, on_row=None) -> list[dict]:
-    """Every system on every shape; ``on_row(rows so far)`` after each (the JSON is saved as it goes,
-    so an interrupted run keeps what it measured)."""
-    rows = []
-    work = [(shape, system) for shape in shapes for system in systems]
-    baseline = {}
+TIME_KEYS = ("fwd_ms", "fwdbwd_ms", "graph_fwd_ms", "graph_fwdbwd_ms")
+
+
+def merge_rounds(measured: list[dict]) -> dict:
+    """One row from a system's rounds on one shape: the median of each time (and the rates from
+    those medians); a round that failed makes the row a failure (a peer's crash is a result)."""
+    failed = [r for r in measured if "fwd_ms" not in r]
+    if failed:
+        return failed[0]
+    row = dict(measured[0], rounds=len(measured))
+    for key in TIME_KEYS:
+        times = sorted(r[key] for r in measured if key in r)
+        if times:
+            row[key] = statistics.median(times)
+            row[key + "_rounds"] = [r[key] for r in measured if key in r]
+    row.update(_rates(row))
+    return row
+
+
+def _rates(row: dict) -> dict:
+    """TFLOP/s and the backward alone (fwd+bwd less fwd) from a row's times."""
+    shape = Shape(row["B"], row["H"], row["Sq"], row["D"], row["causal"], heads_kv=row["Hkv"])
+    rates = {}
+    for prefix in ("", "graph_"):
+        fwd, fwdbwd = row.get(prefix + "fwd_ms"), row.get(prefix + "fwdbwd_ms")
+        if fwd is None or fwdbwd is None:
+            continue
+        rates[prefix + "bwd_ms"] = fwdbwd - fwd
+        rates[prefix + "fwd_tflops"] = shape.flops("fwd") / fwd * 1e-9
+        rates[prefix + "fwdbwd_tflops"] = shape.flops("fwdbwd") / fwdbwd * 1e-9
+        rates[prefix + "bwd_tflops"] = shape.flops("bwd") / max(fwdbwd - fwd, 1e-6) * 1e-9
+    return rates
+
+
+def run(shapes, systems, device, on_row=None, rounds: int = 1) -> list[dict]:
+    """Every system on every shape, ``rounds`` times each in rotated order (round r starts with the
+    r-th system), merged by ``merge_rounds``; ``on_row(rows so far)`` after each shape (the JSON is
+    saved as it goes, so an interrupted run keeps what it measured)."""
+    work = [(shape, system) for shape in shapes for r in range(rounds)
+            for system in systems[r % len(systems):] + systems[:r % len(systems)]]
+    rows, baseline = [], {}
+    measured = {(shape.name, system.name): [] for shape in shapes for system in systems}
     for shape, system in _progress(work, "benchmark"):
         row, out = measure(system, shape, device, baseline.get(shape.name))
         if system.name == "fusedattn" and out is not None:
-            baseline[shape.name] = out
-        rows.append(row)
-        if on_row:
-            on_row(rows)
+            baseline.setdefault(shape.name, out)
+        measured[shape.name, system.name].append(row)
+        if all(len(measured[shape.name, s.name]) == rounds for s in systems):  # the shape's last run
+            rows += [merge_rounds(measured[shape.name, s.name]) for s in systems]
+            if on_row:
+                on_row(rows)
     return rows
 
 
 def table(rows: list[dict]) -> str:
+    """Eager times and rates, the CUDA graph's fwd+bwd time, and fusedattn's speed over each peer's
+    (> 1: ours is faster) from both."""
     ours = {r["case"]: r for r in rows if r["system"] == "fusedattn" and "fwd_ms" in r}
     lines = [f"{'case':<28}{'system':<24}{'fwd ms':>9}{'fwd TF/s':>10}{'f+b ms':>9}{'f+b TF/s':>10}"
-             f"{'bwd TF/s':>10}{'ours/peer f+b':>15}"]
+             f"{'bwd TF/s':>10}{'graph f+b':>11}{'ours/peer f+b':>15}{'(graph)':>9}"]
     for r in rows:
         if "fwd_ms" not in r:
             lines.append(f"{r['case']:<28}{r['system']:<24}  {r.get('note', '')}")
             continue
-        ratio = ""
-        if r["system"] != "fusedattn" and r["case"] in ours:
-            ratio = f"{ours[r['case']]['fwdbwd_tflops'] / r['fwdbwd_tflops']:.2f}x"
+        ratio = graph_ratio = ""
+        mine = ours.get(r["case"])
+        if r["system"] != "fusedattn" and mine:
+            ratio = f"{r['fwdbwd_ms'] / mine['fwdbwd_ms']:.2f}x"
+            if "graph_fwdbwd_ms" in r and "graph_fwdbwd_ms" in mine:
+                graph_ratio = f"{r['graph_fwdbwd_ms'] / mine['graph_fwdbwd_ms']:.2f}x"
+        graph = f"{r['graph_fwdbwd_ms']:.3f}" if "graph_fwdbwd_ms" in r else "-"
         lines.append(f"{r['case']:<28}{r['system']:<24}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}"
-                     f"{r['fwdbwd_ms']:>9.3f}{r['fwdbwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}{ratio:>15}")
+                     f"{r['fwdbwd_ms']:>9.3f}{r['fwdbwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}{graph:>11}"
+                     f"{ratio:>15}{graph_ratio:>9}".rstrip())
     return "\n".join(lines)
 
 
@@ -207,6 +290,9 @@ def main(argv=None) -> None:
     parser.add_argument("--systems", default=None, help="comma-separated subset of system names")
     parser.add_argument("--head-dims", default=None, help="e.g. 64,128 (default: SPEC 5's 64 and 128)")
     parser.add_argument("--seqlens", default=None, help="e.g. 1024,4096 (default: SPEC 5's 1k, 4k, 16k)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="measure every system this many times per shape, in rotated order, and keep the "
+                             "medians (default: 3 on a GPU, 1 on the CPU)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     parser.add_argument("--variants", action="store_true",
@@ -236,13 +322,15 @@ def main(argv=None) -> None:
     stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
     out_dir, json_path = Path(args.out), Path(args.out) / f"{stem}.json"
 
+    rounds = args.rounds or (3 if on_gpu else 1)
+
     def save(rows):
         if not args.no_save:
             out_dir.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(dict(environment=env, systems={s.name: s.detail for s in systems},
-                                                 rows=rows), indent=1))
+            json_path.write_text(json.dumps(dict(environment=dict(env, rounds=rounds),
+                                                 systems={s.name: s.detail for s in systems}, rows=rows), indent=1))
 
-    rows = run(shapes, systems, device, on_row=save)
+    rows = run(shapes, systems, device, on_row=save, rounds=rounds)
     print(table(rows))
     if args.no_save:
         return

@@ -1,0 +1,80 @@
+"""A forward+backward step captured in a CUDA graph and replayed on new inputs (GPU only).
+
+Serving loops and torch.compile's "reduce-overhead" mode replay captured graphs; the benchmark
+times every system's graph too (`python -m fusedattn.bench`, "graph" columns). A capture holds
+whatever the host decided at capture time, so a replay is only right if no decision depended on
+the data: each case is captured once, then replayed on two sets of fresh random inputs copied
+into the captured tensors, and every result is compared with the float64 reference of those
+inputs (SPEC 4). A mask goes in as a BlockMask built before the capture (a bool tensor is
+classified into tiles on each call, which reads the tile states back on the host)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedattn
+
+from attention_runner import dense_mask, forward_backward, make_bias, make_inputs, make_mask, make_sinks
+from cases import Case
+from fusedattn.reference import reference_attention
+from numerics import assert_close_to_reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+CASES = [
+    Case(2, 4, 4, 1000, 1000, 128, causal=True, dtype=torch.bfloat16),  # the Gluon kernels on sm_90
+    Case(1, 8, 2, 777, 777, 64, causal=True, window=(200, 0), softcap=20.0, dtype=torch.bfloat16, layout="bhsd"),
+    Case(1, 4, 2, 333, 517, 96, deterministic=True, sinks=True, lse_grad=True),  # Triton kernels, fp16
+    Case(1, 4, 4, 512, 512, 128, causal=True, bias="full", dtype=torch.bfloat16),
+    Case(1, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128), dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_a_captured_step_replays_on_new_inputs(case: Case):
+    q, k, v, dout, dlse = make_inputs(case, "cuda", seed=1)
+    sinks, mask, bias = make_sinks(case, "cuda"), make_mask(case, "cuda"), make_bias(case, "cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    extras = [t.clone().requires_grad_() for t in (sinks, bias) if t is not None]
+    static_sinks = extras[0] if sinks is not None else None
+    static_bias = extras[-1] if bias is not None else None
+
+    def step():
+        out, lse = fusedattn.attention(*leaves, sinks=static_sinks, bias=static_bias, mask=mask, return_lse=True,
+                                       deterministic=case.deterministic, **case.options())
+        outputs, grads = (out, lse), (dout, dlse)
+        if not case.lse_grad:
+            outputs, grads = (out,), (dout,)
+        return (out, lse, *torch.autograd.grad(outputs, leaves + extras, grads))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+
+    def reference(q_, k_, v_, sinks_=None, bias_=None):
+        return reference_attention(q_, k_, v_, sinks=sinks_, mask=dense_mask(mask), return_lse=True,
+                                   bias=None if bias_ is None else bias_.reshape((1,) * (4 - bias_.dim()) + bias_.shape),
+                                   **case.options())
+
+    names = ["out", "lse", "dq", "dk", "dv"] + ["dsinks"] * (sinks is not None) + ["dbias"] * (bias is not None)
+    for seed in (2, 3):
+        fresh = make_inputs(case, "cuda", seed=seed)
+        with torch.no_grad():
+            for static, new in zip((*leaves, dout, dlse), fresh):
+                static.copy_(new)
+            for static in extras:  # new sinks / bias values too
+                static.add_(0.5 * torch.randn_like(static))
+        graph.replay()
+        torch.cuda.synchronize()
+        kw = dict(lse_grad=case.lse_grad, sinks=static_sinks, bias=static_bias)
+        lowp = forward_backward(reference, *fresh, **kw)
+        ref64 = forward_backward(reference, *fresh, dtype=torch.float64, **kw)
+        for name, ours, lowp_t, ref_t in zip(names, captured, lowp, ref64):
+            assert_close_to_reference(f"{case.id} replay {seed} {name}", ours, lowp_t, ref_t)
