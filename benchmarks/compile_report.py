@@ -161,8 +161,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     ]
     problems = 0
     if gluon_forward.hopper_overlap is not None and tma_loads and gluon_forward_runs:
+        persistent = hopper_fwd.runs_persistent(gluon_forward, flags["HAS_RIGHT"],
+                                                not flags["HAS_MASK"] and not flags["HAS_BIAS"])
         problems += _report_hopper_forward(head_dim, dtype, gluon_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-                                           flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"])
+                                           flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"], persistent)
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_runs:
         # deterministic calls run the pass without dQ; the default at D=128 the 5-matmul form
         for with_dq in (False, True) if configs.atomic_dq else (False,):
@@ -196,10 +198,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
 
 def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
-                           lists: bool = False, bias: bool = False):
+                           lists: bool = False, bias: bool = False, persistent: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
-    ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype
-    (warp-specialised kernel)."""
+    ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype,
+    ``persistent``: the tile loop of a launch of fewer programs than tiles (warp-specialised kernel)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, cols: int = head_dim) -> str:
@@ -211,8 +213,8 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
-                          PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=num_warps)
-        list_args = dict(tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
+                          PERSISTENT=persistent, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=num_warps)
+        list_args = dict(head_rows="i32", tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
                          list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),
                          bias_batches="i32", bias_head_div="i32")
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
@@ -234,16 +236,16 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
-                           lists: bool = False, bias: bool = False) -> int:
+                           lists: bool = False, bias: bool = False, persistent: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
-    shown = (f"forward (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}) "
-             f"{rows}x{cfg.block_n} s{cfg.num_stages}")
+    shown = (f"forward (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}"
+             f"{', persistent' if persistent else ''}) {rows}x{cfg.block_n} s{cfg.num_stages}")
     try:
-        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias)
+        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias, persistent)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1
@@ -393,6 +395,8 @@ def main() -> None:
                     print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon forward schedule {schedule}")
                     cfg = KernelConfig(128, block_n, 8, 2, True, overlap, split, int(schedule.endswith("pp")))
                     problems += _report_hopper_forward(d, args.dtype, cfg, causal)
+                    if split:  # and the tile loop of a persistent launch
+                        problems += _report_hopper_forward(d, args.dtype, cfg, causal, persistent=True)
     if args.check and problems:
         print(f"{problems} kernel(s) failed to compile or had their wgmmas serialised")
         return 1

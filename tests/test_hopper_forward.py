@@ -15,7 +15,7 @@ from fusedattn.kernels import fwd
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-from attention_runner import check_case, make_inputs, record_launches
+from attention_runner import check_case, make_bias, make_inputs, make_mask, record_launches
 from cases import WHOLE_TILE_MASK_CASES, Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -94,6 +94,36 @@ def test_every_program_order_gives_the_same_bits(case, forward, gluon_launches, 
     want = results["head-major"]
     for name, got in results.items():
         assert all(torch.equal(a, b) for a, b in zip(got, want)), name
+    assert gluon_launches and all(gluon_launches)
+
+
+# Persistent launches of the warp-specialised kernel: fewer programs than tiles, each walking its
+# share in rounds (the last one partial), its ring and Q buffers carried from tile to tile.
+PERSISTENT_CASES = ORDER_CASES + [Case(2, 4, 2, 200, 512, 128, causal=True, bias="full",
+                                         dtype=torch.bfloat16),
+                                  Case(2, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128),
+                                       dtype=torch.bfloat16)]
+
+
+@pytest.mark.parametrize("forward", [SCHEDULES[6], SCHEDULES[-1]], ids=schedule_id)  # ws2, ws3 ping-pong
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[c.id for c in PERSISTENT_CASES])
+def test_persistent_launches_give_the_same_bits(case, forward, gluon_launches, monkeypatch):
+    """5 and 13 programs over every tile (a bias takes ws2 ping-pong, its own Q buffer): the same
+    output and lse bits as one program per tile, and the reference's values."""
+    from fusedattn.kernels import hopper_fwd
+
+    if case.bias or case.mask:
+        forward = SCHEDULES[-1]
+    q, k, v, _, _ = make_inputs(case, "cuda")
+    extras = dict(bias=make_bias(case, "cuda"), mask=make_mask(case, "cuda"))
+    results = {}
+    with pinned_forward(case, forward):
+        for programs in (0, 5, 13):
+            monkeypatch.setattr(hopper_fwd, "PROGRAMS", programs)
+            results[programs] = fusedattn.attention(q, k, v, **case.options(), **extras, return_lse=True)
+        check_case(case, "triton", "cuda")  # 13 programs against the reference
+    for programs, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0])), programs
     assert gluon_launches and all(gluon_launches)
 
 

@@ -126,7 +126,11 @@ def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.de
         return max(1, min(CHUNK_HEADS or head_rows, head_rows))
     if not chunked:
         return 1
-    return max(1, min(head_rows, round(_sm_count(device.index) / blocks)))
+    return max(1, min(head_rows, round(sm_count(device) / blocks)))
+
+
+def sm_count(device: torch.device) -> int:
+    return _sm_count(device.index)
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,7 +57,7 @@ from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
-                     log2_scores, turn_pass, turn_wait, window_bounds, ws_registers)
+                     log2_scores, sm_count, turn_pass, turn_wait, window_bounds, ws_registers)
 from .launch import launch
 
 
@@ -219,9 +219,15 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
 
 @gluon.jit
 def _program_tile(query_blocks, chunk_heads, CAUSAL: gl.constexpr):
-    """(batch * heads + head, query block) of this program of a 1-D launch (``hopper.launch_order``):
+    """(batch * heads + head, query block) of this program of a 1-D launch of one program per tile."""
+    return _tile_block(gl.program_id(0), gl.num_programs(0) // query_blocks, query_blocks, chunk_heads, CAUSAL)
+
+
+@gluon.jit
+def _tile_block(t, head_rows, query_blocks, chunk_heads, CAUSAL: gl.constexpr):
+    """(batch * heads + head, query block) of tile ``t`` in launch order (``hopper.launch_order``):
     under a causal bound the last query block, which sees the most keys, counts as block 0."""
-    pid_bh, block = launch_order(gl.program_id(0), gl.num_programs(0) // query_blocks, query_blocks, chunk_heads)
+    pid_bh, block = launch_order(t, head_rows, query_blocks, chunk_heads)
     if CAUSAL:
         block = query_blocks - 1 - block
     return pid_bh, block
@@ -373,18 +379,100 @@ def _tile_key(tiles, j, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
 
 
 @gluon.jit
-def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty,
-                 bias_state, batch, head, head_kv, bias_at, m0, tiles, ROWS: gl.constexpr, NQ: gl.constexpr,
-                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
-    """Q once, then per key block K, each consumer's bias tile (BIAS: ``bias_state`` = its ring and
-    barriers, read at ``bias_at`` = (batch, head) of the bias's own shape) and V, in the order the
-    consumers use them."""
+def _snake_tile(round_index, total_tiles):
+    """The tile this program takes in round ``round_index`` of a launch of fewer programs than tiles
+    (``PERSISTENT``): tiles are handed out in launch order (``_ws_tile``: heaviest first in each
+    chunk), each round one per program, even rounds in program order and odd ones reversed, so
+    that a program given one of a round's heavy tiles gets a light one of the next. A launch of
+    one program per tile has a single round: tile = program id. ``total_tiles`` or more: none."""
+    programs = gl.num_programs(0)
+    pid = gl.program_id(0)
+    within = gl.where((round_index & 1) == 0, pid, programs - 1 - pid)
+    return round_index * programs + within
+
+
+@gluon.jit
+def _rounds(total_tiles, PERSISTENT: gl.constexpr):
+    """Rounds of tiles of this launch: one when it has a program per tile (a constant, so the tile
+    loop folds away and the kernel is the one-tile kernel it was)."""
+    if PERSISTENT:
+        rounds = gl.cdiv(total_tiles, gl.num_programs(0))
+    else:
+        rounds = 1
+    return rounds
+
+
+@gluon.jit
+def _ws_tile(t, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+             LISTS: gl.constexpr):
+    """Where tile ``t`` (``_tile_block``) lies: (batch * heads + head, batch, head, KV head, first
+    query row, its key blocks). Key blocks = (first block, blocks, full blocks, list entries): with
+    LISTS from the host's tile list (tile_lists.py: [full count, partial count, full..., partial...]),
+    else the block range of block_range.py; each consumer masks those not interior to its rows.
+    ``sched`` = the launch's runtime scalars (``attention_forward``)."""
+    (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists, list_stride_b,
+     list_stride_h, list_stride_r, list_head_div) = sched
+    pid_bh, pid_m = _tile_block(t, head_rows, query_blocks, chunk_heads, CAUSAL)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    if LISTS:
+        entries = (tile_lists + batch.to(gl.int64) * list_stride_b + (head // list_head_div).to(gl.int64) * list_stride_h
+                   + pid_m.to(gl.int64) * list_stride_r)
+        n_full = gl.load(entries)
+        tiles = (n_full * 0, n_full + gl.load(entries + 1), n_full, entries + 2)
+    else:
+        first, _, _, end = key_blocks_for_query_block(pid_m, seq_q, seq_k, window_left, 0, BLOCK_M, BLOCK_N, LEFT,
+                                                      CAUSAL)
+        tiles = (first, end - first, end * 0, tile_lists)
+    return pid_bh, batch, head, head // group, pid_m * BLOCK_M, tiles
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
+                 v_empty, bias_state, bias_slices, sched, own_tile, ROWS: gl.constexpr, NQ: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr,
+                 LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
+    """The program's tile (``own_tile``, ``_ws_tile`` of its id), or with PERSISTENT each of its tiles
+    in turn (``_snake_tile``)."""
+    if PERSISTENT:
+        total_tiles = sched[0] * sched[1]
+        loaded = 0  # key blocks loaded so far, over every tile
+        for r in range(gl.cdiv(total_tiles, gl.num_programs(0))):
+            t = _snake_tile(r, total_tiles)
+            if t < total_tiles:
+                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS)
+                loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty,
+                                          k_ready, v_ready, k_empty, v_empty, bias_state, bias_slices, tile, r,
+                                          loaded, ROWS, NQ, BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS,
+                                          BIAS)
+    else:
+        _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
+                         k_empty, v_empty, bias_state, bias_slices, own_tile, 0, 0, ROWS, NQ, BLOCK_N, NUM_STAGES,
+                         PERSISTENT, CAUSAL, LEFT, LISTS, BIAS)
+
+
+@gluon.jit
+def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
+                     k_empty, v_empty, bias_state, bias_slices, tile, r, loaded, ROWS: gl.constexpr,
+                     NQ: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+                     CAUSAL: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
+    """``tile`` (``_ws_tile``), the program's ``r``-th: Q once the consumers handed its buffer back (they stage
+    the previous tile's output in it), then per key block K, each consumer's bias tile (BIAS:
+    ``bias_state`` = its ring and barriers; ``bias_slices`` = (bias_batches, bias_head_div)) and V,
+    in the order the consumers use them. The ring's slots and phases count key blocks over all of
+    the program's tiles (``loaded`` before this one; returned after it), so the next tile's first
+    blocks load while the consumers finish this one."""
+    _, batch, head, head_kv, m0, tiles = tile
     for w in gl.static_range(NQ):
+        if PERSISTENT:  # a fresh mbarrier counts as phase 1 complete: r = 0 passes
+            mbarrier.wait(q_empty.index(w), (r & 1) ^ 1)
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, head, m0 + w * ROWS, 0], q_bars.index(w), q_smem.index(w))
+    bias_at = (batch * bias_slices[0], head // bias_slices[1])
     for j in range(tiles[1]):
-        slot = j % NUM_STAGES
-        phase = ((j // NUM_STAGES) & 1) ^ 1  # a fresh mbarrier counts as phase 1 complete: round 0 passes
+        n = loaded + j
+        slot = n % NUM_STAGES
+        phase = ((n // NUM_STAGES) & 1) ^ 1
         key = _tile_key(tiles, j, BLOCK_N, LISTS)
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
@@ -400,6 +488,7 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_ba
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [batch, head_kv, key, 0], v_ready.index(slot), v_ring.index(slot))
+    return loaded + tiles[1]
 
 
 @gluon.jit
@@ -442,16 +531,43 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
 
 
 @gluon.jit
-def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, Lse,
-                 batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale, softcap_log2, WG: gl.constexpr,
-                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                 bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, WG: gl.constexpr, ROWS: gl.constexpr,
+                 NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 PERSISTENT: gl.constexpr,
                  CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
                  LISTS: gl.constexpr, BIAS: gl.constexpr):
-    """Query rows [m0 + WG * ROWS, + ROWS) of the program's tile, on one warpgroup: every one of the
-    program's key blocks (``tiles``; the producer loads each once for all), with the mask on those
-    not interior to this warpgroup's rows. With LISTS the host's list says which: its full blocks
-    first (no mask), then the partial ones (the keep rule; the Gluon kernels take only masks whose
-    tiles are all empty or full, so the mask itself is never read)."""
+    """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
+    if PERSISTENT:
+        total_tiles = sched[0] * sched[1]
+        done = 0  # key blocks consumed so far, over every tile: the ring's slot and phase counter
+        for r in range(gl.cdiv(total_tiles, gl.num_programs(0))):
+            t = _snake_tile(r, total_tiles)
+            if t < total_tiles:
+                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS)
+                done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
+                                        v_empty, turn_bars, bias_state, Lse, sched, qk_scale, softcap_log2, tile, r, done,
+                                        WG, ROWS, NQ, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP,
+                                        PINGPONG, LISTS, BIAS)
+    else:
+        _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                         bias_state, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ, BLOCK_N,
+                         HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)
+
+
+@gluon.jit
+def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                     bias_state, Lse, sched, qk_scale, softcap_log2, tile, r, done, WG: gl.constexpr, ROWS: gl.constexpr,
+                     NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+                     PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
+                     LISTS: gl.constexpr, BIAS: gl.constexpr):
+    """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th), on one warpgroup:
+    every one of the tile's key blocks (the producer loads each once for all), with the mask on
+    those not interior to this warpgroup's rows. With LISTS the host's list says which: its full
+    blocks first (no mask), then the partial ones (the keep rule; the Gluon kernels take only masks
+    whose tiles are all empty or full, so the mask itself is never read). ``done``: key blocks the
+    program consumed before this tile (the ring's slot and phase count; returned after it). The Q
+    buffer goes back to the producer once the tile's output, staged in it, is stored."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -459,59 +575,68 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_emp
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-
+    seq_q, seq_k, window_left = sched[5], sched[6], sched[7]
+    rule = (seq_k - seq_q, window_left)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    pid_bh, batch, head, _, m0, tiles = tile
     mw = m0 + WG * ROWS
     first, n_blocks, n_full, _ = tiles
     if LISTS:
         n_lead = n_full * 0
         n_inner = n_full
     else:
-        # This warpgroup's interior key blocks (block_range.py), counted from the program's first.
-        _, inner_begin, inner_end, _ = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k, window_left, 0, ROWS,
-                                                                  BLOCK_N, LEFT, CAUSAL)
+        # This warpgroup's interior key blocks (block_range.py), counted from the tile's first.
+        _, inner_begin, inner_end, _ = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k, window_left, 0,
+                                                                  ROWS, BLOCK_N, LEFT, CAUSAL)
         n_lead = gl.minimum(gl.maximum(inner_begin - first, 0), n_blocks)
         n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
-    rule = (seq_k - seq_q, window_left)
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     q_buf = q_smem.index(WG)
-    mbarrier.wait(q_bars.index(WG), 0)
+    mbarrier.wait(q_bars.index(WG), r & 1)
     q = q_buf.reshape([ROWS, HEAD_D])
     if LEFT and not LISTS:
         for j in range(0, n_lead):
-            acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc,
-                                     m_i, l_i, s_zero, j, (first + j) * BLOCK_N, rows, seq_k, rule, qk_scale,
-                                     softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL,
-                                     LEFT, True, SOFTCAP, WG, PINGPONG, BIAS)
+            acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                                     bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
+                                     seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
+                                     o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS)
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
-        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc, m_i,
-                                 l_i, s_zero, j, 0, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D,
-                                 NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False, SOFTCAP, WG, PINGPONG,
-                                 BIAS)
+        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
+                                 acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
+                                 BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
+                                 SOFTCAP, WG, PINGPONG, BIAS)
     for j in range(n_inner, n_blocks):
-        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc, m_i,
-                                 l_i, s_zero, j, _tile_key(tiles, j, BLOCK_N, LISTS), rows, seq_k, rule, qk_scale,
-                                 softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT,
-                                 True, SOFTCAP, WG, PINGPONG, BIAS)
+        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
+                                 acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
+                                 seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
+                                 o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS)
     _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, mw, row_o)
+    if PERSISTENT:
+        mbarrier.arrive(q_empty.index(WG), count=1)
+    return done + n_blocks
 
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left", "query_blocks", "chunk_heads",
-                              "list_stride_b", "list_stride_h", "list_stride_r", "list_head_div", "bias_batches",
-                              "bias_head_div"])
+                              "head_rows", "list_stride_b", "list_stride_h", "list_stride_r", "list_head_div",
+                              "bias_batches", "bias_head_div"])
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
-                        softcap_log2, query_blocks, chunk_heads, tile_lists, list_stride_b, list_stride_h,
+                        softcap_log2, query_blocks, chunk_heads, head_rows, tile_lists, list_stride_b, list_stride_h,
                         list_stride_r, list_head_div, bias_desc, bias_batches, bias_head_div,
                         BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                         SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
-                        LISTS: gl.constexpr, BIAS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                        LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
-    2), 4 warps each, and the 1-warp producer. LISTS: the program's key blocks come from the
+    2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
+    grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
+    (``_snake_tile``), the producer loading the next tile's first key blocks while the consumers
+    finish one; its Q waits for the consumers' output store (staged in Q's buffer). A second Q
+    buffer chosen by round made the Q K^T wgmma read shared memory out of bounds (compute-sanitizer,
+    Triton 3.6; benchmarks/NOTES.md v34), so there is none. LISTS: a tile's key blocks come from the
     host's tile list (a mask; tile_lists.py: [full count, partial count, full..., partial...]),
     else from the block range of block_range.py. BIAS: a 16-bit bias by elements over queries and
     keys (``bias_desc``, block (1, 1, 64, BLOCK_N) over its own (B|1, H|1, Sq, Sk) shape; its batch
@@ -521,30 +646,20 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
     ROWS: gl.constexpr = gl.constexpr(q_desc.block_type.shape[2])  # query rows per consumer warpgroup
-    BLOCK_M: gl.constexpr = SPLIT * ROWS
     dtype: gl.constexpr = q_desc.dtype
 
-    pid_bh, pid_m = _program_tile(query_blocks, chunk_heads, CAUSAL)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
-    head_kv = head // group
-    m0 = pid_m * BLOCK_M
-    if LISTS:
-        entries = (tile_lists + batch.to(gl.int64) * list_stride_b + (head // list_head_div).to(gl.int64) * list_stride_h
-                   + pid_m.to(gl.int64) * list_stride_r)
-        n_full = gl.load(entries)
-        tiles = (n_full * 0, n_full + gl.load(entries + 1), n_full, entries + 2)
-    else:
-        # The key blocks of the program's rows (block_range.py); each consumer masks those not
-        # interior to its own rows.
-        first, _, _, end = key_blocks_for_query_block(pid_m, seq_q, seq_k, window_left, 0, BLOCK_M, BLOCK_N, LEFT,
-                                                      CAUSAL)
-        tiles = (first, end - first, end * 0, tile_lists)
+    sched = (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists,
+             list_stride_b, list_stride_h, list_stride_r, list_head_div)
+    bias_slices = (bias_batches, bias_head_div)
+    # one program per tile: its tile, found here (as the partitions' argument it costs the 3-warpgroup
+    # consumers fewer registers than found in each partition)
+    own_tile = _ws_tile(gl.program_id(0), sched, SPLIT * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS)
 
     q_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, ROWS, HEAD_D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -552,6 +667,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(SPLIT):
         mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
@@ -569,41 +685,35 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
         bias_state = (bias_ring, b_ready, b_empty)
     else:
         bias_state = (k_ready, k_ready, k_ready)  # never read
-    bias_at = (batch * bias_batches, head // bias_head_div)
     fence_async_shared()
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
     if SPLIT == 2:
         gl.warp_specialize([
-            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
-                            softcap_log2, 0, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS)),
-            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
-                            softcap_log2, 1, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS)),
-            (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready,
-                            k_empty, v_empty, bias_state, batch, head, head_kv, bias_at, m0, tiles, ROWS, SPLIT,
-                            BLOCK_N, NUM_STAGES, LISTS, BIAS)),
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT, BLOCK_N,
+                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT, BLOCK_N,
+                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+            (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
+                            v_ready, k_empty, v_empty, bias_state, bias_slices, sched, own_tile, ROWS, SPLIT, BLOCK_N,
+                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
-                            softcap_log2, 0, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS)),
-            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
-                            softcap_log2, 1, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS)),
-            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                            bias_state, Lse, batch, head, pid_bh, m0, seq_q, seq_k, tiles, window_left, qk_scale,
-                            softcap_log2, 2, ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS)),
-            (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, k_ready, v_ready,
-                            k_empty, v_empty, bias_state, batch, head, head_kv, bias_at, m0, tiles, ROWS, SPLIT,
-                            BLOCK_N, NUM_STAGES, LISTS, BIAS)),
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT, BLOCK_N,
+                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT, BLOCK_N,
+                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+            (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS, SPLIT, BLOCK_N,
+                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+            (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
+                            v_ready, k_empty, v_empty, bias_state, bias_slices, sched, own_tile, ROWS, SPLIT, BLOCK_N,
+                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -611,6 +721,25 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
 BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
+PROGRAMS: int | None = None  # tests and experiments: the warp-specialised forward's programs (0: one per tile)
+
+
+def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device) -> int:
+    """Programs of a persistent launch of the warp-specialised forward (one per SM, each walking
+    its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (H200,
+    NOTES.md v34, forward GPU time): persistent -10% at D=128 S=1k causal (two warpgroups: short
+    tiles, their fixed cost -- Q and first K/V loads, output store -- half hidden), but with three
+    warpgroups ping-ponging it spills and its static rounds balance long causal rows badly (16k
+    causal +35%, window +10%): so two warpgroups, causal, no bias or tile lists (``plain``)."""
+    if PROGRAMS is not None:
+        programs = PROGRAMS
+    else:
+        programs = sm_count(device) if runs_persistent(config, causal, plain) else 0
+    return programs if programs < tiles else 0
+
+
+def runs_persistent(config: KernelConfig, causal: bool, plain: bool) -> bool:
+    return config.hopper_split == 2 and not config.hopper_pingpong and causal and plain
 
 
 def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
@@ -635,10 +764,15 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     causal = spec.window_right == 0
     query_blocks = triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
     chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, q.device)
-    grid = (batch * heads_q * query_blocks,)
+    tiles = batch * heads_q * query_blocks
+    grid = (tiles,)
     args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, *score_constants(spec),
             query_blocks, chunk)
     if config.hopper_split:
+        programs = persistent_programs(tiles, config, causal, tile_lists is None and bias is None, q.device)
+        persistent = programs > 0
+        if persistent:
+            grid = (programs,)
         maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
         lists = tile_lists if tile_lists is not None else (lse, 0, 0, 0, 1)
         if bias is not None:
@@ -646,11 +780,12 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
             bias_args = (Descriptor(bias, (1, 1, WG_ROWS, config.block_n)), *bias_slice_args(bias, heads_q))
         else:
             bias_args = (descs[0], 0, 1)
-        launch(_attn_fwd_ws_kernel, grid, (*args, *lists, *bias_args), BLOCK_N=config.block_n, HEAD_D=head_dim,
-               CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages,
-               SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=tile_lists is not None,
-               BIAS=bias is not None, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-               maxnreg=maxnreg)
+        launch(_attn_fwd_ws_kernel, grid, (*args, batch * heads_q, *lists, *bias_args), BLOCK_N=config.block_n,
+               HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
+               NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
+               LISTS=tile_lists is not None, BIAS=bias is not None,
+               PERSISTENT=persistent,
+               PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
     else:
         assert tile_lists is None and bias is None, "tile lists, bias: the warp-specialised kernel only"
         launch(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
