@@ -383,23 +383,12 @@ def _snake_tile(round_index, total_tiles):
     """The tile this program takes in round ``round_index`` of a launch of fewer programs than tiles
     (``PERSISTENT``): tiles are handed out in launch order (``_ws_tile``: heaviest first in each
     chunk), each round one per program, even rounds in program order and odd ones reversed, so
-    that a program given one of a round's heavy tiles gets a light one of the next. A launch of
-    one program per tile has a single round: tile = program id. ``total_tiles`` or more: none."""
+    that a program given one of a round's heavy tiles gets a light one of the next. ``total_tiles``
+    or more: none (the last round's spare programs)."""
     programs = gl.num_programs(0)
     pid = gl.program_id(0)
     within = gl.where((round_index & 1) == 0, pid, programs - 1 - pid)
     return round_index * programs + within
-
-
-@gluon.jit
-def _rounds(total_tiles, PERSISTENT: gl.constexpr):
-    """Rounds of tiles of this launch: one when it has a program per tile (a constant, so the tile
-    loop folds away and the kernel is the one-tile kernel it was)."""
-    if PERSISTENT:
-        rounds = gl.cdiv(total_tiles, gl.num_programs(0))
-    else:
-        rounds = 1
-    return rounds
 
 
 @gluon.jit
