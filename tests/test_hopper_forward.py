@@ -98,22 +98,20 @@ def test_every_program_order_gives_the_same_bits(case, forward, gluon_launches, 
 
 
 # Persistent launches of the warp-specialised kernel: fewer programs than tiles, each walking its
-# share in rounds (the last one partial), its ring and Q buffers carried from tile to tile.
-PERSISTENT_CASES = ORDER_CASES + [Case(2, 4, 2, 200, 512, 128, causal=True, bias="full",
-                                         dtype=torch.bfloat16),
-                                  Case(2, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128),
-                                       dtype=torch.bfloat16)]
+# share in rounds (the last one partial), its K/V ring and Q buffer carried from tile to tile.
+# (case, schedule): the order cases on ws2 and ws3 ping-pong; a bias and a BlockMask take ws3 ping-pong.
+PERSISTENT_CASES = [(case, schedule) for case in ORDER_CASES for schedule in (SCHEDULES[6], SCHEDULES[-1])] + [
+    (Case(2, 4, 2, 200, 512, 128, causal=True, bias="full", dtype=torch.bfloat16), SCHEDULES[-1]),
+    (Case(2, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128), dtype=torch.bfloat16), SCHEDULES[-1])]
 
 
-@pytest.mark.parametrize("forward", [SCHEDULES[6], SCHEDULES[-1]], ids=schedule_id)  # ws2, ws3 ping-pong
-@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[c.id for c in PERSISTENT_CASES])
+@pytest.mark.parametrize("case, forward", PERSISTENT_CASES,
+                         ids=[f"{c.id}-{schedule_id(f)}" for c, f in PERSISTENT_CASES])
 def test_persistent_launches_give_the_same_bits(case, forward, gluon_launches, monkeypatch):
-    """5 and 13 programs over every tile (a bias takes ws2 ping-pong, its own Q buffer): the same
-    output and lse bits as one program per tile, and the reference's values."""
+    """5 and 13 programs over every tile: the same output and lse bits as one program per tile, and
+    the reference's values."""
     from fusedattn.kernels import hopper_fwd
 
-    if case.bias or case.mask:
-        forward = SCHEDULES[-1]
     q, k, v, _, _ = make_inputs(case, "cuda")
     extras = dict(bias=make_bias(case, "cuda"), mask=make_mask(case, "cuda"))
     results = {}

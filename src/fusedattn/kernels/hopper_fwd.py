@@ -445,8 +445,8 @@ def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, 
                      k_empty, v_empty, bias_state, bias_slices, tile, r, loaded, ROWS: gl.constexpr,
                      NQ: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
                      CAUSAL: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
-    """``tile`` (``_ws_tile``), the program's ``r``-th: Q once the consumers handed its buffer back (they stage
-    the previous tile's output in it), then per key block K, each consumer's bias tile (BIAS:
+    """``tile`` (``_ws_tile``), the program's ``r``-th: Q once the consumers handed its buffer back
+    (they stage the previous tile's output in it), then per key block K, each consumer's bias tile (BIAS:
     ``bias_state`` = its ring and barriers; ``bias_slices`` = (bias_batches, bias_head_div)) and V,
     in the order the consumers use them. The ring's slots and phases count key blocks over all of
     the program's tiles (``loaded`` before this one; returned after it), so the next tile's first
@@ -523,9 +523,8 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
 def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                  bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, WG: gl.constexpr, ROWS: gl.constexpr,
                  NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 PERSISTENT: gl.constexpr,
-                 CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
-                 LISTS: gl.constexpr, BIAS: gl.constexpr):
+                 PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
+                 PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
     if PERSISTENT:
         total_tiles = sched[0] * sched[1]
@@ -535,9 +534,9 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
             if t < total_tiles:
                 tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS)
                 done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
-                                        v_empty, turn_bars, bias_state, Lse, sched, qk_scale, softcap_log2, tile, r, done,
-                                        WG, ROWS, NQ, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP,
-                                        PINGPONG, LISTS, BIAS)
+                                        v_empty, turn_bars, bias_state, Lse, sched, qk_scale, softcap_log2, tile, r,
+                                        done, WG, ROWS, NQ, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT,
+                                        SOFTCAP, PINGPONG, LISTS, BIAS)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ, BLOCK_N,
@@ -546,12 +545,12 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
 
 @gluon.jit
 def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                     bias_state, Lse, sched, qk_scale, softcap_log2, tile, r, done, WG: gl.constexpr, ROWS: gl.constexpr,
-                     NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                     PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr,
-                     LISTS: gl.constexpr, BIAS: gl.constexpr):
-    """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th), on one warpgroup:
-    every one of the tile's key blocks (the producer loads each once for all), with the mask on
+                     bias_state, Lse, sched, qk_scale, softcap_log2, tile, r, done, WG: gl.constexpr,
+                     ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                     SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
+    """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th), on one
+    warpgroup: every one of the tile's key blocks (the producer loads each once for all), with the mask on
     those not interior to this warpgroup's rows. With LISTS the host's list says which: its full
     blocks first (no mask), then the partial ones (the keep rule; the Gluon kernels take only masks
     whose tiles are all empty or full, so the mask itself is never read). ``done``: key blocks the
@@ -680,11 +679,11 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     if SPLIT == 2:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT, BLOCK_N,
-                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT,
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT, BLOCK_N,
-                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT,
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, sched, own_tile, ROWS, SPLIT, BLOCK_N,
                             NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS)),
@@ -692,14 +691,14 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     else:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT, BLOCK_N,
-                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT,
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT, BLOCK_N,
-                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT,
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS, SPLIT, BLOCK_N,
-                            HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS, SPLIT,
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, sched, own_tile, ROWS, SPLIT, BLOCK_N,
                             NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS)),
