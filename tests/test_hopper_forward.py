@@ -211,6 +211,37 @@ def test_cached_launches_run_the_kernel_each_problem_compiled():
     assert len(launch._compiled) == compiled  # none added after each problem's first step
     for case, qkv in zip(cases, inputs):
         check_case(case, "triton", "cuda", inputs=qkv)
+    # Every kernel the cache keeps launches through Triton's C launcher directly (launch._DirectLaunch).
+    assert all(entry[2] is not None for entry in launch._compiled.values())
+
+
+def test_launch_hooks_send_cached_launches_through_triton():
+    """With a launch hook set (Triton's profilers set one), cached kernels launch through Triton's
+    runner, which calls the hook, and still compute the same bits as direct launches."""
+    from triton import knobs
+
+    case = Case(1, 2, 2, 300, 300, 128, causal=True, dtype=torch.bfloat16)
+    q, k, v, dout = make_inputs(case, "cuda")[:4]
+
+    def step():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fusedattn.attention(*leaves, **case.options())
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    direct = step()
+    entered = []
+    hook = entered.append
+    knobs.runtime.launch_enter_hook.add(hook)  # Triton 3.6: a chain of hooks
+    try:
+        hooked = step()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(entered) >= 3  # forward, pre-pass, dK/dV pass
+    for name, got, want in zip(("out", "dq", "dk", "dv"), hooked, direct):
+        if name == "dq":  # summed by fp32 reduce-adds in no fixed order: one rounding apart at most
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
+        else:
+            assert torch.equal(got, want), name
 
 
 @pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)

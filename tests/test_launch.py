@@ -30,3 +30,23 @@ def test_launch_keys_differ_where_triton_compiles_differently():
 def test_launch_keys_refuse_arguments_they_have_no_rule_for():
     with pytest.raises(TypeError, match="no specialisation rule"):
         _specialisation("text")
+
+
+def test_descriptors_key_by_block_and_dtype_and_become_triton_descriptors():
+    """memory.Descriptor (built per call without Triton's checks) keys a launch by its block and
+    dtype, and goes to Triton as the TensorDescriptor Triton would have built over the same tensor."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fusedattn.kernels.memory import Descriptor
+
+    t = torch.empty(2, 3, 40, 64, dtype=torch.float16)
+    view = t.transpose(1, 2)  # strided: (2, 40, 3, 64) with the head dim still unit-stride
+    keys = {_specialisation(Descriptor(x, block)) for x in (t, t.to(torch.bfloat16))
+            for block in ((1, 1, 16, 64), (1, 1, 32, 64))}
+    assert len(keys) == 4
+    assert _specialisation(Descriptor(t, (1, 1, 16, 64))) == _specialisation(Descriptor(t[1:], (1, 1, 16, 64)))
+    for x in (t, view):
+        got, want = Descriptor(x, (1, 1, 16, 64)).for_triton(), TensorDescriptor.from_tensor(x, [1, 1, 16, 64])
+        assert got.base is x and type(got) is TensorDescriptor
+        assert (list(got.shape), list(got.strides), got.block_shape, got.padding) == \
+            (list(want.shape), list(want.strides), want.block_shape, want.padding)

@@ -48,7 +48,7 @@ from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, g
                   mask_args, mask_descriptor, padded_dim, row_list_args, score_constants)
 from .launch import launch
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
-from .memory import (all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor,
+from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor,
                      store_tile, tile_ptrs)
 from .softmax import log2_scores, lse_for_backward
 
@@ -890,10 +890,6 @@ def dkdv_block_major(spec: AttentionSpec, group_size: int) -> bool:
 def _dq_descriptor(dq_accum: torch.Tensor, padded_d: int, block_m: int):
     """A (B*Hq, Sq, D) TMA descriptor over the dQ accumulator: a reduce-add of a (1, BLOCK_M, BLOCK_D)
     tile drops the rows past seqlen_q and the columns past D, so no tile spills into the next head."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     batch, heads, seqlen_q, _ = dq_accum.shape
-    flat = dq_accum.view(batch * heads, seqlen_q, padded_d)
-    return TensorDescriptor(flat, shape=[batch * heads, seqlen_q, padded_d], strides=list(flat.stride()),
-                            block_shape=[1, block_m, padded_dim(padded_d)])
+    return Descriptor(dq_accum.view(batch * heads, seqlen_q, padded_d), (1, block_m, padded_dim(padded_d)))
 

@@ -20,6 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import UNBOUNDED, AttentionSpec
+from . import memory
 from .memory import tma_addressable
 
 LOG2E = 1.4426950408889634
@@ -48,20 +49,11 @@ def _major_capability(device_index: int | None) -> int:  # 3 us a query, several
 _GL_TYPES = {**GL_DTYPES, torch.float32: gl.float32}
 
 
-class Descriptor:
-    """A TMA descriptor over a tensor: what a compiled kernel's launcher reads (base, shape,
-    strides, padding) and the key ``launch`` specialises on. Triton's TensorDescriptor checks its
-    fields on every construction (~5 us of host time each, 13 a training step); the one check that
-    can fail here (``tma_addressable``) is the callers', and a real TensorDescriptor is built only
-    for a first launch (``for_triton``). The shared-memory layout is a function of the block and
-    dtype, as ``smem_layout`` makes it."""
+class Descriptor(memory.Descriptor):
+    """A descriptor a Gluon kernel takes (``memory.Descriptor``): through Triton it is Gluon's
+    TensorDescriptor, with the shared-memory layout ``smem_layout`` makes of its block and dtype."""
 
-    __slots__ = ("base", "shape", "strides", "block_shape", "padding", "key")
-
-    def __init__(self, base: torch.Tensor, block_shape: tuple):
-        self.base, self.shape, self.strides = base, base.shape, base.stride()
-        self.block_shape, self.padding = block_shape, "zero"
-        self.key = ("desc", block_shape, base.dtype)
+    __slots__ = ()
 
     def for_triton(self) -> TensorDescriptor:
         return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),

@@ -6,14 +6,24 @@ for a 30-argument kernel on the GPU machine's host). ``launch`` keeps each compi
 the key Triton itself would specialise it on and launches it directly; the first launch of a key
 goes through Triton (and compiles, or finds Triton's own cache). Under the interpreter nothing is
 compiled and every launch goes through Triton.
+
+A compiled kernel's own runner still costs ~25 us a launch in Python (a closure per grid, the
+stream query, scratch checks, and one ``cuTensorMapEncodeTiled`` per TMA descriptor argument, 9 for
+the dK/dV pass). ``_DirectLaunch`` calls Triton's C launcher itself, with the descriptors' tensor
+maps kept by what they encode (address, shape, strides, block: a map holds no reference to the
+memory, so a reused address with the same geometry gives the same map). It is used where nothing
+else runs at launch: no global or profiling scratch, no launch hooks (Triton's profilers set them:
+those launches go through Triton's runner, as before).
 """
 
 from __future__ import annotations
 
 import torch
+from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 
 _compiled: dict = {}
+DIRECT = True  # experiments: False launches every cached kernel through Triton's runner
 
 
 def launch(kernel, grid, args: tuple, **constexprs_and_options):
@@ -21,20 +31,100 @@ def launch(kernel, grid, args: tuple, **constexprs_and_options):
     (tensors, ints, floats, None, descriptors, and any constexpr among them), the keywords every
     constexpr the kernel takes after them and the launch options (num_warps, num_stages, maxnreg)."""
     if isinstance(kernel, InterpretedFunction):  # runs on the CPU: nothing compiled to keep
-        kernel[grid](*args, **constexprs_and_options)
+        kernel[grid](*_for_triton(args), **constexprs_and_options)
         return
     positional_constexprs = _positional_constexprs(kernel, len(args))
     key = (kernel, torch.cuda.current_device(), tuple(constexprs_and_options.items()),
            *map(_specialisation, args), *(args[i] for i in positional_constexprs))
     entry = _compiled.get(key)
     if entry is None:
-        compiled = kernel[grid](*(a.for_triton() if hasattr(a, "for_triton") else a for a in args),
-                                **constexprs_and_options)
+        compiled = kernel[grid](*_for_triton(args), **constexprs_and_options)
         constexprs = tuple(constexprs_and_options[name] for name in kernel.arg_names[len(args):])
-        _compiled[key] = (compiled, constexprs)
+        _compiled[key] = (compiled, constexprs, _DirectLaunch.of(compiled))
         return
-    compiled, constexprs = entry
-    compiled[(*grid, 1, 1)[:3]](*args, *constexprs)  # a compiled kernel's runner takes a 3-D grid
+    compiled, constexprs, direct = entry
+    grid3 = (*grid, 1, 1)[:3]  # a compiled kernel's runner takes a 3-D grid
+    if direct is not None and DIRECT and _no_launch_hooks():
+        direct(grid3, args + constexprs)
+    else:
+        compiled[grid3](*args, *constexprs)
+
+
+def _for_triton(args: tuple) -> list:
+    """The arguments as Triton's own launch takes them: descriptors as Triton's TensorDescriptors."""
+    return [a.for_triton() if hasattr(a, "for_triton") else a for a in args]
+
+
+def _no_launch_hooks() -> bool:
+    """Whether no launch hook is set: Triton 3.6 keeps them as (empty) chains, earlier ones as None."""
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave)
+
+
+class _DirectLaunch:
+    """One compiled kernel launched through Triton's C launcher directly (module docstring): its
+    launch function, the kernel's handle and packed metadata, and the positions (among the kernel's
+    arguments) of the TMA descriptors with the metadata each one's tensor map is encoded with."""
+
+    __slots__ = ("launch", "function", "metadata", "cooperative", "pdl", "descriptors", "maps", "encode")
+    _MAX_MAPS = 512  # tensor maps kept per kernel; the cache restarts beyond it (new shapes each call)
+
+    def __init__(self, launch_fn, compiled, runner, descriptors):
+        self.launch, self.function, self.metadata = launch_fn, compiled.function, compiled.packed_metadata
+        self.cooperative, self.pdl = runner.launch_cooperative_grid, runner.launch_pdl
+        self.descriptors, self.maps = descriptors, {}
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        self.encode = make_tensordesc_arg
+
+    @classmethod
+    def of(cls, compiled):
+        """The direct launch of a compiled kernel, or None where its runner is not the plain CUDA
+        launcher of Triton 3.6 (another backend or version, scratch memory to allocate)."""
+        try:
+            from triton.backends.nvidia.driver import CudaLauncher
+
+            runner = compiled.run
+            if not isinstance(runner, CudaLauncher) or runner.global_scratch_size or runner.profile_scratch_size:
+                return None
+            signature = list(compiled.src.signature.values())
+            positions = [i for i, sig in enumerate(signature) if isinstance(sig, str) and sig.startswith("tensordesc")]
+            if not positions:
+                return cls(runner.launch, compiled, runner, ())
+            # Triton wraps its C launcher in a closure that encodes the descriptors: take the C one.
+            cells = dict(zip(runner.launch.__code__.co_freevars, (c.cell_contents for c in runner.launch.__closure__)))
+            metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(positions)
+            if len(metas) != len(positions) or not callable(cells.get("launcher")):
+                return None
+            return cls(cells["launcher"], compiled, runner, tuple(zip(positions, metas)))
+        except (AttributeError, TypeError, ValueError, ImportError):
+            return None
+
+    def __call__(self, grid3, args: tuple):
+        if self.descriptors:
+            expanded, done = [], 0
+            for position, meta in self.descriptors:
+                expanded += args[done:position]
+                expanded += self._tensor_map(position, args[position], meta)
+                done = position + 1
+            expanded += args[done:]
+            args = expanded
+        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        self.launch(*grid3, stream, self.function, self.cooperative, self.pdl, None, None, self.metadata, None, None,
+                    None, *args)
+
+    def _tensor_map(self, position: int, desc, meta) -> list:
+        """What Triton's launcher takes for a descriptor argument: the encoded tensor map, then the
+        shape and strides (``make_tensordesc_arg``), kept by address and geometry."""
+        if meta is None:  # a kernel that takes the descriptor's fields, not a map
+            return self.encode(desc, None)
+        key = (position, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding)
+        entry = self.maps.get(key)
+        if entry is None:
+            if len(self.maps) >= self._MAX_MAPS:
+                self.maps.clear()
+            entry = self.maps[key] = self.encode(desc, meta)
+        return entry
 
 
 _constexpr_positions: dict = {}
@@ -65,7 +155,7 @@ def _specialisation(arg):
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
     key = getattr(arg, "key", None)
-    if key is not None:  # hopper.Descriptor: its block, dtype and layout class, computed once
+    if key is not None:  # memory.Descriptor (hopper.Descriptor): its class, block and dtype, computed once
         return key
     if hasattr(arg, "block_shape"):  # Triton's TensorDescriptor: its block and dtype
         return (kind, tuple(arg.block_shape), arg.base.dtype)

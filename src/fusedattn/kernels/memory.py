@@ -66,15 +66,32 @@ def tma_addressable(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s * size % 16 == 0 for s in t.stride()[:-1])
 
 
+class Descriptor:
+    """A TMA descriptor over a whole tensor as a compiled kernel's launcher reads it (base, shape,
+    strides, padding) with the key ``launch.launch`` specialises on. Triton's TensorDescriptor checks
+    its fields on every construction (~5 us of host time each, a dozen a training step); the one
+    check that can fail here (``tma_addressable``) is the callers', and a real TensorDescriptor is
+    built only for a launch through Triton (``for_triton``: a first launch, the interpreter)."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding", "key")
+
+    def __init__(self, base: torch.Tensor, block_shape: tuple):
+        self.base, self.shape, self.strides = base, base.shape, base.stride()
+        self.block_shape, self.padding = block_shape, "zero"
+        self.key = (type(self), block_shape, base.dtype)
+
+    def for_triton(self):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape))
+
+
 def block_descriptor(t_bhsd: torch.Tensor, block_rows: int, block_cols: int):
     """A TMA descriptor over a (B, H, S, D) view with block (1, 1, block_rows, block_cols), or None
     where the copy engine cannot address it."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if not tma_addressable(t_bhsd):
         return None
-    return TensorDescriptor(t_bhsd, shape=list(t_bhsd.shape), strides=list(t_bhsd.stride()),
-                            block_shape=[1, 1, block_rows, block_cols])
+    return Descriptor(t_bhsd, (1, 1, block_rows, block_cols))
 
 
 def loop_descriptors(pairs, layout: str, block_rows: int, use: bool):
@@ -91,11 +108,9 @@ def score_tile_descriptor(t: torch.Tensor | None, block_q: int, block_k: int):
     a mask's bytes -- in its own (B|1, H|1, Sq, Sk) shape with block (1, 1, block_q, block_k), or
     None where tiles cannot come through TMA: on CPU, a broadcast query or key dim (those read one
     row or column, by pointers), an expanded dim (stride 0, size > 1), or an unaligned tensor."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if not score_tiles_addressable(t):
         return None
-    return TensorDescriptor(t, shape=list(t.shape), strides=list(t.stride()), block_shape=[1, 1, block_q, block_k])
+    return Descriptor(t, (1, 1, block_q, block_k))
 
 
 def score_tiles_addressable(t: torch.Tensor | None) -> bool:
