@@ -197,7 +197,7 @@ def test_cached_launches_run_the_kernel_each_problem_compiled():
 
     launch._compiled.clear()
     first = [step(case, *qkv[:4]) for case, qkv in zip(cases, inputs)]
-    kernels = {key[0] for key in launch._compiled}
+    kernels = {entry[3] for entry in launch._compiled.values()}
     assert {hopper_fwd._attn_fwd_ws_kernel, hopper_fwd._attn_fwd_kernel} & kernels
     assert {hopper_bwd._dkdv_ws_kernel, bwd._preprocess_kernel} <= kernels
     compiled = len(launch._compiled)

@@ -50,3 +50,14 @@ def test_descriptors_key_by_block_and_dtype_and_become_triton_descriptors():
         assert got.base is x and type(got) is TensorDescriptor
         assert (list(got.shape), list(got.strides), got.block_shape, got.padding) == \
             (list(want.shape), list(want.strides), want.block_shape, want.padding)
+
+
+def test_host_grid_arithmetic_agrees_with_triton():
+    import triton
+
+    from fusedattn.kernels.launch import cdiv, next_power_of_2
+
+    for a in (0, 1, 2, 15, 16, 17, 1000, 4096, 2**31 + 5):
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 3, 16, 64, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)

@@ -46,7 +46,7 @@ from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
                   mask_args, mask_descriptor, padded_dim, row_list_args, score_constants)
-from .launch import launch
+from .launch import cdiv, launch
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor,
                      store_tile, tile_ptrs)
@@ -140,11 +140,15 @@ def _write_bias_grad(ds_logit, desc, base, bias_batch, bias_head, start_q, start
 
 @triton.jit
 def _preprocess_kernel(
-    Out, DOut, Lse, DLse, Lse2, Delta,
+    Out, DOut, Lse, DLse, Lse2, Delta, DQAccum,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
-    seqlen_q, heads_q, stride_stats,
+    seqlen_q, heads_q, stride_stats, dq_cols,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+    ZERO_DQ: tl.constexpr, BLOCK_DQ: tl.constexpr,
 ):
+    """Row statistics of the backward: lse in base 2 and delta = rowsum(dO * O) (- dlse), rows padded
+    to ``stride_stats``. ``ZERO_DQ``: also zero this program's rows of the contiguous fp32 (B, Hq, Sq,
+    dq_cols) dQ accumulator that the dK/dV pass then sums into (a memset launch less a step)."""
     batch_head = tl.program_id(1)
     batch = batch_head // heads_q
     head = batch_head % heads_q
@@ -164,6 +168,11 @@ def _preprocess_kernel(
     stats_offset = batch_head.to(tl.int64) * stride_stats
     tl.store(Lse2 + stats_offset + offs_m, lse2, mask=offs_m < stride_stats)
     tl.store(Delta + stats_offset + offs_m, delta, mask=offs_m < stride_stats)
+    if ZERO_DQ:
+        offs_dq = tl.arange(0, BLOCK_DQ)
+        rows = DQAccum + (row_offset + offs_m.to(tl.int64))[:, None] * dq_cols + offs_dq[None, :]
+        tl.store(rows, tl.zeros([BLOCK_M, BLOCK_DQ], dtype=tl.float32),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_dq[None, :] < dq_cols))
 
 
 @triton.jit
@@ -646,17 +655,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
                                        skips_tiles=mask is not None)
 
-    # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
-    pre_block_m = configs.preprocess_block_m
-    row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, 16)
-    padded_rows = triton.cdiv(seqlen_q, row_multiple) * row_multiple
-    lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
-    delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
-    launch(_preprocess_kernel, (padded_rows // pre_block_m, batch * heads_q),
-           (out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
-            *bhs_strides(out, layout), *bhs_strides(dout, layout), seqlen_q, heads_q, padded_rows),
-           HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None)
-
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
     if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
         dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
@@ -669,8 +667,23 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     block_major = dkdv_block_major(spec, heads_q // heads_kv)
     if atomic_dq:
         # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
-        padded_d = triton.cdiv(head_dim, 4) * 4
-        dq_buffer = torch.zeros((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
+        # The pre-pass zeroes it.
+        padded_d = cdiv(head_dim, 4) * 4
+        dq_buffer = torch.empty((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
+
+    # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
+    pre_block_m = configs.preprocess_block_m
+    row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, 16)
+    padded_rows = cdiv(seqlen_q, row_multiple) * row_multiple
+    lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
+    delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
+    launch(_preprocess_kernel, (padded_rows // pre_block_m, batch * heads_q),
+           (out, dout, lse, dlse if dlse is not None else lse, lse2, delta, dq_buffer if atomic_dq else lse,
+            *bhs_strides(out, layout), *bhs_strides(dout, layout), seqlen_q, heads_q, padded_rows,
+            padded_d if atomic_dq else 0),
+           HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
+           ZERO_DQ=atomic_dq, BLOCK_DQ=padded_dim(padded_d) if atomic_dq else 16)
+
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
@@ -685,8 +698,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     else:
         dq_buffer = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         dq_target, dq_strides = dq_buffer, bhs_strides(dq_buffer, layout)
-    key_blocks = triton.cdiv(seqlen_k, dkdv_cfg.block_n)
-    query_blocks = triton.cdiv(seqlen_q, dq_cfg.block_m)
+    key_blocks = cdiv(seqlen_k, dkdv_cfg.block_n)
+    query_blocks = cdiv(seqlen_q, dq_cfg.block_m)
     dkdv_programs = key_blocks * batch * heads_kv
     dq_programs = 0 if atomic_dq else query_blocks * batch * heads_q
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
@@ -798,8 +811,8 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbia
     heads_kv, seqlen_k = to_bhsd(k, layout).shape[1:3]
     bias = bias_args[0]
     sums = bias_grad_sums(bias)
-    q_tiles = 1 if sums["DBIAS_SUM_Q"] else triton.cdiv(seqlen_q, cfg.block_m)
-    k_tiles = 1 if sums["DBIAS_SUM_K"] else triton.cdiv(seqlen_k, cfg.block_n)
+    q_tiles = 1 if sums["DBIAS_SUM_Q"] else cdiv(seqlen_q, cfg.block_m)
+    k_tiles = 1 if sums["DBIAS_SUM_K"] else cdiv(seqlen_k, cfg.block_n)
     bias_batches, bias_heads = bias.shape[0], bias.shape[1]
     states = None if mask is None else tile_lists.tile_states(mask, spec, seqlen_q, seqlen_k, cfg.block_m,
                                                               cfg.block_n)

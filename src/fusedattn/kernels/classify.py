@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, next_power_of_2
+
 # As block_mask.py; tl.constexpr so that compiled kernels may read them (the interpreter reads any global).
 EMPTY, FULL, PARTIAL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 CELLS_PER_PROGRAM = 32
@@ -41,10 +43,10 @@ def classify_cells(mask: torch.Tensor, cell_q: int, cell_k: int) -> torch.Tensor
     dim is one cell of one entry."""
     batch, heads, seqlen_q, seqlen_k = mask.shape
     cell_q, cell_k = (cell_q if seqlen_q > 1 else 1), (cell_k if seqlen_k > 1 else 1)
-    cells_q, cells_k = triton.cdiv(seqlen_q, cell_q), triton.cdiv(seqlen_k, cell_k)
+    cells_q, cells_k = cdiv(seqlen_q, cell_q), cdiv(seqlen_k, cell_k)
     states = torch.empty((batch, heads, cells_q, cells_k), dtype=torch.int8, device=mask.device)
-    per_program = min(CELLS_PER_PROGRAM, triton.next_power_of_2(cells_k))
-    grid = (cells_q, triton.cdiv(cells_k, per_program), batch * heads)
+    per_program = min(CELLS_PER_PROGRAM, next_power_of_2(cells_k))
+    grid = (cells_q, cdiv(cells_k, per_program), batch * heads)
     _classify_kernel[grid](mask.view(torch.uint8), states, heads, *mask.stride(), seqlen_q, seqlen_k, cells_q,
                            cells_k, CELL_Q=cell_q, CELL_K=cell_k, CELLS=per_program)
     return states

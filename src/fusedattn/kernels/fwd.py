@@ -20,7 +20,7 @@ from ..block_mask import BlockMask
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 from .masking import ONE_ROW, adjust_scores, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor, score_tiles_addressable,
                      store_tile, tile_ptrs)
@@ -166,7 +166,7 @@ LOG2E = 1.4426950408889634
 
 def padded_dim(d: int) -> int:
     """Tile width for a head dim: a power of two, at least 16 (the smallest tl.dot K)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -319,7 +319,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     qk_scale, softcap_log2 = score_constants(spec)
     block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
     descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)
-    grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads_q)
+    grid = (cdiv(seqlen_q, config.block_m), batch * heads_q)
     user_mask = mask_args(mask, heads_q, heads_kv, lse)
     tile_lists = row_list_args(mask, spec, seqlen_q, seqlen_k, config.block_m, config.block_n, heads_q, heads_kv, lse)
     launch(

@@ -74,7 +74,7 @@ from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait, window_bounds,
                      ws_registers)
-from .launch import launch
+from .launch import cdiv, launch
 from .memory import tma_addressable
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
@@ -748,7 +748,7 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
                      *bias_slice_args(bias, heads_q))
     else:
         bias_args = (dq_desc, dq_desc, 0, 1)
-    key_blocks = triton.cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
+    key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
     heads = batch * (heads_q if group_sum else heads_kv)
     chunk = chunk_head_rows(heads, key_blocks, spec.has_window_right, q.device)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)

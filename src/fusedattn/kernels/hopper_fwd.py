@@ -58,7 +58,7 @@ from .block_range import key_blocks_for_query_block
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, sm_count, turn_pass, turn_wait, window_bounds, ws_registers)
-from .launch import launch
+from .launch import cdiv, launch
 
 
 # --------------------------------------------------------------------------- helpers
@@ -750,7 +750,7 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     if any(d is None for d in descs):
         return False
     causal = spec.window_right == 0
-    query_blocks = triton.cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
+    query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
     chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, q.device)
     tiles = batch * heads_q * query_blocks
     grid = (tiles,)

@@ -34,20 +34,33 @@ def launch(kernel, grid, args: tuple, **constexprs_and_options):
         kernel[grid](*_for_triton(args), **constexprs_and_options)
         return
     positional_constexprs = _positional_constexprs(kernel, len(args))
-    key = (kernel, torch.cuda.current_device(), tuple(constexprs_and_options.items()),
+    device = torch.cuda.current_device()
+    # id(kernel): hashing a JITFunction goes through its cache_key property on every lookup; the
+    # entry holds the kernel, so its id is not reused while the entry lives.
+    key = (id(kernel), device, tuple(constexprs_and_options.items()),
            *map(_specialisation, args), *(args[i] for i in positional_constexprs))
     entry = _compiled.get(key)
     if entry is None:
         compiled = kernel[grid](*_for_triton(args), **constexprs_and_options)
         constexprs = tuple(constexprs_and_options[name] for name in kernel.arg_names[len(args):])
-        _compiled[key] = (compiled, constexprs, _DirectLaunch.of(compiled))
+        _compiled[key] = (compiled, constexprs, _DirectLaunch.of(compiled), kernel)
         return
-    compiled, constexprs, direct = entry
+    compiled, constexprs, direct, _ = entry
     grid3 = (*grid, 1, 1)[:3]  # a compiled kernel's runner takes a 3-D grid
     if direct is not None and DIRECT and _no_launch_hooks():
-        direct(grid3, args + constexprs)
+        direct(grid3, args + constexprs, device)
     else:
         compiled[grid3](*args, *constexprs)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host arithmetic for grids and tile counts: ``triton.cdiv`` and ``triton.next_power_of_2`` are
+    constexpr functions, ~2 us a call on the host."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def _for_triton(args: tuple) -> list:
@@ -100,7 +113,7 @@ class _DirectLaunch:
         except (AttributeError, TypeError, ValueError, ImportError):
             return None
 
-    def __call__(self, grid3, args: tuple):
+    def __call__(self, grid3, args: tuple, device: int):
         if self.descriptors:
             expanded, done = [], 0
             for position, meta in self.descriptors:
@@ -109,7 +122,7 @@ class _DirectLaunch:
                 done = position + 1
             expanded += args[done:]
             args = expanded
-        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        stream = torch._C._cuda_getCurrentRawStream(device)
         self.launch(*grid3, stream, self.function, self.cooperative, self.pdl, None, None, self.metadata, None, None,
                     None, *args)
 
