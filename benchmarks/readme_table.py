@@ -4,7 +4,8 @@
 
 First table: forward / forward+backward / backward-alone TFLOP/s of every system (backward alone
 is the fwd+bwd time less the forward time of the same run). Second table: fusedattn's ratios,
-all from times of the same run (> 1 means fusedattn is faster), and the cost of
+all from times of the same run (> 1 means fusedattn is faster; "graph": both steps replayed from
+CUDA graphs, the GPU's time without the host's), and the cost of
 ``deterministic=True`` (its fwd+bwd time over the default's). Where FlagGems was not measured
 in the run, its column compares our forward with the H200 forward figures of
 ../shared/BENCHMARKS.md (same shapes and convention), copied below and marked *.
@@ -70,7 +71,9 @@ def ratio_table(rows: list[dict]) -> str:
     for case in _cases(rows):
         ours, cudnn = case["fusedattn"], case.get("sdpa-cudnn")
         cells = _shape_cells(ours)
+        graph = cudnn if cudnn and "graph_fwdbwd_ms" in cudnn and "graph_fwdbwd_ms" in ours else None
         cells += [ratio(cudnn, ours, "fwd_ms"), ratio(cudnn, ours, "bwd_ms"), ratio(cudnn, ours, "fwdbwd_ms"),
+                  ratio(graph, ours, "graph_fwdbwd_ms"),
                   ratio(case.get("sdpa-flash"), ours, "fwdbwd_ms"), ratio(case.get("flex"), ours, "fwdbwd_ms")]
         if "flaggems" in case:
             cells += [ratio(case["flaggems"], ours, "fwd_ms"), ratio(case["flaggems"], ours, "fwdbwd_ms")]
@@ -81,7 +84,8 @@ def ratio_table(rows: list[dict]) -> str:
         det = case.get("fusedattn-deterministic")
         cells.append(f"{det['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}" if det else "—")
         body.append(cells)
-    header = ["D", "S", "causal", "fwd vs cuDNN", "bwd vs cuDNN", "f+b vs cuDNN", "f+b vs FA2", "f+b vs Flex",
+    header = ["D", "S", "causal", "fwd vs cuDNN", "bwd vs cuDNN", "f+b vs cuDNN", "f+b vs cuDNN (graph)", "f+b vs FA2",
+              "f+b vs Flex",
               "fwd vs FlagGems", "f+b vs FlagGems", "deterministic / default (time)"]
     return _markdown(header, body)
 

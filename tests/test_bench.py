@@ -1,5 +1,9 @@
 """The benchmark's shapes and its grouped-query path (CPU: fusedattn's PyTorch path vs SDPA math)."""
 
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from fusedattn.bench.__main__ import GQA_HEADS, _inputs, measure, merge_rounds, run, standard_shapes, table
@@ -56,3 +60,19 @@ def test_rounds_give_one_row_per_system_and_shape():
     assert all(r["rounds"] == 2 and len(r["fwdbwd_ms_rounds"]) == 2 for r in rows)
     assert saved == [2, 4]  # saved after each shape
     assert all(r["output_agrees"] for r in rows if r["system"] != "fusedattn")
+
+
+def test_parts_of_a_run_merge_without_replacing_a_row():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from merge_results import merge
+
+    env = dict(device="GPU", date="2026-11-22", rounds=3)
+    first = dict(environment=env, systems={"fusedattn": "a"}, rows=[dict(_row(), case="A"), dict(_row(), case="B")])
+    second = dict(environment=dict(env, rounds=2), systems={"flex": "b"},
+                  rows=[dict(_row(), case="C", system="flex")])
+    merged = merge([first, second])
+    assert [(r["system"], r["case"]) for r in merged["rows"]] == [("s", "A"), ("s", "B"), ("flex", "C")]
+    assert merged["systems"] == {"fusedattn": "a", "flex": "b"}
+    assert [p["rounds"] for p in merged["environment"]["parts"]] == [3, 2]
+    with pytest.raises(ValueError, match="two parts"):
+        merge([first, dict(first, rows=[dict(_row(), case="B")])])
