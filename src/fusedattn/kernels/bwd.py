@@ -48,8 +48,8 @@ from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, g
                   mask_args, mask_descriptor, padded_dim, row_list_args, score_constants)
 from .launch import cdiv, launch
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
-from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor,
-                     store_tile, tile_ptrs)
+from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors,
+                     score_tile_descriptor, store_tile, tile_ptrs)
 from .softmax import log2_scores, lse_for_backward
 
 TILE_EMPTY: tl.constexpr = tl.constexpr(EMPTY)  # a tile state (block_mask.py): no kept pair
