@@ -97,14 +97,14 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     """Prints one line per kernel; returns how many failed to compile or had their wgmmas serialised."""
     torch_dtype = TYPES[dtype]
     flags = dict(dict(HAS_MASK=False, MASK_SHIFT_Q=0, MASK_SHIFT_K=0, MASK_TMA=False, HAS_SINKS=False, HAS_BIAS=False,
-                      BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False), **flags)
+                      BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False, VARLEN=False), **flags)
     configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
                             flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
                   DOT_PRECISION=fwd.dot_precision(torch_dtype), **flags)
     fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32", Sinks="fp32", Mask="u8", TileLists="i32",
-                     ColumnLists="i32", RowLists="i32",
+                     ColumnLists="i32", RowLists="i32", CuSeqlensQ="i32", CuSeqlensK="i32",
                      DBias="fp32" if flags["DBIAS"] == bwd.DBIAS_ATOMIC else dtype)
 
     def descs(rows: int, *names: str) -> dict:
@@ -330,7 +330,7 @@ def main() -> None:
     p.add_argument("--variants", default=None,
                    help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,mask,causal+mask,"
                         "causal+mask+sinks,bias,causal+bias,causal+bias-atomic,causal+mask+bias,"
-                        "causal+mask+bias-pointers")
+                        "causal+mask+bias-pointers,varlen+causal")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
@@ -363,6 +363,8 @@ def main() -> None:
                                  HAS_BIAS=True, BIAS_TMA=True, DBIAS=bwd.DBIAS_STORE),
         "causal+mask+bias-pointers": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True,
                                           HAS_BIAS=True, BIAS_TMA=True, DBIAS=bwd.DBIAS_STORE),
+        # packed sequences (varlen_attention): the Triton kernels with pointer loads
+        "varlen+causal": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, VARLEN=True),
     }
     problems = 0
     for d in map(int, args.head_dims.split(",")):

@@ -24,9 +24,10 @@ def test_prepass_row_statistics_and_dq_accumulator(zero_dq):
     lse2, delta = (torch.full((batch * heads, padded_rows), 7.0, device=DEVICE) for _ in range(2))
     dq = torch.full((batch, heads, seqlen, dq_cols), float("nan"), device=DEVICE)
     launch(bwd._preprocess_kernel, (padded_rows // block_m, batch * heads),
-           (out, dout, lse, lse, lse2, delta, dq, *out.stride()[:3], *dout.stride()[:3], seqlen, heads, padded_rows,
-            dq_cols),
-           HEAD_DIM_V=head_dim_v, BLOCK_DV=16, BLOCK_M=block_m, HAS_DLSE=False, ZERO_DQ=zero_dq, BLOCK_DQ=16)
+           (out, dout, lse, lse, lse2, delta, dq, lse, *out.stride()[:3], *dout.stride()[:3], seqlen, heads,
+            padded_rows, dq_cols, 0),
+           HEAD_DIM_V=head_dim_v, BLOCK_DV=16, BLOCK_M=block_m, HAS_DLSE=False, ZERO_DQ=zero_dq, BLOCK_DQ=16,
+           VARLEN=False)
     want_delta = (out.double() * dout.double()).sum(-1).reshape(batch * heads, seqlen)
     torch.testing.assert_close(delta[:, :seqlen].double(), want_delta, rtol=1e-5, atol=1e-5)
     want_lse2 = (lse.double() * math.log2(math.e)).reshape(batch * heads, seqlen)

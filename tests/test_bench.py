@@ -76,3 +76,14 @@ def test_parts_of_a_run_merge_without_replacing_a_row():
     assert [p["rounds"] for p in merged["environment"]["parts"]] == [3, 2]
     with pytest.raises(ValueError, match="two parts"):
         merge([first, dict(first, rows=[dict(_row(), case="B")])])
+
+
+def test_packed_rows_documents_fill_the_batch():
+    """The varlen row's documents: DOCS lengths >= 1 summing to TOTAL, the same on every run; the
+    FLOPs count each document's kept causal pairs."""
+    from fusedattn.bench import packed
+
+    lengths = packed.document_lengths()
+    assert len(lengths) == packed.DOCS and sum(lengths) == packed.TOTAL and min(lengths) >= 1
+    assert lengths == packed.document_lengths()
+    assert packed.causal_flops([1, 3]) == 4.0 * packed.H * packed.D * (1 + 6)

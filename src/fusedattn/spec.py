@@ -49,6 +49,23 @@ class AttentionSpec:
         return self.softcap != 0.0
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Packed variable-length sequences (``varlen_attention``): sequence i is rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of q (and of k, v by ``cu_seqlens_k``), each an attention
+    problem of its own. The kernels see q as one batch of ``total_q`` rows, with a grid for
+    ``sequences`` sequences of up to ``max_seqlen_q`` rows. Validated by the interface."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def sequences(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+
 def fold_window(causal: bool, window: tuple[int, int] | None) -> tuple[int, int]:
     """``causal=True`` is ``window=(-1, 0)``; both given means their intersection."""
     left, right = (UNBOUNDED, UNBOUNDED) if window is None else (int(window[0]), int(window[1]))

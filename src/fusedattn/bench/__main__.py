@@ -300,9 +300,14 @@ def main(argv=None) -> None:
                              "instead of the shapes")
     parser.add_argument("--only", default=None,
                         help="with --variants: comma-separated words; the rows whose name contains one of them")
+    parser.add_argument("--packed", action="store_true",
+                        help="issue 5's rows: varlen training on 16 packed documents (vs Flex's document mask and "
+                             "SDPA on the padded batch)")
     args = parser.parse_args(argv)
     if args.variants:
         return _main_variants(args)
+    if args.packed:
+        return _main_packed(args)
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -342,20 +347,33 @@ def main(argv=None) -> None:
 def _main_variants(args) -> None:
     from . import variants
 
+    _main_side_rows(args, "--variants", "variants", lambda on_row: variants.run(
+        on_row=on_row, only=args.only.split(",") if args.only else None), variants.table)
+
+
+def _main_packed(args) -> None:
+    from . import packed
+
+    _main_side_rows(args, "--packed", "packed", packed.run, packed.table,
+                    extra=dict(lengths=packed.document_lengths()))
+
+
+def _main_side_rows(args, flag: str, prefix: str, run_rows, table_of, extra: dict | None = None) -> None:
+    """A GPU-only set of rows (``--variants``, ``--packed``): run, save as it goes, print the table."""
     if not torch.cuda.is_available():
-        print("fusedattn benchmark --variants: needs a CUDA device (its peers and shapes are GPU-sized)")
+        print(f"fusedattn benchmark {flag}: needs a CUDA device (its peers and shapes are GPU-sized)")
         return
     env = environment()
-    stem = f"variants-{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
+    stem = f"{prefix}-{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
     json_path = Path(args.out) / f"{stem}.json"
 
     def save(rows):
         if not args.no_save:
             json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(dict(environment=env, rows=rows), indent=1))
+            json_path.write_text(json.dumps(dict(environment=env, **(extra or {}), rows=rows), indent=1))
 
-    rows = variants.run(on_row=save, only=args.only.split(",") if args.only else None)
-    print(variants.table(rows))
+    rows = run_rows(on_row=save)
+    print(table_of(rows))
     if not args.no_save:
         print(f"wrote {json_path}")
 

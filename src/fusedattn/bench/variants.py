@@ -227,29 +227,31 @@ def _inputs(variant: Variant, plain: bool) -> Inputs:
     return Inputs(q, k, v, torch.randn_like(q), {} if plain else variant.make_extra(gen))
 
 
-def measure(variant: Variant, system: str) -> dict:
+def time_step(forward, step) -> tuple[float, float, float]:
+    """(forward ms without autograd, forward+backward ms, peak GB a step allocates beyond what it
+    starts with): medians of triton's do_bench (L2 cleared between calls)."""
     import triton.testing
 
+    with torch.no_grad():
+        fwd_ms = triton.testing.do_bench(forward, warmup=25, rep=100, return_mode="median")
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak_gb = (torch.cuda.max_memory_allocated() - before) / 2**30
+    return fwd_ms, triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"), peak_gb
+
+
+def measure(variant: Variant, system: str) -> dict:
     row = dict(variant=variant.name, system=system, B=B, H=H, Hkv=variant.heads_kv, S=S, D=D, causal=variant.causal)
     try:
         fn = SYSTEMS[system](variant)
         inp = _inputs(variant, plain=system == "fusedattn-plain")
         leaves = inp.leaves()
-        with torch.no_grad():
-            fwd_ms = triton.testing.do_bench(lambda: fn(inp), warmup=25, rep=100, return_mode="median")
-
-        def step():
-            out = fn(inp)
-            torch.autograd.grad(out, leaves, inp.dout)
-
-        step()
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak_gb = (torch.cuda.max_memory_allocated() - before) / 2**30
-        fwdbwd_ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+        fwd_ms, fwdbwd_ms, peak_gb = time_step(lambda: fn(inp), lambda: torch.autograd.grad(fn(inp), leaves,
+                                                                                          inp.dout))
     except Unavailable as e:  # the peer has no such feature
         row["note"] = f"skipped: {e}"
         return row

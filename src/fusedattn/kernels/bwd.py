@@ -40,16 +40,16 @@ import triton
 import triton.language as tl
 
 from ..block_mask import EMPTY, BlockMask
-from ..spec import AttentionSpec, from_bhsd, to_bhsd
+from ..spec import AttentionSpec, Packing, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
-                  mask_args, mask_descriptor, padded_dim, row_list_args, score_constants)
+                  mask_args, mask_descriptor, padded_dim, padded_dims, row_list_args, score_constants, sequence_args)
 from .launch import cdiv, launch
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
-from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors,
-                     score_tile_descriptor, store_tile, tile_ptrs)
+from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
+                     score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
 from .softmax import log2_scores, lse_for_backward
 
 TILE_EMPTY: tl.constexpr = tl.constexpr(EMPTY)  # a tile state (block_mask.py): no kept pair
@@ -138,30 +138,33 @@ def _write_bias_grad(ds_logit, desc, base, bias_batch, bias_head, start_q, start
             tl.atomic_add(base + offsets, ds_logit, mask=inside, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q", "stride_lse_head"])
 def _preprocess_kernel(
-    Out, DOut, Lse, DLse, Lse2, Delta, DQAccum,
+    Out, DOut, Lse, DLse, Lse2, Delta, DQAccum, CuSeqlensQ,
     stride_ob, stride_oh, stride_os, stride_dob, stride_doh, stride_dos,
-    seqlen_q, heads_q, stride_stats, dq_cols,
+    seqlen_q, heads_q, stride_stats, dq_cols, stride_lse_head,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
-    ZERO_DQ: tl.constexpr, BLOCK_DQ: tl.constexpr,
+    ZERO_DQ: tl.constexpr, BLOCK_DQ: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Row statistics of the backward: lse in base 2 and delta = rowsum(dO * O) (- dlse), rows padded
-    to ``stride_stats``. ``ZERO_DQ``: also zero this program's rows of the contiguous fp32 (B, Hq, Sq,
-    dq_cols) dQ accumulator that the dK/dV pass then sums into (a memset launch less a step)."""
+    to ``stride_stats`` (rows past a sequence's length: lse2 of -inf, delta 0). ``ZERO_DQ``: also
+    zero this program's rows of the contiguous fp32 (B, Hq, Sq, dq_cols) dQ accumulator that the
+    dK/dV pass then sums into (a memset launch less a step). ``VARLEN``: packed sequences
+    (``memory.sequence_rows``), lse (Hq, total_q)."""
     batch_head = tl.program_id(1)
     batch = batch_head // heads_q
     head = batch_head % heads_q
+    q_index, seqlen_q = sequence_rows(CuSeqlensQ, batch, seqlen_q, VARLEN)
     start_m = tl.program_id(0) * BLOCK_M
     offs_tile = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tile
     offs_dv = tl.arange(0, BLOCK_DV)
-    o = load_tile(tile_ptrs(head_base(Out, batch, head, stride_ob, stride_oh), start_m, stride_os, offs_tile, offs_dv),
-                  offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
-    do = load_tile(tile_ptrs(head_base(DOut, batch, head, stride_dob, stride_doh), start_m, stride_dos, offs_tile, offs_dv),
-                   offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    o = load_tile(tile_ptrs(head_base(Out, q_index, head, stride_ob, stride_oh), start_m, stride_os, offs_tile,
+                            offs_dv), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    do = load_tile(tile_ptrs(head_base(DOut, q_index, head, stride_dob, stride_doh), start_m, stride_dos, offs_tile,
+                             offs_dv), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    row_offset = batch_head.to(tl.int64) * seqlen_q
+    row_offset = lse_offset(batch, head, heads_q, seqlen_q, q_index, stride_lse_head, VARLEN)
     if HAS_DLSE:
         delta -= tl.load(DLse + row_offset + offs_m, mask=offs_m < seqlen_q, other=0.0)
     lse2 = lse_for_backward(tl.load(Lse + row_offset + offs_m, mask=offs_m < seqlen_q, other=float("-inf")))
@@ -177,7 +180,7 @@ def _preprocess_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
+    dk, dv, k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, q_index, head_kv, group_size, heads_q,
     stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
     stride_stats, block_begin, block_end, skip_begin, skip_end, offs_n, seqlen_q, seqlen_k, window_left, window_right,
     qk_scale, softcap_log2, scale, Mask, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
@@ -215,10 +218,10 @@ def _dkdv_tiles(
         head = head_kv * group_size + member
         start_m = block * BLOCK_M
         offs_m = start_m + offs_tile
-        q = load_block(q_desc, head_base(Q, batch, head, stride_qb, stride_qh), batch, head, start_m, stride_qs,
+        q = load_block(q_desc, head_base(Q, q_index, head, stride_qb, stride_qh), batch, head, start_m, stride_qs,
                        seqlen_q, HEAD_DIM, BLOCK_M, BLOCK_D, IS_MASKED, TMA_LOADS)
-        do = load_block(do_desc, head_base(DOut, batch, head, stride_dob, stride_doh), batch, head, start_m, stride_dos,
-                        seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, IS_MASKED, TMA_LOADS)
+        do = load_block(do_desc, head_base(DOut, q_index, head, stride_dob, stride_doh), batch, head, start_m,
+                        stride_dos, seqlen_q, HEAD_DIM_V, BLOCK_M, BLOCK_DV, IS_MASKED, TMA_LOADS)
         dq_row = batch * heads_q + head
         stats_offset = dq_row.to(tl.int64) * stride_stats  # padded rows: no mask (rows past seqlen_q give p = 0)
         lse2 = tl.load(Lse2 + stats_offset + offs_m)
@@ -249,7 +252,7 @@ def _dkdv_tiles(
             if DQ_TMA:  # one bulk reduce-add per tile; the descriptor drops rows past seqlen_q
                 dq_desc.atomic_add([dq_row, start_m, 0], dq.reshape(1, BLOCK_M, BLOCK_D))
             else:
-                dq_ptrs = tile_ptrs(head_base(DQAccum, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs,
+                dq_ptrs = tile_ptrs(head_base(DQAccum, q_index, head, stride_dqb, stride_dqh), start_m, stride_dqs,
                                     offs_tile, offs_d)
                 tl.atomic_add(dq_ptrs, dq, mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
                               sem="relaxed")
@@ -258,7 +261,7 @@ def _dkdv_tiles(
 
 @triton.jit
 def _dkdv_program(
-    n_block, batch, head_kv,
+    n_block, batch, head_kv, q_index, k_index,
     Q, K, V, DOut, Lse2, Delta, DK, DV, DQAccum, Mask, Bias, DBias, TileLists, q_desc, do_desc, dq_desc, bias_desc,
     dbias_desc, mask_desc,
     stride_qb, stride_qh, stride_qs,
@@ -280,19 +283,22 @@ def _dkdv_program(
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr, MASK_TMA: tl.constexpr,
 ):
-    """dK, dV of one key block of one KV head, summed over the query heads of its group."""
+    """dK, dV of one key block of one KV head, summed over the query heads of its group. ``batch``:
+    the batch (or packed sequence) index; ``q_index``, ``k_index``: what addresses its rows of the
+    query-side and key-side tensors (``memory.sequence_rows``)."""
     start_n = n_block * BLOCK_N
     offs_tile = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_tile
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = load_tile(tile_ptrs(head_base(K, batch, head_kv, stride_kb, stride_kh), start_n, stride_ks, offs_tile, offs_d),
-                  offs_n, seqlen_k, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
-    v = load_tile(tile_ptrs(head_base(V, batch, head_kv, stride_vb, stride_vh), start_n, stride_vs, offs_tile, offs_dv),
-                  offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    k = load_tile(tile_ptrs(head_base(K, k_index, head_kv, stride_kb, stride_kh), start_n, stride_ks, offs_tile,
+                            offs_d), offs_n, seqlen_k, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
+    v = load_tile(tile_ptrs(head_base(V, k_index, head_kv, stride_vb, stride_vh), start_n, stride_vs, offs_tile,
+                            offs_dv), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    operands = (k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, head_kv, group_size, heads_q,
+    operands = (k, v, Q, DOut, q_desc, do_desc, DQAccum, dq_desc, Lse2, Delta, batch, q_index, head_kv, group_size,
+                heads_q,
                 stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh,
                 stride_dqs, stride_stats)
     scores_args = (offs_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, scale, Mask,
@@ -338,10 +344,10 @@ def _dkdv_program(
             DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
 
-    store_tile(tile_ptrs(head_base(DK, batch, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile, offs_d),
-               dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
-    store_tile(tile_ptrs(head_base(DV, batch, head_kv, stride_dvb, stride_dvh), start_n, stride_dvs, offs_tile, offs_dv),
-               dv, offs_n, seqlen_k, offs_dv, HEAD_DIM_V)
+    store_tile(tile_ptrs(head_base(DK, k_index, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile,
+                         offs_d), dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
+    store_tile(tile_ptrs(head_base(DV, k_index, head_kv, stride_dvb, stride_dvh), start_n, stride_dvs, offs_tile,
+                         offs_dv), dv, offs_n, seqlen_k, offs_dv, HEAD_DIM_V)
 
 
 @triton.jit
@@ -384,7 +390,7 @@ def _dq_tiles(
 
 @triton.jit
 def _dq_program(
-    m_block, batch, head,
+    m_block, batch, head, q_index, k_index,
     Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, TileLists, k_desc, v_desc, bias_desc, mask_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
@@ -402,7 +408,8 @@ def _dq_program(
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_TMA: tl.constexpr,
 ):
-    """dQ of one query block of one query head, in registers: a fixed summation order."""
+    """dQ of one query block of one query head, in registers: a fixed summation order. ``q_index``,
+    ``k_index``: as for ``_dkdv_program``."""
     mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
     mask_batch, mask_head = slice_indices(batch, head, stride_mb, stride_mh, mask_head_div)
     bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
@@ -414,15 +421,15 @@ def _dq_program(
     offs_m = start_m + offs_tile
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = load_tile(tile_ptrs(head_base(Q, batch, head, stride_qb, stride_qh), start_m, stride_qs, offs_tile, offs_d),
+    q = load_tile(tile_ptrs(head_base(Q, q_index, head, stride_qb, stride_qh), start_m, stride_qs, offs_tile, offs_d),
                   offs_m, seqlen_q, offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
-    do = load_tile(tile_ptrs(head_base(DOut, batch, head, stride_dob, stride_doh), start_m, stride_dos, offs_tile, offs_dv),
-                   offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
+    do = load_tile(tile_ptrs(head_base(DOut, q_index, head, stride_dob, stride_doh), start_m, stride_dos, offs_tile,
+                             offs_dv), offs_m, seqlen_q, offs_dv, HEAD_DIM_V, True, HEAD_DIM_V != BLOCK_DV)
     stats_offset = batch_head.to(tl.int64) * stride_stats
     lse2 = tl.load(Lse2 + stats_offset + offs_m)
     delta = tl.load(Delta + stats_offset + offs_m)
-    k_base = head_base(K, batch, head_kv, stride_kb, stride_kh)
-    v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
+    k_base = head_base(K, k_index, head_kv, stride_kb, stride_kh)
+    v_base = head_base(V, k_index, head_kv, stride_vb, stride_vh)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     operands = (q, do, lse2, delta, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs)
@@ -459,16 +466,18 @@ def _dq_program(
                        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                        DOT_PRECISION, TMA_LOADS,
                        MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
-    store_tile(tile_ptrs(head_base(DQ, batch, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
+    store_tile(tile_ptrs(head_base(DQ, q_index, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 
 
 # Lengths stay runtime values: Triton would otherwise compile a separate kernel for a length of 1
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks"])
+# ... and so do the program counts: packed sequences' longest length changes from call to call, and
+# a new set of lengths must not compile a new kernel.
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks", "dkdv_programs"])
 def _backward_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, RowLists, q_desc, do_desc, k_desc, v_desc,
-    dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc, mask_dkdv_desc, mask_dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, RowLists, CuSeqlensQ, CuSeqlensK, q_desc,
+    do_desc, k_desc, v_desc, dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc, mask_dkdv_desc, mask_dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -488,7 +497,7 @@ def _backward_kernel(
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
-    MASK_TMA: tl.constexpr,
+    MASK_TMA: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """The backward after the pre-pass. Programs ``[0, dkdv_programs)`` compute dK/dV (the heavier
     work, so it starts first), the rest compute dQ. Launched once with both kinds (they fill each
@@ -498,6 +507,9 @@ def _backward_kernel(
     A split launch compiles one pass only: the outer ``if``s test the constexprs themselves and a
     disabled flag short-circuits the runtime test. (A local assigned from a constexpr is *not*
     one in Triton, so ``is_dkdv = RUN_DKDV; if is_dkdv:`` would compile both passes.)
+
+    ``VARLEN``: packed sequences; the grid covers the longest (``seqlen_q``, ``seqlen_k``, the block
+    counts are its), a shorter sequence's extra blocks do nothing (``memory.sequence_rows``).
     """
     pid = tl.program_id(0)
     if RUN_DKDV:
@@ -509,20 +521,23 @@ def _backward_kernel(
             else:  # the key blocks of one head after another
                 n_block = pid % key_blocks
                 batch_head_kv = pid // key_blocks
-            _dkdv_program(
-                n_block, batch_head_kv // heads_kv, batch_head_kv % heads_kv,
-                Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, q_desc, do_desc, dq_desc,
-                bias_dkdv_desc, dbias_desc, mask_dkdv_desc,
-                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
-                stride_dvs, stride_dqb, stride_dqh, stride_dqs, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
-                MASK_SHIFT_Q, MASK_SHIFT_K, stride_clb, stride_clh, stride_clr,
-                stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
-                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
-                qk_scale, softcap_log2, scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
-                INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS, MASK_TMA)
+            batch = batch_head_kv // heads_kv
+            q_index, seq_q, k_index, seq_k = sequence_pair(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
+            if not VARLEN or n_block * DKDV_BLOCK_N < seq_k:
+                _dkdv_program(
+                    n_block, batch, batch_head_kv % heads_kv, q_index, k_index,
+                    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, q_desc, do_desc, dq_desc,
+                    bias_dkdv_desc, dbias_desc, mask_dkdv_desc,
+                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                    stride_dob, stride_doh, stride_dos, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh,
+                    stride_dvs, stride_dqb, stride_dqh, stride_dqs, stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div,
+                    MASK_SHIFT_Q, MASK_SHIFT_K, stride_clb, stride_clh, stride_clr,
+                    stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
+                    seq_q, seq_k, heads_q, group_size, window_left, window_right, stride_stats,
+                    qk_scale, softcap_log2, scale,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                    HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
+                    INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS, MASK_TMA)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -530,18 +545,21 @@ def _backward_kernel(
             m_block = dq_pid % query_blocks
             if HAS_RIGHT:  # with a right window bound the last query blocks see the most keys: run them first
                 m_block = query_blocks - 1 - m_block
-            _dq_program(
-                m_block, batch_head // heads_q, batch_head % heads_q,
-                Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, RowLists, k_desc, v_desc, bias_dq_desc, mask_dq_desc,
-                stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-                stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q, MASK_SHIFT_K,
-                stride_rlb, stride_rlh, stride_rlr, rows_head_div,
-                stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
-                seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_stats,
-                qk_scale, softcap_log2, scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS, MASK_TMA)
+            batch = batch_head // heads_q
+            q_index, seq_q, k_index, seq_k = sequence_pair(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
+            if not VARLEN or m_block * DQ_BLOCK_M < seq_q:
+                _dq_program(
+                    m_block, batch, batch_head % heads_q, q_index, k_index,
+                    Q, K, V, DOut, Lse2, Delta, DQ, Mask, Bias, RowLists, k_desc, v_desc, bias_dq_desc, mask_dq_desc,
+                    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                    stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+                    stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q, MASK_SHIFT_K,
+                    stride_rlb, stride_rlh, stride_rlr, rows_head_div,
+                    stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
+                    seq_q, seq_k, heads_q, group_size, window_left, window_right, stride_stats,
+                    qk_scale, softcap_log2, scale,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                    HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS, MASK_TMA)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
@@ -634,21 +652,27 @@ def _bias_grad_kernel(
 
 
 def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
-                       mask: BlockMask | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False):
+                       mask: BlockMask | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
+                       packing: Packing | None = None):
     """Returns (dq, dk, dv, dbias), dq/dk/dv each in the layout and dtype of its input. ``mask``,
-    ``bias``: as for ``fwd.attention_forward``. ``dbias`` (with ``bias_grad``, else None) has the
-    bias's 4-D shape and dtype: the gradient summed over the bias's broadcast dims (SPEC 3.3)."""
+    ``bias``, ``packing``: as for ``fwd.attention_forward``. ``dbias`` (with ``bias_grad``, else None)
+    has the bias's 4-D shape and dtype: the gradient summed over the bias's broadcast dims (SPEC 3.3).
+    Packed sequences run the Triton passes with pointer loads."""
     layout = spec.layout
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, layout).shape[1:]
+    total_q = seqlen_q
+    if packing is not None:
+        batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
         dbias = torch.zeros_like(bias) if bias_grad else None
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_(), dbias
     qk_scale, softcap_log2 = score_constants(spec)
+    block_d, block_dv = padded_dims(head_dim, head_dim_v)
     flags = dict(
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=padded_dim(head_dim), BLOCK_DV=padded_dim(head_dim_v),
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
     )
@@ -656,9 +680,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
                                        skips_tiles=mask is not None)
 
     dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
+    if packing is not None and dkdv_cfg.hopper_overlap is not None:  # the Gluon pass takes no packing
+        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
+        atomic_dq_config = False  # as where the Gluon pass declines a problem: dQ in a pass of its own
+    else:
+        atomic_dq_config = configs.atomic_dq
     if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
         dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
-    atomic_dq = configs.atomic_dq and not spec.deterministic
+    atomic_dq = atomic_dq_config and not spec.deterministic
     # The Gluon pass reads a bias (and stores its gradient) in its 5-matmul form only.
     bias_in_gluon = atomic_dq and gluon_dkdv_takes_bias(q, spec, bias, dbias_mode)
     if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias,
@@ -667,9 +696,13 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     block_major = dkdv_block_major(spec, heads_q // heads_kv)
     if atomic_dq:
         # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
-        # The pre-pass zeroes it.
+        # The pre-pass zeroes it. Packed sequences: (1, total_q, Hq, D) seen as (1, Hq, total_q, D).
         padded_d = cdiv(head_dim, 4) * 4
-        dq_buffer = torch.empty((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
+        if packing is None:
+            dq_buffer = torch.empty((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
+        else:
+            dq_buffer = torch.zeros((1, total_q, heads_q, padded_d), dtype=torch.float32,
+                                    device=q.device).transpose(1, 2)
 
     # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
     pre_block_m = configs.preprocess_block_m
@@ -677,12 +710,13 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     padded_rows = cdiv(seqlen_q, row_multiple) * row_multiple
     lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
     delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
+    zero_dq = atomic_dq and packing is None
     launch(_preprocess_kernel, (padded_rows // pre_block_m, batch * heads_q),
-           (out, dout, lse, dlse if dlse is not None else lse, lse2, delta, dq_buffer if atomic_dq else lse,
-            *bhs_strides(out, layout), *bhs_strides(dout, layout), seqlen_q, heads_q, padded_rows,
-            padded_d if atomic_dq else 0),
-           HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dim(head_dim_v), BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
-           ZERO_DQ=atomic_dq, BLOCK_DQ=padded_dim(padded_d) if atomic_dq else 16)
+           (out, dout, lse, dlse if dlse is not None else lse, lse2, delta, dq_buffer if zero_dq else lse,
+            sequence_args(packing, lse)[0], *bhs_strides(out, layout, packing), *bhs_strides(dout, layout, packing),
+            seqlen_q, heads_q, padded_rows, padded_d if zero_dq else 0, total_q if packing is not None else 0),
+           HEAD_DIM_V=head_dim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
+           ZERO_DQ=zero_dq, BLOCK_DQ=padded_dim(padded_d) if zero_dq else 16, VARLEN=packing is not None)
 
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
@@ -692,20 +726,23 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
         dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
+    dq_tma = atomic_dq and configs.dq_tma and packing is None
     if atomic_dq:
-        dq_strides = dq_buffer.stride()[:3]
-        dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if configs.dq_tma else dq_buffer
+        dq_strides = bhs_strides(dq_buffer, "bhsd", packing)
+        dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if dq_tma else dq_buffer
     else:
         dq_buffer = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dq_target, dq_strides = dq_buffer, bhs_strides(dq_buffer, layout)
+        dq_target, dq_strides = dq_buffer, bhs_strides(dq_buffer, layout, packing)
     key_blocks = cdiv(seqlen_k, dkdv_cfg.block_n)
     query_blocks = cdiv(seqlen_q, dq_cfg.block_m)
     dkdv_programs = key_blocks * batch * heads_kv
     dq_programs = 0 if atomic_dq else query_blocks * batch * heads_q
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
     # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass), K, V (dQ pass).
-    dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m, dkdv_cfg.tma_loads)
-    dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n, dq_cfg.tma_loads)
+    dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m,
+                                  dkdv_cfg.tma_loads and packing is None)
+    dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n,
+                                dq_cfg.tma_loads and packing is None)
     user_mask = mask_args(mask, heads_q, heads_kv, lse2)
     # With a mask, the tiles each program visits (tile_lists.py): per key block for dK/dV, per
     # query block for dQ, at each pass's own tile sizes.
@@ -726,9 +763,9 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         [mask_descriptor(mask, dkdv_cfg.block_m, dkdv_cfg.block_n),
          mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)], lse2)
     tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
-               column_lists[0], row_lists[0])
-    scalars = (*bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
-               *bhs_strides(dk, layout), *bhs_strides(dv, layout), *dq_strides, *user_mask[1:], *column_lists[1:],
+               column_lists[0], row_lists[0], *sequence_args(packing, lse2))
+    scalars = (*(stride for t in (q, k, v, dout, dk, dv) for stride in bhs_strides(t, layout, packing)),
+               *dq_strides, *user_mask[1:], *column_lists[1:],
                *row_lists[1:], *bias_args[1:],
                *dbias_args[1:5],
                # group_size is passed, not derived in the kernel: Triton specialises an int argument
@@ -738,7 +775,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
                qk_scale, softcap_log2, spec.scale, key_blocks, query_blocks)
     constexprs = dict(
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
-        DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=atomic_dq and configs.dq_tma,
+        DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, VARLEN=packing is not None,
         DBIAS=dbias_mode if dbias_mode != DBIAS_PASS else DBIAS_OFF, **bias_grad_sums(bias), BIAS_TMA=bias_tma,
         MASK_TMA=mask_tma,
         # Boundary stretches of the dK/dV pass run a few tiles per program: pipelining them buys

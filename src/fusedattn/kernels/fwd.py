@@ -17,13 +17,13 @@ import triton
 import triton.language as tl
 
 from ..block_mask import BlockMask
-from ..spec import AttentionSpec, to_bhsd
+from ..spec import AttentionSpec, Packing, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .launch import cdiv, launch, next_power_of_2
 from .masking import ONE_ROW, adjust_scores, slice_indices
-from .memory import (head_base, load_block, load_tile, loop_descriptors, score_tile_descriptor, score_tiles_addressable,
-                     store_tile, tile_ptrs)
+from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
+                     score_tiles_addressable, sequence_pair, store_tile, tile_ptrs)
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 from .tile_lists import row_lists, tiles_whole
 
@@ -68,9 +68,9 @@ def _forward_tiles(
 
 # Lengths stay runtime values: Triton would otherwise compile a separate kernel for a length of 1
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lse_head"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, k_desc, v_desc, bias_desc, mask_desc,
+    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, CuSeqlensQ, CuSeqlensK, k_desc, v_desc, bias_desc, mask_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -78,13 +78,13 @@ def _forward_kernel(
     stride_mb, stride_mh, stride_mq, stride_mk, mask_head_div, MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr,
     stride_lb, stride_lh, stride_lr, lists_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
-    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right,
+    seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_lse_head,
     qk_scale, softcap_log2,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -95,15 +95,19 @@ def _forward_kernel(
     batch = batch_head // heads_q
     head = batch_head % heads_q
     head_kv = head // group_size
-
+    # Packed sequences: the grid covers the longest; a shorter one's extra query blocks stop here.
+    q_index, seqlen_q, k_index, seqlen_k = sequence_pair(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
     start_m = m_block * BLOCK_M
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
     offs_tile = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tile
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_base = head_base(Q, batch, head, stride_qb, stride_qh)
-    k_base = head_base(K, batch, head_kv, stride_kb, stride_kh)
-    v_base = head_base(V, batch, head_kv, stride_vb, stride_vh)
+    q_base = head_base(Q, q_index, head, stride_qb, stride_qh)
+    k_base = head_base(K, k_index, head_kv, stride_kb, stride_kh)
+    v_base = head_base(V, k_index, head_kv, stride_vb, stride_vh)
     mask_base = head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh)
     bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
     mask_batch, mask_head = slice_indices(batch, head, stride_mb, stride_mh, mask_head_div)
@@ -154,9 +158,10 @@ def _forward_kernel(
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
-    o_base = head_base(Out, batch, head, stride_ob, stride_oh)
+    o_base = head_base(Out, q_index, head, stride_ob, stride_oh)
     store_tile(tile_ptrs(o_base, start_m, stride_os, offs_tile, offs_dv), out, offs_m, seqlen_q, offs_dv, HEAD_DIM_V)
-    tl.store(Lse + batch_head.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    lse_rows = Lse + lse_offset(batch, head, heads_q, seqlen_q, q_index, stride_lse_head, VARLEN)
+    tl.store(lse_rows + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -167,6 +172,18 @@ LOG2E = 1.4426950408889634
 def padded_dim(d: int) -> int:
     """Tile width for a head dim: a power of two, at least 16 (the smallest tl.dot K)."""
     return max(16, next_power_of_2(d))
+
+
+def padded_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DV): each dim's tile width, except that a V tile narrower than a padded Q/K
+    tile is widened to it. Triton 3.6 miscompiles the forward with D=40 and Dv=24 on 64-key tiles
+    (tiles 64 and 32 wide, both column-masked): the P @ V dot touches shared memory past the
+    kernel's allocation (compute-sanitizer) and the output is wrong, with TMA or pointer loads
+    alike (benchmarks/NOTES.md v36); D=64 / Dv=24 and D=40 / Dv=40 are right."""
+    block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
+    if head_dim != block_d and block_dv < block_d:
+        block_dv = block_d
+    return block_d, block_dv
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -181,10 +198,19 @@ def score_constants(spec: AttentionSpec) -> tuple[float, float]:
     return spec.scale * LOG2E, 0.0
 
 
-def bhs_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
+def bhs_strides(t: torch.Tensor, layout: str, packing: Packing | None = None) -> tuple[int, int, int]:
+    """(batch, head, row) strides; for packed sequences the row stride stands for the batch's
+    (``memory.sequence_rows``: the kernels' batch index is then a sequence's first row)."""
     sb, sh, ss, sd = to_bhsd(t, layout).stride()
     assert sd == 1, "head dim must have unit stride (the interface copies otherwise)"
-    return sb, sh, ss
+    return (sb if packing is None else ss), sh, ss
+
+
+def sequence_args(packing: Packing | None, placeholder: torch.Tensor) -> tuple:
+    """(cu_seqlens_q, cu_seqlens_k) as the kernels take them: placeholders without packing."""
+    if packing is None:
+        return placeholder, placeholder
+    return packing.cu_seqlens_q, packing.cu_seqlens_k
 
 
 def broadcast_args(t: torch.Tensor | None, heads_q: int, heads_kv: int, placeholder: torch.Tensor) -> tuple:
@@ -281,25 +307,30 @@ def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=No
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
-                      mask: BlockMask | None = None, bias: torch.Tensor | None = None):
+                      mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None):
     """Returns (out in the user layout, lse (B, Hq, Sq) float32). ``config.hopper_overlap`` set:
     the Gluon kernel of hopper_fwd.py where it supports the problem, else this Triton kernel.
     ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator (SPEC 3.5).
     ``mask``: the user's boolean mask with its tile states (block_mask.BlockMask): empty tiles are
     skipped, full ones run without the mask (tile_lists.py).
-    ``bias``: the user's additive bias, 4-D and broadcast the same way, any float dtype."""
+    ``bias``: the user's additive bias, 4-D and broadcast the same way, any float dtype.
+    ``packing``: q, k, v are (1, total, H, D) "bshd" views of packed sequences (spec.Packing; no
+    mask or bias); lse is then (Hq, total_q). The Triton kernel with pointer loads runs them."""
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+    lse_shape = (batch, heads_q, seqlen_q) if packing is None else (heads_q, seqlen_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if packing is not None:
+        batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
     if out.numel() == 0:
         return out, lse
     if seqlen_k == 0:  # every row is empty (SPEC 3.1): only the sink, if any, is in the softmax
-        return out.zero_(), lse.copy_(sinks.view(1, heads_q, 1).expand_as(lse)) if sinks is not None \
+        return out.zero_(), lse.copy_(sinks.view(heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
-        if hopper_supports(q, k, v, spec, sinks, mask, bias, reads_bias=True):
+        if packing is None and hopper_supports(q, k, v, spec, sinks, mask, bias, reads_bias=True):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             gluon_config, lists = config, None
@@ -317,28 +348,29 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     bias_desc = score_tile_descriptor(bias, config.block_m, config.block_n)
     mask_desc = mask_descriptor(mask, config.block_m, config.block_n)
     qk_scale, softcap_log2 = score_constants(spec)
-    block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
-    descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n, config.tma_loads)
+    block_d, block_dv = padded_dims(head_dim, head_dim_v)
+    descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n,
+                             config.tma_loads and packing is None)
     grid = (cdiv(seqlen_q, config.block_m), batch * heads_q)
     user_mask = mask_args(mask, heads_q, heads_kv, lse)
     tile_lists = row_list_args(mask, spec, seqlen_q, seqlen_k, config.block_m, config.block_n, heads_q, heads_kv, lse)
     launch(
         _forward_kernel, grid, (
             q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
-            tile_lists[0], *(descs or (k, v)), bias_desc if bias_desc is not None else lse,
-            mask_desc if mask_desc is not None else lse,
-            *bhs_strides(q, spec.layout), *bhs_strides(k, spec.layout), *bhs_strides(v, spec.layout),
-            *bhs_strides(out, spec.layout), *user_mask[1:], *tile_lists[1:],
-            *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
+            tile_lists[0], *sequence_args(packing, lse), *(descs or (k, v)),
+            bias_desc if bias_desc is not None else lse, mask_desc if mask_desc is not None else lse,
+            *bhs_strides(q, spec.layout, packing), *bhs_strides(k, spec.layout, packing),
+            *bhs_strides(v, spec.layout, packing), *bhs_strides(out, spec.layout, packing), *user_mask[1:],
+            *tile_lists[1:], *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
             seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
-            qk_scale, softcap_log2,
+            lse.shape[-1] if packing is not None else 0, qk_scale, softcap_log2,
         ),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
         HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
         HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

@@ -60,6 +60,37 @@ def load_block(desc, base, batch, head, start_row, stride_row, n_rows, n_cols: t
                          offs_col, n_cols, CHECK_ROWS, n_cols != BLOCK_COLS)
 
 
+@triton.jit
+def sequence_rows(cu_seqlens, seq, seqlen, VARLEN: tl.constexpr):
+    """(index, length) of sequence ``seq`` as the kernels address it. Packed sequences (``VARLEN``,
+    varlen_attention): the index is the sequence's first row of the packed tensors -- the host
+    passes their row stride as the batch stride, so ``head_base(t, index, ...)`` lands on that
+    row -- and the length comes from ``cu_seqlens``. Otherwise the batch index and the one length."""
+    if VARLEN:
+        first = tl.load(cu_seqlens + seq)
+        return first, tl.load(cu_seqlens + seq + 1) - first
+    else:
+        return seq, seqlen
+
+
+@triton.jit
+def sequence_pair(cu_seqlens_q, cu_seqlens_k, seq, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """``sequence_rows`` of one sequence's queries and keys: (q index, Sq, k index, Sk)."""
+    q_index, seqlen_q = sequence_rows(cu_seqlens_q, seq, seqlen_q, VARLEN)
+    k_index, seqlen_k = sequence_rows(cu_seqlens_k, seq, seqlen_k, VARLEN)
+    return q_index, seqlen_q, k_index, seqlen_k
+
+
+@triton.jit
+def lse_offset(seq, head, heads_q, seqlen_q, first_row, stride_lse_head, VARLEN: tl.constexpr):
+    """Where a sequence's first row of one head lies in lse: (B, Hq, Sq) contiguous, or packed
+    (``VARLEN``) (Hq, total_q) with ``first_row`` from ``sequence_rows``."""
+    if VARLEN:
+        return head.to(tl.int64) * stride_lse_head + first_row
+    else:
+        return (seq * heads_q + head).to(tl.int64) * seqlen_q
+
+
 def tma_addressable(t: torch.Tensor) -> bool:
     """Whether the copy engine can address ``t``: 16-byte aligned base and outer strides, unit last stride."""
     size = t.element_size()

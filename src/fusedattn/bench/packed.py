@@ -1,0 +1,174 @@
+"""Issue 5's rows: training on packed documents (varlen), side by side in one process.
+
+    python -m fusedattn.bench --packed
+
+16 documents of random lengths (seeded) totalling 16k tokens, H=16, D=128, bf16, causal within
+each document. Systems: ``fusedattn.varlen_attention`` on the packed tokens; FlexAttention under
+torch.compile on the packed tokens with a document mask (its block mask built once, outside the
+timed steps); SDPA (cuDNN and FlashAttention-2 backends) and fusedattn's own dense kernel on the
+padded batch (16 x the longest document; causal is exact for every real row there, the padded
+rows are computed and thrown away). TFLOP/s count each document's causal work only. Bars: varlen
+fwd+bwd >= 1.2x Flex's document mask and >= 2x SDPA's padded batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import fusedattn
+
+from .systems import Unavailable
+from .variants import time_step
+
+DOCS, TOTAL, H, D = 16, 16384, 16, 128
+
+
+def document_lengths(seed: int = 0) -> list[int]:
+    """DOCS random lengths (each >= 1) that sum to TOTAL: the gaps between sorted random cuts."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randperm(TOTAL - 1, generator=gen)[:DOCS - 1].add(1).tolist())
+    bounds = [0, *cuts, TOTAL]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def causal_flops(lengths: list[int]) -> float:
+    """Forward FLOPs of causal attention within each document (SPEC 5's convention: 4*S*S*D*H/2,
+    counted exactly as the kept pairs: S*(S+1)/2)."""
+    return sum(4.0 * H * D * n * (n + 1) / 2 for n in lengths)
+
+
+class Packed:
+    """The packed q, k, v, dout (TOTAL, H, D), their offsets, and the padded batch made from them."""
+
+    def __init__(self, lengths: list[int]):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        self.lengths = lengths
+        self.q, self.k, self.v, self.dout = (torch.randn(TOTAL, H, D, device="cuda", dtype=torch.bfloat16,
+                                                         generator=gen) for _ in range(4))
+        self.cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        self.max_len = max(lengths)
+
+    def padded(self, t: torch.Tensor) -> torch.Tensor:
+        """(DOCS, H, max_len, D), zeros past each document's end."""
+        out = t.new_zeros(DOCS, self.max_len, H, D)
+        for i, (a, n) in enumerate(zip(self.cu.tolist(), self.lengths)):
+            out[i, :n] = t[a:a + n]
+        return out.transpose(1, 2)
+
+
+def _varlen(data: Packed):
+    def fn(q, k, v):
+        return fusedattn.varlen_attention(q, k, v, data.cu, data.cu, data.max_len, data.max_len, causal=True)
+
+    return fn, (data.q, data.k, data.v), data.dout
+
+
+def _flex_document(data: Packed):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    document = torch.repeat_interleave(torch.arange(DOCS, device="cuda"),
+                                       torch.tensor(data.lengths, device="cuda"))
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(doc_causal, None, None, TOTAL, TOTAL, device="cuda")
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def fn(q, k, v):  # (1, H, TOTAL, D) views of the packed tokens
+        return compiled(q, k, v, block_mask=block_mask)
+
+    as_bhsd = [t.unsqueeze(0).transpose(1, 2) for t in (data.q, data.k, data.v)]
+    return fn, as_bhsd, data.dout.unsqueeze(0).transpose(1, 2)
+
+
+def _padded(system: str):
+    def make(data: Packed):
+        if system == "fusedattn":
+            def fn(q, k, v):
+                return fusedattn.attention(q, k, v, layout="bhsd", causal=True)
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = getattr(SDPBackend, system)
+
+            def fn(q, k, v):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return fn, [data.padded(t) for t in (data.q, data.k, data.v)], data.padded(data.dout)
+
+    return make
+
+
+SYSTEMS = {
+    "fusedattn-varlen": _varlen,
+    "flex-document-mask": _flex_document,
+    "sdpa-cudnn-padded": _padded("CUDNN_ATTENTION"),
+    "sdpa-flash-padded": _padded("FLASH_ATTENTION"),
+    "fusedattn-padded": _padded("fusedattn"),
+}
+
+
+def measure(name: str, data: Packed) -> dict:
+    row = dict(row="varlen training", system=name, docs=DOCS, total=TOTAL, max_len=data.max_len, H=H, D=D,
+               causal=True)
+    try:
+        fn, inputs, dout = SYSTEMS[name](data)
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        fwd_ms, fwdbwd_ms, peak_gb = time_step(lambda: fn(*inputs), lambda: torch.autograd.grad(fn(*leaves), leaves,
+                                                                                               dout))
+    except Unavailable as e:
+        row["note"] = f"skipped: {e}"
+        return row
+    except Exception as e:  # a peer failing is a result
+        first_line = str(e).splitlines()[0][:160] if str(e) else ""
+        row["note"] = f"fails: {type(e).__name__}: {first_line}"
+        return row
+    finally:
+        torch.cuda.empty_cache()
+    flops = causal_flops(data.lengths)
+    row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, fwd_tflops=flops / fwd_ms * 1e-9,
+               fwdbwd_tflops=3.5 * flops / fwdbwd_ms * 1e-9, step_peak_gb=peak_gb)
+    return row
+
+
+def check_agreement(data: Packed) -> float:
+    """Max |varlen - padded dense| over the real rows: the rows compare like with like."""
+    out = fusedattn.varlen_attention(data.q, data.k, data.v, data.cu, data.cu, data.max_len, data.max_len,
+                                     causal=True)
+    dense = fusedattn.attention(*(data.padded(t) for t in (data.q, data.k, data.v)), layout="bhsd", causal=True)
+    worst = 0.0
+    for i, (a, n) in enumerate(zip(data.cu.tolist(), data.lengths)):
+        worst = max(worst, (out[a:a + n].float() - dense[i, :, :n].transpose(0, 1).float()).abs().max().item())
+    return worst
+
+
+def run(on_row=None) -> list[dict]:
+    from .__main__ import _progress
+
+    data = Packed(document_lengths())
+    diff = check_agreement(data)
+    rows = []
+    for name in _progress(list(SYSTEMS), "packed"):
+        row = measure(name, data)
+        if name == "fusedattn-varlen":
+            row["max_diff_vs_padded_dense"] = diff
+        rows.append(row)
+        if on_row:
+            on_row(rows)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'row':<18}{'system':<22}{'fwd ms':>9}{'f+b ms':>9}{'f+b TF/s':>10}{'peak GB':>9}{'ours vs this':>14}"]
+    ours = next((r for r in rows if r["system"] == "fusedattn-varlen" and "fwdbwd_ms" in r), None)
+    for r in rows:
+        if "fwdbwd_ms" not in r:
+            lines.append(f"{r['row']:<18}{r['system']:<22}  {r.get('note', '')}")
+            continue
+        ratio = f"{r['fwdbwd_ms'] / ours['fwdbwd_ms']:.2f}x" if ours and r is not ours else ""
+        lines.append(f"{r['row']:<18}{r['system']:<22}{r['fwd_ms']:>9.3f}{r['fwdbwd_ms']:>9.3f}"
+                     f"{r['fwdbwd_tflops']:>10.1f}{r['step_peak_gb']:>9.2f}{ratio:>14}")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""``varlen_attention``: packed batches of variable-length sequences (FlashAttention's varlen API).
+
+Sequence i is rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of q and rows
+``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` of k and v; each is an attention problem of its own (its
+causal / window rule aligned bottom-right within the sequence, SPEC 3.2), so no token attends
+across a sequence boundary and no padding is computed. The kernels take the packing as data
+(``spec.Packing``): a new set of lengths compiles nothing new.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, check_options, check_sinks
+from .interface import _resolve_backend, _unit_stride_head_dim, attention, sink_gradient
+from .kernels.bwd import attention_backward
+from .kernels.fwd import attention_forward
+from .spec import AttentionSpec, Packing, resolve_spec
+from .tuning.configs import select_configs
+
+_NAME = "fusedattn.varlen_attention"
+
+
+def _check_tensors(q, k, v) -> tuple[int, int]:
+    """(Hq, Hkv) of packed (total, H, D) q, k, v."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_NAME}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{_NAME}: `{name}` must be 3-D (total tokens, heads, head dim), got shape "
+                             f"{tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{_NAME}: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{_NAME}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{_NAME}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"{_NAME}: `k` is {tuple(k.shape)} and `v` is {tuple(v.shape)}; expected the same tokens "
+                         f"and heads")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{_NAME}: `k` head dim {k.shape[2]} must equal `q` head dim {q.shape[2]}")
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"{_NAME}: q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv})")
+    for name, dim in (("q/k", q.shape[2]), ("v", v.shape[2])):
+        if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{_NAME}: {name} head dim {dim} is not supported: expected "
+                             f"{MIN_HEAD_DIM} <= head dim <= {MAX_HEAD_DIM}")
+    return heads_q, heads_kv
+
+
+def _sequence_stats(cu: torch.Tensor) -> torch.Tensor:
+    """[first entry, last entry, shortest length, longest length] of one cu_seqlens, on its device."""
+    lengths = cu[1:] - cu[:-1]
+    return torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()])
+
+
+def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -> Packing:
+    """The packing, checked (issue 5: bad offsets are errors, never a wrong result or a bad access).
+    Reading the offsets' values costs one small device-to-host copy a call."""
+    cus = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    for name, cu in cus:
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{_NAME}: `{name}` must be an int32 torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{_NAME}: `{name}` must be int32 (the kernels read 32-bit offsets), got {cu.dtype}")
+        if cu.dim() != 1 or cu.numel() < 2:
+            raise ValueError(f"{_NAME}: `{name}` must be 1-D with (sequences + 1) >= 2 entries, got shape "
+                             f"{tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{_NAME}: `{name}` is on {cu.device} but q is on {q.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"{_NAME}: `cu_seqlens_q` has {cu_seqlens_q.numel()} entries and `cu_seqlens_k` "
+                         f"{cu_seqlens_k.numel()}; expected one per sequence boundary in both")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"{_NAME}: `{name}` must be an int >= 0, got {type(value).__name__} {value!r}")
+    stats = torch.cat([_sequence_stats(cu_seqlens_q), _sequence_stats(cu_seqlens_k)]).tolist()
+    for (name, cu), (first, last, shortest, longest), total, max_name, max_given in zip(
+            cus, (stats[:4], stats[4:]), (q.shape[0], k.shape[0]), ("max_seqlen_q", "max_seqlen_k"),
+            (max_seqlen_q, max_seqlen_k)):
+        if first != 0 or shortest < 0:
+            raise ValueError(f"{_NAME}: `{name}` must start at 0 and never decrease (offsets of consecutive "
+                             f"sequences), got {cu.tolist()}")
+        if last != total:
+            raise ValueError(f"{_NAME}: `{name}` ends at {last} but the packed tensor has {total} tokens; "
+                             f"expected the last offset to equal the token count")
+        if longest > max_given:
+            raise ValueError(f"{_NAME}: `{max_name}` is {max_given} but a sequence has {longest} tokens; "
+                             f"expected at least the longest length")
+    return Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """The Triton kernels over packed sequences: q, k, v as one batch of (1, total, H, D), the
+    packing as data."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, packing: Packing, spec: AttentionSpec):
+        q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+        # One config for every set of lengths (the long-keys class): a new longest length must not
+        # switch configs, which would compile new kernels.
+        configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], has_left=spec.has_window_left,
+                                 has_right=spec.has_window_right, has_softcap=spec.has_softcap)
+        kernel_sinks = sinks.detach().float().contiguous() if sinks is not None else None
+        out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing)
+        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
+        ctx.packing, ctx.spec, ctx.configs = packing, spec, configs
+        ctx.set_materialize_grads(False)
+        return out[0], lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout).unsqueeze(0)
+        if dlse is not None:
+            dlse = dlse.float().contiguous()
+        dq, dk, dv, _ = attention_backward(dout, dlse, q4, k4, v4, out, lse, ctx.spec, ctx.configs,
+                                           packing=ctx.packing)
+        dsinks = sink_gradient(sinks, out, dout, lse, dlse, "bshd") \
+            if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq[0], dk[0], dv[0], dsinks, None, None
+
+
+def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int):
+    """The "torch" backend: ``attention`` on each sequence (its chunked PyTorch path and autograd)."""
+    bounds_q, bounds_k = packing.cu_seqlens_q.tolist(), packing.cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+        if q1 == q0:  # no query: nothing to compute (its keys get zero gradients)
+            continue
+        out, lse = attention(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), sinks=sinks,
+                             return_lse=True, **options)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if not outs:
+        return q.new_zeros((0, heads_q, v.shape[-1])), q.new_zeros((heads_q, 0), dtype=torch.float32)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Exact attention over packed variable-length sequences, forward and backward.
+
+    q: (total_q, Hq, D), k: (total_k, Hkv, D), v: (total_k, Hkv, Dv); ``cu_seqlens_q`` /
+    ``cu_seqlens_k``: int32 (sequences + 1,) offsets, starting at 0 and ending at the token count
+    (a sequence may be empty); ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest length.
+    The options mean what they mean for ``fusedattn.attention``, per sequence (causal and window
+    bottom-right aligned within each). Returns out (total_q, Hq, Dv), and with ``return_lse=True``
+    also lse (Hq, total_q) float32 (FlashAttention's varlen layout). Bias and mask are not taken.
+    """
+    check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
+                  deterministic=deterministic, return_lse=return_lse)
+    heads_q, _ = _check_tensors(q, k, v)
+    check_sinks(sinks, q, heads_q)
+    packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
+    if _resolve_backend(q.device) == "torch":
+        options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic)
+        out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q)
+    else:
+        spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
+                            deterministic=deterministic)
+        out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,227 @@
+"""varlen_attention (issue 5): packed variable-length sequences against a per-sequence loop of the
+float64 reference (SPEC 4), forward and backward, on both backends; bad packings are errors.
+
+Without a GPU the Triton kernels run under the interpreter on short sequences (fp16/fp32); on a GPU
+the longer cases run in bf16/fp16 as well."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn.reference import reference_attention
+
+from attention_runner import forward_backward
+from numerics import assert_close_to_reference
+
+ON_GPU = torch.cuda.is_available()
+TRITON_DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@dataclass(frozen=True)
+class VarlenCase:
+    lengths_q: tuple[int, ...]
+    lengths_k: tuple[int, ...] | None = None  # None: as lengths_q
+    heads_q: int = 2
+    heads_kv: int = 2
+    head_dim: int = 32
+    head_dim_v: int | None = None
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    deterministic: bool = False
+    lse_grad: bool = False
+    dtype: torch.dtype = torch.float16
+    extra_max: int = 0  # max_seqlen given above the longest length (FlashAttention callers often round up)
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        return self.lengths_q if self.lengths_k is None else self.lengths_k
+
+    @property
+    def id(self) -> str:
+        parts = [f"q{'-'.join(map(str, self.lengths_q))}", f"k{'-'.join(map(str, self.keys))}",
+                 f"h{self.heads_q}-{self.heads_kv}", f"d{self.head_dim}v{self.head_dim_v or self.head_dim}",
+                 str(self.dtype).replace("torch.", "")]
+        for flag in ("causal", "sinks", "deterministic", "lse_grad"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.window:
+            parts.append(f"w{self.window[0]}_{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap}")
+        return "-".join(parts)
+
+    def options(self) -> dict:
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap, deterministic=self.deterministic)
+
+
+QUICK = [
+    # empty and one-token sequences inside a batch; GQA; lengths crossing 16-row tiles
+    VarlenCase((17, 1, 0, 33), heads_q=4, heads_kv=2, causal=True),
+    # Sq != Sk per sequence both ways, a sequence with queries and no keys, window + softcap + sinks, fp32
+    VarlenCase((5, 20, 3), (19, 7, 0), window=(8, 2), softcap=20.0, sinks=True, dtype=torch.float32),
+    # deterministic, a gradient through lse, head dims not powers of two (D != Dv), max_seqlen rounded up
+    VarlenCase((30, 9), head_dim=40, head_dim_v=24, causal=True, deterministic=True, lse_grad=True, extra_max=7),
+    # full attention, MQA, a one-token query sequence against many keys (decoding-like)
+    VarlenCase((1, 40, 2), (37, 40, 0), heads_q=2, heads_kv=1, sinks=True, lse_grad=True),
+]
+FULL = QUICK + [
+    VarlenCase((1000, 1, 0, 255, 129, 2048, 113), heads_q=8, heads_kv=2, head_dim=128, causal=True,
+               dtype=torch.bfloat16),
+    VarlenCase((1000, 1, 0, 255, 129, 2048, 113), heads_q=4, heads_kv=4, head_dim=64, window=(100, 0),
+               softcap=30.0, sinks=True, lse_grad=True, dtype=torch.bfloat16),
+    VarlenCase((127, 300, 17), (500, 129, 1), heads_q=6, heads_kv=3, head_dim=96, causal=True, deterministic=True,
+               dtype=torch.float16),
+]
+TRITON_CASES = FULL if ON_GPU else QUICK
+
+
+def _offsets(lengths, device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def make_inputs(case: VarlenCase, device):
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
+    total_q, total_k = sum(case.lengths_q), sum(case.keys)
+    dv = case.head_dim_v or case.head_dim
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen).to(device=device, dtype=case.dtype)
+
+    q, k, v = randn(total_q, case.heads_q, case.head_dim), randn(total_k, case.heads_kv, case.head_dim), \
+        randn(total_k, case.heads_kv, dv)
+    dout = randn(total_q, case.heads_q, dv)
+    dlse = torch.randn(case.heads_q, total_q, generator=gen).to(device)
+    sinks = (2.0 * torch.randn(case.heads_q, generator=gen) + 1.0).to(device) if case.sinks else None
+    return q, k, v, dout, dlse, sinks
+
+
+def reference_loop(q, k, v, case: VarlenCase, sinks_=None):
+    """The SPEC 3 reference on each sequence, packed back: (out (total_q, Hq, Dv), lse (Hq, total_q))."""
+    bounds_q = [0, *torch.tensor(case.lengths_q).cumsum(0).tolist()]
+    bounds_k = [0, *torch.tensor(case.keys).cumsum(0).tolist()]
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+        if q1 == q0:
+            continue
+        if k1 == k0:  # no key: out 0; lse the sink's logit, or -inf (SPEC 3.1)
+            outs.append(q.new_zeros(q1 - q0, q.shape[1], v.shape[-1]))
+            empty = torch.full((q.shape[1], q1 - q0), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64
+                               else torch.float32, device=q.device)
+            lses.append(empty if sinks_ is None else sinks_.to(empty.dtype)[:, None].expand_as(empty))
+            continue
+        out, lse = reference_attention(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], sinks=sinks_,
+                                       return_lse=True, **{key: val for key, val in case.options().items()
+                                                           if key != "deterministic"})
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def check_varlen_case(case: VarlenCase, backend: str, device) -> None:
+    q, k, v, dout, dlse, sinks = make_inputs(case, device)
+    cu_q, cu_k = _offsets(case.lengths_q, device), _offsets(case.keys, device)
+
+    def ours(q_, k_, v_, sinks_=None):
+        with fusedattn.use_backend(backend):
+            return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, max(case.lengths_q) + case.extra_max,
+                                              max(case.keys) + case.extra_max, sinks=sinks_, return_lse=True,
+                                              **case.options())
+
+    def reference(q_, k_, v_, sinks_=None):
+        return reference_loop(q_, k_, v_, case, sinks_)
+
+    extras = dict(lse_grad=case.lse_grad, sinks=sinks)
+    got = forward_backward(ours, q, k, v, dout, dlse, **extras)
+    lowp = forward_backward(reference, q, k, v, dout, dlse, **extras)
+    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, **extras)
+    assert got[0].shape == (sum(case.lengths_q), case.heads_q, case.head_dim_v or case.head_dim)
+    assert got[1].shape == (case.heads_q, sum(case.lengths_q)) and got[1].dtype == torch.float32
+    names = ["out", "lse", "dq", "dk", "dv"] + ["dsinks"] * case.sinks
+    for name, ours_t, lowp_t, ref_t in zip(names, got, lowp, ref64):
+        assert torch.isfinite(ours_t[torch.isfinite(ref_t)]).all(), f"{case.id} {name}: non-finite values"
+        assert_close_to_reference(f"{case.id} {name}", ours_t, lowp_t, ref_t)
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c.id)
+def test_varlen_kernels_match_per_sequence_reference(case):
+    if case.dtype == torch.bfloat16 and not ON_GPU:
+        pytest.skip("the interpreter's bf16 dot is unusable")
+    check_varlen_case(case, "triton", TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
+def test_varlen_torch_path_matches_per_sequence_reference(case):
+    check_varlen_case(case, "torch", "cpu")
+
+
+def test_varlen_keys_of_a_sequence_without_queries_get_zero_gradients():
+    """Keys whose sequence has no query row contribute nothing: dk, dv exactly 0 there (the
+    kernels store them, never leave them unwritten)."""
+    case = VarlenCase((9, 0, 20), (12, 17, 5), causal=True)
+    q, k, v, dout, _, _ = make_inputs(case, TRITON_DEVICE)
+    cu_q, cu_k = _offsets(case.lengths_q, TRITON_DEVICE), _offsets(case.keys, TRITON_DEVICE)
+    k_, v_ = k.clone().requires_grad_(), v.clone().requires_grad_()
+    with fusedattn.use_backend("triton"):
+        out = fusedattn.varlen_attention(q, k_, v_, cu_q, cu_k, 20, 17, causal=True)
+    dk, dv = torch.autograd.grad(out, (k_, v_), dout)
+    assert torch.all(dk[12:29] == 0) and torch.all(dv[12:29] == 0)
+    assert dk[:12].abs().sum() > 0 and dk[29:].abs().sum() > 0
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiles only on a GPU")
+def test_varlen_new_lengths_compile_nothing_new():
+    """A new set of lengths (and a new longest one) reuses the compiled kernels."""
+    from fusedattn.kernels import bwd, fwd
+
+    kernels = (fwd._forward_kernel, bwd._preprocess_kernel, bwd._backward_kernel)
+
+    def compiled() -> int:
+        return sum(len(kernel.device_caches[torch.cuda.current_device()][0]) for kernel in kernels)
+
+    def step(lengths):
+        gen = torch.Generator(device="cuda").manual_seed(len(lengths))
+        total = sum(lengths)
+        q, k, v = (torch.randn(total, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for _ in range(3))
+        cu = _offsets(lengths, "cuda")
+        fusedattn.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=True).sum().backward()
+
+    step([300, 17, 1000])
+    before = compiled()
+    step([5, 2049, 0, 77, 640])
+    step([33])
+    assert compiled() == before
+
+
+def _bad_call(**changes):
+    q = torch.randn(10, 2, 16)
+    args = dict(q=q, k=q.clone(), v=q.clone(), cu_seqlens_q=torch.tensor([0, 4, 10], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 4, 10], dtype=torch.int32), max_seqlen_q=6, max_seqlen_k=6)
+    args.update(changes)
+    return lambda: fusedattn.varlen_attention(**args)
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    (dict(cu_seqlens_q=torch.tensor([0, 4, 10])), TypeError, "`cu_seqlens_q` must be int32"),
+    (dict(cu_seqlens_k=[0, 4, 10]), TypeError, "`cu_seqlens_k` must be an int32 torch.Tensor"),
+    (dict(cu_seqlens_q=torch.tensor([0, 7, 4, 10], dtype=torch.int32)), ValueError, "entries"),
+    (dict(cu_seqlens_q=torch.tensor([0, 7, 4], dtype=torch.int32), max_seqlen_q=7), ValueError, "never decrease"),
+    (dict(cu_seqlens_k=torch.tensor([1, 4, 10], dtype=torch.int32)), ValueError, "start at 0"),
+    (dict(cu_seqlens_k=torch.tensor([0, 4, 9], dtype=torch.int32)), ValueError, "ends at 9 but the packed tensor has 10"),
+    (dict(max_seqlen_q=5), ValueError, "`max_seqlen_q` is 5 but a sequence has 6 tokens"),
+    (dict(max_seqlen_k=-1), TypeError, "`max_seqlen_k` must be an int >= 0"),
+    (dict(cu_seqlens_q=torch.tensor([[0, 4, 10]], dtype=torch.int32)), ValueError, "must be 1-D"),
+    (dict(q=torch.randn(1, 10, 2, 16)), ValueError, "`q` must be 3-D"),
+    (dict(v=torch.randn(9, 2, 16)), ValueError, "same tokens"),
+    (dict(q=torch.randn(10, 3, 16)), ValueError, r"multiple of k/v heads"),
+])
+def test_varlen_bad_input_is_a_clear_error(changes, error, match):
+    with pytest.raises(error, match=match):
+        _bad_call(**changes)()
