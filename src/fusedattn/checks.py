@@ -63,48 +63,49 @@ def check_options(*, layout, causal, window, scale, softcap, deterministic, retu
             raise ValueError(f"fusedattn.attention: `softcap` must be a finite float > 0 (None = off), got {softcap}")
 
 
-def check_qkv(q, k, v, layout: str) -> Shapes:
+def check_qkv(q, k, v, layout: str, caller: str = "fusedattn.attention", packed: bool = False) -> Shapes:
+    """The shapes of q, k, v checked (SPEC 3.6, 3.7); ``packed``: the (total tokens, heads, head dim)
+    tensors of ``varlen_attention``, checked as one batch."""
+    rank, dims = (3, "(total tokens, heads, head dim)") if packed else (4, _layout_names(layout))
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"fusedattn.attention: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{caller}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
-                f"fusedattn.attention: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, float32"
+                f"{caller}: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, float32"
             )
-        if t.dim() != 4:
-            raise ValueError(
-                f"fusedattn.attention: `{name}` must be 4-D {_layout_names(layout)} for layout={layout!r}, "
-                f"got shape {tuple(t.shape)}"
-            )
+        if t.dim() != rank:
+            raise ValueError(f"{caller}: `{name}` must be {rank}-D {dims}"
+                             + ("" if packed else f" for layout={layout!r}") + f", got shape {tuple(t.shape)}")
         if t.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"fusedattn.attention: `{name}` is on {t.device}; expected a CUDA or CPU tensor")
+            raise ValueError(f"{caller}: `{name}` is on {t.device}; expected a CUDA or CPU tensor")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"fusedattn.attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{caller}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"fusedattn.attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{caller}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
     def bhsd(t):
-        b, x1, x2, d = t.shape
+        b, x1, x2, d = t.shape if not packed else (1, *t.shape)
         return (b, x2, x1, d) if layout == "bshd" else (b, x1, x2, d)
 
     (bq, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = bhsd(q), bhsd(k), bhsd(v)
-    where = f"(layout={layout!r}, dims {_layout_names(layout)})"
+    where = f"(dims {dims})" if packed else f"(layout={layout!r}, dims {dims})"
     if not (bq == bk == bv):
-        raise ValueError(f"fusedattn.attention: batch sizes differ: q {bq}, k {bk}, v {bv} {where}")
+        raise ValueError(f"{caller}: batch sizes differ: q {bq}, k {bk}, v {bv} {where}")
     if sk != sv:
-        raise ValueError(f"fusedattn.attention: `k` has {sk} keys but `v` has {sv} {where}")
+        raise ValueError(f"{caller}: `k` has {sk} keys but `v` has {sv} {where}")
     if hk != hv:
-        raise ValueError(f"fusedattn.attention: `k` has {hk} heads but `v` has {hv} {where}")
+        raise ValueError(f"{caller}: `k` has {hk} heads but `v` has {hv} {where}")
     if dk != d:
-        raise ValueError(f"fusedattn.attention: `k` head dim {dk} must equal `q` head dim {d} {where}")
+        raise ValueError(f"{caller}: `k` head dim {dk} must equal `q` head dim {d} {where}")
     if hk == 0 or hq % hk != 0:
         raise ValueError(
-            f"fusedattn.attention: q heads ({hq}) must be a multiple of k/v heads ({hk}) {where}"
+            f"{caller}: q heads ({hq}) must be a multiple of k/v heads ({hk}) {where}"
         )
     for name, dim in (("q/k", d), ("v", dv)):
         if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
             raise ValueError(
-                f"fusedattn.attention: {name} head dim {dim} is not supported: expected "
+                f"{caller}: {name} head dim {dim} is not supported: expected "
                 f"{MIN_HEAD_DIM} <= head dim <= {MAX_HEAD_DIM}"
             )
     return Shapes(bq, hq, hk, sq, sk, d, dv)

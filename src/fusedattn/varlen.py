@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, check_options, check_sinks
+from .checks import check_options, check_qkv, check_sinks
 from .interface import _resolve_backend, _unit_stride_head_dim, attention, sink_gradient
 from .kernels.bwd import attention_backward
 from .kernels.fwd import attention_forward
@@ -19,35 +19,6 @@ from .spec import AttentionSpec, Packing, resolve_spec
 from .tuning.configs import select_configs
 
 _NAME = "fusedattn.varlen_attention"
-
-
-def _check_tensors(q, k, v) -> tuple[int, int]:
-    """(Hq, Hkv) of packed (total, H, D) q, k, v."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{_NAME}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{_NAME}: `{name}` must be 3-D (total tokens, heads, head dim), got shape "
-                             f"{tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{_NAME}: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, float32")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{_NAME}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{_NAME}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"{_NAME}: `k` is {tuple(k.shape)} and `v` is {tuple(v.shape)}; expected the same tokens "
-                         f"and heads")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"{_NAME}: `k` head dim {k.shape[2]} must equal `q` head dim {q.shape[2]}")
-    heads_q, heads_kv = q.shape[1], k.shape[1]
-    if heads_kv == 0 or heads_q % heads_kv:
-        raise ValueError(f"{_NAME}: q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv})")
-    for name, dim in (("q/k", q.shape[2]), ("v", v.shape[2])):
-        if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
-            raise ValueError(f"{_NAME}: {name} head dim {dim} is not supported: expected "
-                             f"{MIN_HEAD_DIM} <= head dim <= {MAX_HEAD_DIM}")
-    return heads_q, heads_kv
 
 
 def _sequence_stats(cu: torch.Tensor) -> torch.Tensor:
@@ -167,7 +138,7 @@ def varlen_attention(
     """
     check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
                   deterministic=deterministic, return_lse=return_lse)
-    heads_q, _ = _check_tensors(q, k, v)
+    heads_q = check_qkv(q, k, v, "bshd", caller=_NAME, packed=True).heads_q
     check_sinks(sinks, q, heads_q)
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
