@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedattn.kernels import bwd, fwd, hopper, hopper_bwd, hopper_fwd  # noqa: E402
+from fusedattn.kernels import bwd, fwd, hopper, hopper_bwd, hopper_fwd, kvcache  # noqa: E402
 from fusedattn.spec import UNBOUNDED, AttentionSpec  # noqa: E402
 from fusedattn.tuning.configs import KernelConfig, _cuda_configs  # noqa: E402
 
@@ -322,6 +322,33 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     return failed
 
 
+def report_kvcache(head_dim: int, dtype: str) -> int:
+    """The KV-cache kernels (kernels/kvcache.py) as ``kvcache_forward`` launches them for decoding
+    with GQA 4 (16 packed rows), contiguous and paged, causal; the append and the split combination."""
+    block_d = fwd.padded_dim(head_dim)
+    pointers = dict(Out="fp32", Lse="fp32", Sinks="fp32", CacheSeqlens="i32", BlockTable="i32", PartOut="fp32",
+                    PartLse="fp32")
+    common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d)
+    jobs = [(f"kvcache {'paged' if paged else 'contiguous'} causal", kvcache._cache_attention_kernel,
+             dict(common, BLOCK_M=kvcache.row_tile(4), BLOCK_N=kvcache.KEY_TILE, HAS_LEFT=False, HAS_RIGHT=True,
+                  HAS_SOFTCAP=False, HAS_SINKS=False, PAGED=paged, DOT_PRECISION=fwd.dot_precision(TYPES[dtype])),
+             kvcache.NUM_WARPS, kvcache.pipeline_stages(block_d, block_d, TYPES[dtype].itemsize, paged))
+            for paged in (False, True)]
+    jobs += [("kvcache append paged", kvcache._append_kernel, dict(common, BLOCK_S=16, PAGED=True), 4, 1),
+             ("kvcache combine", kvcache._combine_splits_kernel, dict(HEAD_DIM_V=head_dim, BLOCK_DV=block_d,
+                                                                       BLOCK_SPLITS=32), 4, 1)]
+    problems = 0
+    for name, kernel, constexprs, warps, num_stages in jobs:
+        shown = f"{name:<30} w{warps} s{num_stages}"
+        try:
+            r = compile_kernel(kernel, dtype, constexprs, warps, num_stages, pointers)
+            print(f"  {shown}  regs={r['regs']} stack={r['spills']} smem={r['shared']}")
+        except Exception as e:
+            print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
+            problems += 1
+    return problems
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--head-dims", default="64,128")
@@ -330,7 +357,7 @@ def main() -> None:
     p.add_argument("--variants", default=None,
                    help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,mask,causal+mask,"
                         "causal+mask+sinks,bias,causal+bias,causal+bias-atomic,causal+mask+bias,"
-                        "causal+mask+bias-pointers,varlen+causal")
+                        "causal+mask+bias-pointers,varlen+causal,kvcache")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
@@ -374,6 +401,10 @@ def main() -> None:
             for tma in {"on": (True,), "off": (False,), "both": (False, True)}[args.tma_loads]:
                 print(f"D={d} {args.dtype} {vname} tma_loads={tma}")
                 problems += report(d, args.dtype, flags, tma)
+    if not args.variants or "kvcache" in args.variants.split(","):
+        for d in map(int, args.head_dims.split(",")):
+            print(f"D={d} {args.dtype} kvcache (decoding, GQA 4)")
+            problems += report_kvcache(d, args.dtype)
     for schedule in args.hopper_schedules.split(",") if args.hopper_schedules else ():
         # forward: 0, 1, 2 the 8-warp kernel's schedules; ws2, ws3 (+pp) the warp-specialised kernel.
         # dK/dV: dkdv2, dkdv3 (+pp1, +pp2) the warp-specialised pass.

@@ -67,22 +67,7 @@ def check_qkv(q, k, v, layout: str, caller: str = "fusedattn.attention", packed:
     """The shapes of q, k, v checked (SPEC 3.6, 3.7); ``packed``: the (total tokens, heads, head dim)
     tensors of ``varlen_attention``, checked as one batch."""
     rank, dims = (3, "(total tokens, heads, head dim)") if packed else (4, _layout_names(layout))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{caller}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{caller}: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, float32"
-            )
-        if t.dim() != rank:
-            raise ValueError(f"{caller}: `{name}` must be {rank}-D {dims}"
-                             + ("" if packed else f" for layout={layout!r}") + f", got shape {tuple(t.shape)}")
-        if t.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"{caller}: `{name}` is on {t.device}; expected a CUDA or CPU tensor")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{caller}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{caller}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    check_tensors(caller, (("q", q), ("k", k), ("v", v)), rank, dims + ("" if packed else f" for layout={layout!r}"))
 
     def bhsd(t):
         b, x1, x2, d = t.shape if not packed else (1, *t.shape)
@@ -98,17 +83,43 @@ def check_qkv(q, k, v, layout: str, caller: str = "fusedattn.attention", packed:
         raise ValueError(f"{caller}: `k` has {hk} heads but `v` has {hv} {where}")
     if dk != d:
         raise ValueError(f"{caller}: `k` head dim {dk} must equal `q` head dim {d} {where}")
-    if hk == 0 or hq % hk != 0:
+    check_heads_and_dims(caller, hq, hk, d, dv, where)
+    return Shapes(bq, hq, hk, sq, sk, d, dv)
+
+
+def check_tensors(caller: str, named: tuple, rank: int, dims: str) -> None:
+    """Each (name, tensor) a ``rank``-D tensor (shaped ``dims``) of a supported dtype on a CUDA or
+    CPU device, all of one dtype and device."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{caller}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{caller}: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, float32"
+            )
+        if t.dim() != rank:
+            raise ValueError(f"{caller}: `{name}` must be {rank}-D {dims}, got shape {tuple(t.shape)}")
+        if t.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"{caller}: `{name}` is on {t.device}; expected a CUDA or CPU tensor")
+    names = ", ".join(name for name, _ in named)
+    if len({t.dtype for _, t in named}) > 1:
+        raise TypeError(f"{caller}: {names} must share a dtype, got {', '.join(str(t.dtype) for _, t in named)}")
+    if len({t.device for _, t in named}) > 1:
+        raise ValueError(f"{caller}: {names} must be on one device, got {', '.join(str(t.device) for _, t in named)}")
+
+
+def check_heads_and_dims(caller: str, heads_q: int, heads_kv: int, head_dim: int, head_dim_v: int, where: str) -> None:
+    """Query heads a multiple of the key/value heads (GQA) and head dims in the supported range."""
+    if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(
-            f"{caller}: q heads ({hq}) must be a multiple of k/v heads ({hk}) {where}"
+            f"{caller}: q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) {where}"
         )
-    for name, dim in (("q/k", d), ("v", dv)):
+    for name, dim in (("q/k", head_dim), ("v", head_dim_v)):
         if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
             raise ValueError(
                 f"{caller}: {name} head dim {dim} is not supported: expected "
                 f"{MIN_HEAD_DIM} <= head dim <= {MAX_HEAD_DIM}"
             )
-    return Shapes(bq, hq, hk, sq, sk, d, dv)
 
 
 def check_sinks(sinks, q: torch.Tensor, heads_q: int) -> None:

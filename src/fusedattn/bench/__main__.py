@@ -4,6 +4,8 @@
     python -m fusedattn.bench --quick         # D=128, S in {1k, 4k}
     python -m fusedattn.bench --systems fusedattn,sdpa-cudnn,flex
     python -m fusedattn.bench --variants      # bias, softcap, window, sinks, GQA, mask, top-k rows (bench/variants.py)
+    python -m fusedattn.bench --packed        # varlen training on packed documents (bench/packed.py)
+    python -m fusedattn.bench --decode        # decoding over a KV cache, contiguous and paged (bench/decode.py)
 
 Writes ``benchmarks/results/<gpu>-<date>.json`` (and a PNG plot when matplotlib is
 there) and prints a table. Times are medians of ``triton.testing.do_bench`` on CUDA,
@@ -303,11 +305,16 @@ def main(argv=None) -> None:
     parser.add_argument("--packed", action="store_true",
                         help="issue 5's rows: varlen training on 16 packed documents (vs Flex's document mask and "
                              "SDPA on the padded batch)")
+    parser.add_argument("--decode", action="store_true",
+                        help="issue 5's rows: decoding over a KV cache, contiguous and paged (bandwidth vs the "
+                             "device-to-device copy; vs SDPA and Flex)")
     args = parser.parse_args(argv)
     if args.variants:
         return _main_variants(args)
     if args.packed:
         return _main_packed(args)
+    if args.decode:
+        return _main_decode(args)
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -358,8 +365,14 @@ def _main_packed(args) -> None:
                     extra=dict(lengths=packed.document_lengths()))
 
 
+def _main_decode(args) -> None:
+    from . import decode
+
+    _main_side_rows(args, "--decode", "decode", decode.run, decode.table)
+
+
 def _main_side_rows(args, flag: str, prefix: str, run_rows, table_of, extra: dict | None = None) -> None:
-    """A GPU-only set of rows (``--variants``, ``--packed``): run, save as it goes, print the table."""
+    """A GPU-only set of rows (``--variants``, ``--packed``, ``--decode``): run, save as it goes, print the table."""
     if not torch.cuda.is_available():
         print(f"fusedattn benchmark {flag}: needs a CUDA device (its peers and shapes are GPU-sized)")
         return

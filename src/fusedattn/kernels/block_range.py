@@ -28,9 +28,20 @@ def key_blocks_for_query_block(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
 ):
-    diag = seqlen_k - seqlen_q
     first_row = m_block * BLOCK_M
     last_row = tl.minimum(first_row + BLOCK_M, seqlen_q) - 1
+    return key_blocks_for_rows(first_row, last_row, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N,
+                               HAS_LEFT, HAS_RIGHT)
+
+
+@triton.jit
+def key_blocks_for_rows(
+    first_row, last_row, seqlen_q, seqlen_k, window_left, window_right,
+    BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+):
+    """``key_blocks_for_query_block`` of the query rows ``first_row..last_row`` (the KV-cache kernel's
+    programs hold a few query positions times the query heads of one KV head)."""
+    diag = seqlen_k - seqlen_q
     key_begin = first_row * 0  # a runtime zero of the right type
     key_end = seqlen_k + key_begin
     # Interior keys: kept for *every* row of the block, and a whole key block in bounds.
@@ -47,6 +58,20 @@ def key_blocks_for_query_block(
     interior_begin = tl.minimum(tl.maximum(tl.cdiv(full_begin, BLOCK_N), begin), end)
     interior_end = tl.minimum(tl.maximum(tl.maximum(full_end, 0) // BLOCK_N, interior_begin), end)
     return begin, interior_begin, interior_end, end
+
+
+@triton.jit
+def split_key_blocks(begin, interior_begin, interior_end, end, split, num_splits):
+    """Split-KV: the share of split ``split`` of ``num_splits`` in a program's key blocks
+    ``[begin, end)`` (``key_blocks_for_rows``), as four indices of the same meaning. The visited blocks
+    are cut into runs of whole blocks that differ by at most one block (with more splits than blocks
+    some runs are empty)."""
+    blocks = end - begin
+    split_begin = begin + blocks * split // num_splits
+    split_end = begin + blocks * (split + 1) // num_splits
+    inner_begin = tl.minimum(tl.maximum(interior_begin, split_begin), split_end)
+    inner_end = tl.minimum(tl.maximum(interior_end, inner_begin), split_end)
+    return split_begin, inner_begin, inner_end, split_end
 
 
 @triton.jit

@@ -1,0 +1,360 @@
+"""kvcache_attention (issue 5): appending into a contiguous or paged cache and attending over it,
+against a per-sequence loop of the float64 reference (SPEC 4) on both backends; the cache after the
+call must hold exactly the old rows plus the new ones. Bad lengths and pages are errors that write
+nothing; under CUDA-graph capture (values unreadable) the kernels guard themselves.
+
+Without a GPU the Triton kernels run under the interpreter on short caches (fp16/fp32); on a GPU the
+longer cases run in bf16 as well."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import fusedattn
+from fusedattn import kvcache
+from fusedattn.reference import reference_attention
+
+from numerics import assert_close_to_reference
+
+ON_GPU = torch.cuda.is_available()
+TRITON_DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    lengths: tuple[int, ...]  # cache_seqlens before the append, one per sequence
+    capacity: int  # rows per sequence: S_cache, or pages per sequence x page_size
+    seqlen_q: int = 1
+    new: int = 0  # rows of k_new / v_new
+    page_size: int | None = None  # None: a contiguous cache
+    spare_pages: int = 3  # pages no sequence uses (they must stay untouched)
+    heads_q: int = 4
+    heads_kv: int = 2
+    head_dim: int = 32
+    head_dim_v: int | None = None
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    num_splits: int | None = None
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def id(self) -> str:
+        parts = [f"len{'-'.join(map(str, self.lengths))}", f"cap{self.capacity}", f"q{self.seqlen_q}",
+                 f"new{self.new}", f"page{self.page_size}" if self.page_size else "contiguous",
+                 f"h{self.heads_q}-{self.heads_kv}", f"d{self.head_dim}v{self.head_dim_v or self.head_dim}",
+                 f"splits{self.num_splits}", str(self.dtype).replace("torch.", "")]
+        for flag in ("causal", "sinks"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.window:
+            parts.append(f"w{self.window[0]}_{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap}")
+        return "-".join(parts)
+
+    def options(self) -> dict:
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap)
+
+
+QUICK = [
+    # decoding: one query, GQA 4/2, an empty cache beside full ones, keys split in 3 (a split can be empty)
+    CacheCase((0, 150, 200), 200, num_splits=3),
+    # append 2 then causal over Sq=2, a cache filled to capacity by the append, automatic splits
+    CacheCase((17, 198, 0), 200, seqlen_q=2, new=2, causal=True),
+    # paged (page 16, pages shuffled), MQA, D=40/Dv=24, window + softcap + sinks, fp32, splits 3
+    CacheCase((150, 5, 200), 224, new=3, page_size=16, heads_kv=1, head_dim=40, head_dim_v=24, window=(70, 0),
+              softcap=20.0, sinks=True, num_splits=3, dtype=torch.float32),
+    # paged with page 32, chunked prefill: Sq = S_new = 20 causal over cache + chunk, no split
+    CacheCase((40, 0), 96, seqlen_q=20, new=20, page_size=32, causal=True, num_splits=1),
+    # more queries than keys (causal rows with no key: out 0, lse -inf), sinks, splits 2
+    CacheCase((3, 1), 64, seqlen_q=6, causal=True, sinks=True, num_splits=2),
+]
+FULL = QUICK + [
+    CacheCase((4000, 1, 2500, 0, 3999), 4096, new=1, page_size=64, heads_q=32, heads_kv=8, head_dim=128,
+              causal=True, dtype=torch.bfloat16),
+    CacheCase((7000, 300), 8192, seqlen_q=4, new=4, page_size=256, heads_q=16, heads_kv=2, head_dim=128,
+              causal=True, sinks=True, dtype=torch.bfloat16),
+    CacheCase((1000, 2047), 2048, heads_q=8, heads_kv=8, head_dim=64, window=(256, 0), softcap=30.0,
+              dtype=torch.bfloat16),
+    CacheCase((3000, 2100, 17), 3072, seqlen_q=300, new=64, page_size=16, heads_q=6, heads_kv=3, head_dim=96,
+              causal=True, num_splits=5, dtype=torch.float16),
+]
+TRITON_CASES = FULL if ON_GPU else QUICK  # QUICK has no bf16: the interpreter's bf16 dot is unusable
+
+
+@dataclass
+class CacheInputs:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    block_table: torch.Tensor | None
+    k_new: torch.Tensor | None
+    v_new: torch.Tensor | None
+    sinks: torch.Tensor | None
+
+    def clone_caches(self) -> "CacheInputs":
+        return CacheInputs(self.q, self.k_cache.clone(), self.v_cache.clone(), self.cache_seqlens, self.block_table,
+                           self.k_new, self.v_new, self.sinks)
+
+
+def make_inputs(case: CacheCase, device) -> CacheInputs:
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()))
+    batch, dv = len(case.lengths), case.head_dim_v or case.head_dim
+
+    def randn(*size):
+        return torch.randn(*size, generator=gen).to(device=device, dtype=case.dtype)
+
+    if case.page_size is None:
+        k_cache, v_cache, table = randn(batch, case.capacity, case.heads_kv, case.head_dim), \
+            randn(batch, case.capacity, case.heads_kv, dv), None
+    else:
+        per_sequence = case.capacity // case.page_size
+        pages = batch * per_sequence + case.spare_pages
+        table = torch.randperm(pages, generator=gen)[:batch * per_sequence].view(batch, per_sequence)
+        table = table.to(device=device, dtype=torch.int32)
+        k_cache, v_cache = randn(pages, case.page_size, case.heads_kv, case.head_dim), \
+            randn(pages, case.page_size, case.heads_kv, dv)
+    k_new = randn(batch, case.new, case.heads_kv, case.head_dim) if case.new else None
+    v_new = randn(batch, case.new, case.heads_kv, dv) if case.new else None
+    sinks = (2.0 * torch.randn(case.heads_q, generator=gen) + 1.0).to(device) if case.sinks else None
+    return CacheInputs(randn(batch, case.seqlen_q, case.heads_q, case.head_dim), k_cache, v_cache,
+                       torch.tensor(case.lengths, dtype=torch.int32, device=device), table, k_new, v_new, sinks)
+
+
+def sequence_rows(cache: torch.Tensor, table, b: int, positions: torch.Tensor) -> torch.Tensor:
+    """Cache rows of sequence b at ``positions`` (the test's own statement of the paging rule)."""
+    if table is None:
+        return cache[b, positions]
+    page_size = cache.shape[1]
+    return cache[table[b, positions // page_size].long(), positions % page_size]
+
+
+def expected(case: CacheCase, inputs: CacheInputs, dtype):
+    """Per sequence: the reference over (old cache rows, new rows), in ``dtype``; (out, lse)."""
+    outs, lses = [], []
+    for b, length in enumerate(case.lengths):
+        old = torch.arange(length, device=inputs.q.device)
+        keys, values = sequence_rows(inputs.k_cache, inputs.block_table, b, old), \
+            sequence_rows(inputs.v_cache, inputs.block_table, b, old)
+        if case.new:
+            keys, values = torch.cat([keys, inputs.k_new[b]]), torch.cat([values, inputs.v_new[b]])
+        sinks = inputs.sinks.to(dtype) if inputs.sinks is not None else None
+        q = inputs.q[b:b + 1].to(dtype)
+        if keys.shape[0] == 0:  # no key: out 0; lse the sink's logit, or -inf (SPEC 3.1)
+            lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+            lse = torch.full((1, case.heads_q, case.seqlen_q), float("-inf"), dtype=lse_dtype, device=q.device)
+            outs.append(q.new_zeros(1, case.seqlen_q, case.heads_q, values.shape[-1]))
+            lses.append(lse if sinks is None else sinks.to(lse_dtype).view(1, -1, 1).expand_as(lse))
+            continue
+        out, lse = reference_attention(q, keys[None].to(dtype), values[None].to(dtype), sinks=sinks, return_lse=True,
+                                       **case.options())
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def assert_cache_updated(case: CacheCase, before: CacheInputs, after: CacheInputs) -> None:
+    """The new rows sit at cache_seqlens[b]...; every other row (old ones, rows past the new ones,
+    pages no sequence uses) is bit-for-bit what it was."""
+    for cache_before, cache_after, new in ((before.k_cache, after.k_cache, before.k_new),
+                                           (before.v_cache, after.v_cache, before.v_new)):
+        touched = torch.zeros(cache_before.shape[:2], dtype=torch.bool, device=cache_before.device)
+        for b, length in enumerate(case.lengths):
+            positions = torch.arange(length, length + case.new, device=cache_before.device)
+            if case.new:
+                assert torch.equal(sequence_rows(cache_after, before.block_table, b, positions), new[b]), \
+                    f"{case.id}: sequence {b}'s new rows are not where cache_seqlens puts them"
+            if before.block_table is None:
+                touched[b, positions] = True
+            else:
+                touched[before.block_table[b, positions // case.page_size].long(), positions % case.page_size] = True
+        assert torch.equal(cache_after[~touched], cache_before[~touched]), f"{case.id}: rows outside the append changed"
+
+
+def check_cache_case(case: CacheCase, backend: str, device) -> None:
+    inputs = make_inputs(case, device)
+    run = inputs.clone_caches()
+    with fusedattn.use_backend(backend):
+        out, lse = fusedattn.kvcache_attention(
+            run.q, run.k_cache, run.v_cache, run.cache_seqlens, block_table=run.block_table, k_new=run.k_new,
+            v_new=run.v_new, sinks=run.sinks, return_lse=True, num_splits=case.num_splits, **case.options())
+    assert_cache_updated(case, inputs, run)
+    assert out.shape == (len(case.lengths), case.seqlen_q, case.heads_q, case.head_dim_v or case.head_dim)
+    assert lse.shape == (len(case.lengths), case.heads_q, case.seqlen_q) and lse.dtype == torch.float32
+    lowp, ref64 = expected(case, inputs, case.dtype), expected(case, inputs, torch.float64)
+    for name, ours, lowp_t, ref_t in zip(("out", "lse"), (out, lse), lowp, ref64):
+        assert torch.isfinite(ours[torch.isfinite(ref_t)]).all(), f"{case.id} {name}: non-finite values"
+        assert_close_to_reference(f"{case.id} {name}", ours, lowp_t, ref_t)
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c.id)
+def test_kvcache_kernels_match_per_sequence_reference(case):
+    check_cache_case(case, "triton", TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
+def test_kvcache_torch_path_matches_per_sequence_reference(case):
+    check_cache_case(case, "torch", "cpu")
+
+
+def test_kvcache_splits_agree_with_no_split():
+    """Split-KV is a change of summation order only: every split count gives the unsplit result to
+    within fp32 rounding of the combination (and each matches the reference, above)."""
+    case = CacheCase((250, 97, 1), 256, seqlen_q=3, new=2, page_size=16, causal=True, sinks=True)
+    inputs = make_inputs(case, TRITON_DEVICE)
+    results = []
+    for splits in (1, 2, 4):
+        run = inputs.clone_caches()
+        with fusedattn.use_backend("triton"):
+            results.append(fusedattn.kvcache_attention(
+                run.q, run.k_cache, run.v_cache, run.cache_seqlens, block_table=run.block_table, k_new=run.k_new,
+                v_new=run.v_new, sinks=run.sinks, return_lse=True, num_splits=splits, causal=True))
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out.float(), results[0][0].float(), atol=2e-3, rtol=0)
+        torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _small(paged: bool, device="cpu", dtype=torch.float32) -> dict:
+    gen = torch.Generator().manual_seed(5)
+    args = dict(q=torch.randn(2, 1, 4, 16, generator=gen).to(device, dtype),
+                cache_seqlens=torch.tensor([3, 40], dtype=torch.int32, device=device),
+                k_new=torch.randn(2, 2, 2, 16, generator=gen).to(device, dtype),
+                v_new=torch.randn(2, 2, 2, 16, generator=gen).to(device, dtype))
+    if paged:
+        args.update(k_cache=torch.randn(7, 16, 2, 16, generator=gen).to(device, dtype),
+                    v_cache=torch.randn(7, 16, 2, 16, generator=gen).to(device, dtype),
+                    block_table=torch.tensor([[4, 0, 6], [1, 2, 3]], dtype=torch.int32, device=device))
+    else:
+        args.update(k_cache=torch.randn(2, 48, 2, 16, generator=gen).to(device, dtype),
+                    v_cache=torch.randn(2, 48, 2, 16, generator=gen).to(device, dtype))
+    return args
+
+
+BAD_SHAPES = [
+    (False, dict(cache_seqlens=torch.tensor([3, 40])), TypeError, "`cache_seqlens` must be an int32"),
+    (False, dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError, "1 entries; expected B = 2"),
+    (False, dict(cache_seqlens=2.0), TypeError, "`cache_seqlens` must be an int32 tensor"),
+    (False, dict(v_new=None), ValueError, "give both or neither"),
+    (False, dict(k_new=torch.randn(2, 2, 1, 16)), ValueError, r"`k_new` has shape \(2, 2, 1, 16\)"),
+    (False, dict(k_cache=torch.randn(3, 48, 2, 16), v_cache=torch.randn(3, 48, 2, 16)), ValueError,
+     "holds 3 sequences but q has batch 2"),
+    (False, dict(k_cache=torch.randn(2, 48, 2, 32)[..., ::2]), ValueError, "unit stride"),
+    (False, dict(v_cache=torch.randn(2, 40, 2, 16)), ValueError, "must agree"),
+    (False, dict(q=torch.randn(2, 1, 3, 16)), ValueError, "multiple of k/v heads"),
+    (False, dict(k_cache=torch.randn(2, 48, 2, 16, dtype=torch.float16)), TypeError, "must share a dtype"),
+    (False, dict(num_splits=0), ValueError, "`num_splits` must be an int >= 1"),
+    (True, dict(block_table=torch.tensor([[4, 0, 6], [1, 2, 3]])), TypeError, "`block_table` must be an int32"),
+    (True, dict(block_table=torch.tensor([4, 0, 6], dtype=torch.int32)), ValueError, "`block_table` must be 2-D"),
+    (True, dict(k_cache=torch.randn(7, 24, 2, 16), v_cache=torch.randn(7, 24, 2, 16)), ValueError,
+     "multiple of 16, got 24"),
+]
+
+
+@pytest.mark.parametrize("paged, changes, error, match", BAD_SHAPES)
+def test_kvcache_bad_shapes_are_clear_errors(paged, changes, error, match):
+    args = _small(paged)
+    args.update(changes)
+    with pytest.raises(error, match=match):
+        fusedattn.kvcache_attention(**args)
+
+
+BAD_VALUES = [
+    # a sequence whose append runs past the cache: 47 + 2 > 48
+    (False, dict(cache_seqlens=torch.tensor([3, 47], dtype=torch.int32)), "needs 49 cache rows"),
+    (False, dict(cache_seqlens=torch.tensor([-1, 4], dtype=torch.int32)), "must be >= 0"),
+    (True, dict(cache_seqlens=torch.tensor([3, 47], dtype=torch.int32)), "needs 49 cache rows"),
+    # a page in use outside the cache (7 pages), and a negative one
+    (True, dict(block_table=torch.tensor([[4, 0, 6], [1, 7, 3]], dtype=torch.int32)), "points outside the cache"),
+    (True, dict(block_table=torch.tensor([[-1, 0, 6], [1, 2, 3]], dtype=torch.int32)), "points outside the cache"),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("paged, changes, match", BAD_VALUES)
+def test_kvcache_bad_lengths_and_pages_are_errors_that_write_nothing(paged, changes, match, backend):
+    args = _small(paged, TRITON_DEVICE if backend == "triton" else "cpu")
+    args.update({key: value.to(args["q"].device) for key, value in changes.items()})
+    k_before, v_before = args["k_cache"].clone(), args["v_cache"].clone()
+    with fusedattn.use_backend(backend), pytest.raises(ValueError, match=match):
+        fusedattn.kvcache_attention(**args)
+    assert torch.equal(args["k_cache"], k_before) and torch.equal(args["v_cache"], v_before)
+
+
+def test_kvcache_pages_past_the_lengths_are_not_checked_or_read():
+    """Block-table entries past a sequence's pages in use may hold anything (-1 padding): only the
+    pages the lengths reach are checked and read."""
+    args = _small(True, TRITON_DEVICE)
+    args["block_table"] = torch.tensor([[4, -1, 99], [1, 2, 3]], dtype=torch.int32, device=TRITON_DEVICE)
+    with fusedattn.use_backend("triton"):
+        out = fusedattn.kvcache_attention(**args)
+    assert torch.isfinite(out).all()
+
+
+def test_kvcache_kernels_guard_themselves_when_values_are_unchecked(monkeypatch):
+    """Under CUDA-graph capture the host cannot read the lengths (``kvcache._capturing``, faked here
+    so the interpreter runs the same path): an out-of-range length or page must not write or read
+    outside the cache; that sequence's rows come out NaN, and the other sequence is still right."""
+    monkeypatch.setattr(kvcache, "_capturing", lambda device: True)
+    for paged, changes in ((False, dict(cache_seqlens=torch.tensor([3, 47], dtype=torch.int32))),
+                           (True, dict(cache_seqlens=torch.tensor([3, 47], dtype=torch.int32))),
+                           (True, dict(block_table=torch.tensor([[4, 0, 6], [1, 70, 3]], dtype=torch.int32)))):
+        args = _small(paged, TRITON_DEVICE)
+        args.update({key: value.to(TRITON_DEVICE) for key, value in changes.items()})
+        k_before, v_before = args["k_cache"].clone(), args["v_cache"].clone()
+        with fusedattn.use_backend("triton"):
+            out = fusedattn.kvcache_attention(**args, num_splits=2)
+        assert torch.isnan(out[1]).all(), f"{changes}: the bad sequence's rows must be NaN"
+        if "cache_seqlens" in changes:  # a length out of range: nothing of that sequence is written
+            rows_of_1 = args["k_cache"][1] if not paged else args["k_cache"][args["block_table"][1].long()]
+            before_1 = k_before[1] if not paged else k_before[args["block_table"][1].long()]
+            assert torch.equal(rows_of_1, before_1)
+        good_case = CacheCase((3,), 48, new=2, page_size=16 if paged else None, heads_q=4, heads_kv=2, head_dim=16,
+                              dtype=torch.float32)
+        table = args["block_table"][:1] if paged else None
+        good = CacheInputs(args["q"][:1], k_before if paged else k_before[:1], v_before if paged else v_before[:1],
+                           args["cache_seqlens"][:1], table, args["k_new"][:1], args["v_new"][:1], None)
+        lowp, ref64 = expected(good_case, good, torch.float32), expected(good_case, good, torch.float64)
+        assert_close_to_reference(f"{changes} good sequence", out[:1], lowp[0], ref64[0])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_kvcache_decoding_in_a_cuda_graph_follows_the_lengths():
+    """Capture one decoding step, then replay it with new lengths written into the same tensor: the
+    result follows the lengths (no value was baked in at capture), appends land at the new place."""
+    case = CacheCase((1000, 20), 2048, new=1, page_size=64, heads_q=8, heads_kv=2, head_dim=64, causal=True,
+                     dtype=torch.bfloat16)
+    inputs = make_inputs(case, "cuda")
+    run = inputs.clone_caches()
+
+    def step():
+        return fusedattn.kvcache_attention(run.q, run.k_cache, run.v_cache, run.cache_seqlens,
+                                           block_table=run.block_table, k_new=run.k_new, v_new=run.v_new,
+                                           causal=True, return_lse=True)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for lengths in ((1500, 7), (2047, 0)):
+        replay_case = CacheCase(lengths, **{key: getattr(case, key) for key in
+                                            ("capacity", "new", "page_size", "heads_q", "heads_kv", "head_dim",
+                                             "causal", "dtype")})
+        before = CacheInputs(run.q, run.k_cache.clone(), run.v_cache.clone(), run.cache_seqlens, run.block_table,
+                             run.k_new, run.v_new, None)
+        run.cache_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        before.cache_seqlens = run.cache_seqlens
+        assert_cache_updated(replay_case, before, run)
+        lowp, ref64 = expected(replay_case, before, case.dtype), expected(replay_case, before, torch.float64)
+        assert_close_to_reference(f"graph {lengths} out", out, lowp[0], ref64[0])
+        assert_close_to_reference(f"graph {lengths} lse", lse, lowp[1], ref64[1])
