@@ -329,11 +329,12 @@ def report_kvcache(head_dim: int, dtype: str) -> int:
     pointers = dict(Out="fp32", Lse="fp32", Sinks="fp32", CacheSeqlens="i32", BlockTable="i32", PartOut="fp32",
                     PartLse="fp32")
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d)
-    jobs = [(f"kvcache {'paged' if paged else 'contiguous'} causal", kvcache._cache_attention_kernel,
+    jobs = [(f"kvcache {'paged' if paged else 'contiguous'} causal{' split' if split else ''}",
+             kvcache._cache_attention_kernel,
              dict(common, BLOCK_M=kvcache.row_tile(4), BLOCK_N=kvcache.KEY_TILE, HAS_LEFT=False, HAS_RIGHT=True,
                   HAS_SOFTCAP=False, HAS_SINKS=False, PAGED=paged, DOT_PRECISION=fwd.dot_precision(TYPES[dtype])),
-             kvcache.NUM_WARPS, kvcache.pipeline_stages(block_d, block_d, TYPES[dtype].itemsize, paged))
-            for paged in (False, True)]
+             kvcache.NUM_WARPS, kvcache.pipeline_stages(block_d, block_d, TYPES[dtype].itemsize, paged, split))
+            for paged, split in ((False, True), (True, True), (True, False))]
     jobs += [("kvcache append paged", kvcache._append_kernel, dict(common, BLOCK_S=16, PAGED=True), 4, 1),
              ("kvcache combine", kvcache._combine_splits_kernel, dict(HEAD_DIM_V=head_dim, BLOCK_DV=block_d,
                                                                        BLOCK_SPLITS=32), 4, 1)]

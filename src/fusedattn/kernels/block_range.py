@@ -61,17 +61,12 @@ def key_blocks_for_rows(
 
 
 @triton.jit
-def split_key_blocks(begin, interior_begin, interior_end, end, split, num_splits):
-    """Split-KV: the share of split ``split`` of ``num_splits`` in a program's key blocks
-    ``[begin, end)`` (``key_blocks_for_rows``), as four indices of the same meaning. The visited blocks
-    are cut into runs of whole blocks that differ by at most one block (with more splits than blocks
-    some runs are empty)."""
+def split_key_blocks(begin, end, split, num_splits):
+    """Split-KV: the share ``[begin, end)`` of split ``split`` of ``num_splits`` in a program's key
+    blocks ``[begin, end)`` (``key_blocks_for_rows``). The visited blocks are cut into runs of whole
+    blocks that differ by at most one block (with more splits than blocks some runs are empty)."""
     blocks = end - begin
-    split_begin = begin + blocks * split // num_splits
-    split_end = begin + blocks * (split + 1) // num_splits
-    inner_begin = tl.minimum(tl.maximum(interior_begin, split_begin), split_end)
-    inner_end = tl.minimum(tl.maximum(interior_end, inner_begin), split_end)
-    return split_begin, inner_begin, inner_end, split_end
+    return begin + blocks * split // num_splits, begin + blocks * (split + 1) // num_splits
 
 
 @triton.jit

@@ -88,7 +88,7 @@ def _cache_tiles(
     stride_table, page_size, num_pages, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    IS_MASKED: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Key blocks ``[block_begin, block_end)`` of the cache; ``lost`` counts kept keys whose page lay
     outside the cache (they read as zero and their rows are poisoned by the caller)."""
@@ -110,8 +110,8 @@ def _cache_tiles(
         # No user mask or bias here: their arguments are placeholders the flags turn off.
         scores = adjust_scores(scores, offs_q, offs_n, 0, start_n, seqlen_q, seqlen_k, window_left, window_right,
                                None, None, 0, 0, 0, 0, 0, 0, None, None, 0, 0, 0, 0, HAS_LEFT, HAS_RIGHT, False,
-                               False, False, False, IS_MASKED, False)
-        p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
+                               False, False, False, True, False)
+        p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, True)
         v_rows = page * stride_vp + row * stride_vs + head_kv * stride_vh
         v = tl.load(VCache + v_rows[:, None] + offs_dv[None, :],
                     mask=usable[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
@@ -159,11 +159,9 @@ def _cache_attention_kernel(
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
 
     last_row = tl.minimum(first_row + BLOCK_M, packed_rows) - 1
-    begin, interior_begin, interior_end, end = key_blocks_for_rows(
-        first_row // group_size, last_row // group_size, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N,
-        HAS_LEFT, HAS_RIGHT)
-    begin, interior_begin, interior_end, end = split_key_blocks(begin, interior_begin, interior_end, end, split,
-                                                                tl.num_programs(2))
+    begin, _, _, end = key_blocks_for_rows(first_row // group_size, last_row // group_size, seqlen_q, seqlen_k,
+                                           window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    begin, end = split_key_blocks(begin, end, split, tl.num_programs(2))
 
     row_max, row_sum = initial_row_stats(Sinks, head, BLOCK_M, HAS_SINKS)
     if HAS_SINKS:  # a sink is one logit of the whole row: split 0 counts it, the others start empty
@@ -174,16 +172,13 @@ def _cache_attention_kernel(
     common = (q, KCache, VCache, BlockTable, batch, head_kv)
     scores_args = (offs_q, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, stride_table,
                    page_size, num_pages, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh)
-    # (constexprs spelled out: packed in a tuple they would arrive as plain values)
+    # One loop over the split's blocks, every tile masked: the mask math is nothing beside the loads,
+    # and each loop costs a pipeline prologue (three loops, interior tiles unmasked, were 5-15% slower
+    # at B=1 and 2.5x slower paged; benchmarks/NOTES.md v37). Constexprs spelled out: packed in a
+    # tuple they would arrive as plain values.
     acc, row_max, row_sum, lost = _cache_tiles(
-        acc, row_max, row_sum, lost, *common, begin, interior_begin, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, PAGED, DOT_PRECISION)
-    acc, row_max, row_sum, lost = _cache_tiles(
-        acc, row_max, row_sum, lost, *common, interior_begin, interior_end, *scores_args, HEAD_DIM, HEAD_DIM_V,
-        BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, PAGED, DOT_PRECISION)
-    acc, row_max, row_sum, lost = _cache_tiles(
-        acc, row_max, row_sum, lost, *common, interior_end, end, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, PAGED, DOT_PRECISION)
+        acc, row_max, row_sum, lost, *common, begin, end, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, PAGED, DOT_PRECISION)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     poisoned = bad_length | (lost > 0)
@@ -261,12 +256,16 @@ def row_tile(rows: int) -> int:
     return min(64, max(16, next_power_of_2(rows)))
 
 
-def pipeline_stages(block_d: int, block_dv: int, element_size: int, paged: bool) -> int:
+def pipeline_stages(block_d: int, block_dv: int, element_size: int, paged: bool, split: bool) -> int:
     """Triton's num_stages for the decoding kernel: K/V tiles in flight within the shared-memory budget.
-    Paged, twice that: the pipeliner spends stages on the block-table loads the K/V addresses depend
-    on (at 4 stages it kept one K/V tile in flight, at 8 three; compile_report.py shows the shared memory)."""
+    Paged, the K/V addresses depend on block-table loads, which the pipeliner gives stages of their
+    own (at 4 stages it kept one K/V tile in flight, at 8 three): a split, which walks a few tiles,
+    takes half the stages (a short prologue: best of 1, 2, 4, 8 at B=1), a whole cache twice them
+    (B=64: 2 stages ran 15-25% slower than 8; benchmarks/NOTES.md v37)."""
     stages = max(1, min(MAX_STAGES, STAGE_BYTES_BUDGET // (KEY_TILE * (block_d + block_dv) * element_size)))
-    return 2 * stages if paged else stages
+    if not paged:
+        return stages
+    return max(1, stages // 2) if split else 2 * stages
 
 
 def auto_splits(programs: int, key_blocks: int, device: torch.device) -> int:
@@ -334,7 +333,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
     ), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=block_m,
         BLOCK_N=KEY_TILE, HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=spec.has_softcap, HAS_SINKS=sinks is not None, PAGED=paged, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=NUM_WARPS, num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged))
+        num_warps=NUM_WARPS, num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1))
     if num_splits > 1:
         launch(_combine_splits_kernel, (batch * seqlen_q * heads_q,), (
             part_out, part_lse, out, lse, heads_q, seqlen_q, num_splits, split_strides[0], split_strides[1],
