@@ -189,7 +189,8 @@ def kvcache_attention(
     ``cache_seqlens``: int32 (B,) (or one int for all) valid tokens per sequence before the append.
     ``block_table``: int32 (B, pages per sequence) for a paged cache (page size a multiple of 16).
     ``num_splits``: how many parts the keys are split into for parallelism when the queries are few
-    (decoding); None chooses from the shapes, 1 turns splitting off. Options as in
+    (decoding); None chooses from the shapes, 1 turns splitting off (at most 64 are used, and at most
+    one per 64-key tile of the cache's capacity). Options as in
     ``fusedattn.attention``. Returns out (B, Sq, Hq, Dv), and with ``return_lse=True`` lse (B, Hq,
     Sq) float32.
 
