@@ -189,8 +189,7 @@ def check_cache_case(case: CacheCase, backend: str, device) -> None:
     assert out.shape == (len(case.lengths), case.seqlen_q, case.heads_q, case.head_dim_v or case.head_dim)
     assert lse.shape == (len(case.lengths), case.heads_q, case.seqlen_q) and lse.dtype == torch.float32
     lowp, ref64 = expected(case, inputs, case.dtype), expected(case, inputs, torch.float64)
-    for name, ours, lowp_t, ref_t in zip(("out", "lse"), (out, lse), lowp, ref64):
-        assert torch.isfinite(ours[torch.isfinite(ref_t)]).all(), f"{case.id} {name}: non-finite values"
+    for name, ours, lowp_t, ref_t in zip(("out", "lse"), (out, lse), lowp, ref64):  # NaN / inf checked there too
         assert_close_to_reference(f"{case.id} {name}", ours, lowp_t, ref_t)
 
 

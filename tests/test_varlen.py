@@ -145,7 +145,6 @@ def check_varlen_case(case: VarlenCase, backend: str, device) -> None:
     assert got[1].shape == (case.heads_q, sum(case.lengths_q)) and got[1].dtype == torch.float32
     names = ["out", "lse", "dq", "dk", "dv"] + ["dsinks"] * case.sinks
     for name, ours_t, lowp_t, ref_t in zip(names, got, lowp, ref64):
-        assert torch.isfinite(ours_t[torch.isfinite(ref_t)]).all(), f"{case.id} {name}: non-finite values"
         assert_close_to_reference(f"{case.id} {name}", ours_t, lowp_t, ref_t)
 
 

@@ -33,7 +33,7 @@ import torch
 
 import fusedattn
 
-from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable
+from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, failure_note
 
 TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
 
@@ -82,6 +82,26 @@ def _median_ms(fn, grad_to_none=None) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def capture_graph(step, warmups: int = 3, before_each=None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``step``, captured after ``warmups`` calls on a side stream (as
+    torch.cuda.graphs asks: compilation and allocator warm-up stay out of the graph);
+    ``before_each`` runs before every warm-up call and before the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            if before_each:
+                before_each()
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    if before_each:
+        before_each()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def _graph_ms(step, grad_to_none=None) -> float:
     """Median time of replays of a CUDA graph of ``step`` (captured after warm-up on a side stream,
     as torch.cuda.graphs asks): the GPU's time for the step, without the host's launch time."""
@@ -89,17 +109,8 @@ def _graph_ms(step, grad_to_none=None) -> float:
         for t in grad_to_none or ():
             t.grad = None
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            clear_grads()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    clear_grads()  # gradients captured as fresh tensors in the graph's pool, rewritten by each replay
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    # gradients cleared before the capture: captured as fresh tensors in the graph's pool, rewritten by each replay
+    graph = capture_graph(step, before_each=clear_grads)
     try:
         return _median_ms(graph.replay)
     finally:
@@ -144,8 +155,7 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
         row["note"] = f"skipped: {e}"
         return row, None
     except Exception as e:  # a peer failing on a shape is a result, not a crash
-        first_line = str(e).splitlines()[0][:160] if str(e) else ""
-        row["note"] = f"fails: {type(e).__name__}: {first_line}"
+        row["note"] = failure_note(e)
         return row, None
     finally:
         if torch.cuda.is_available():

@@ -29,7 +29,8 @@ import torch
 
 import fusedattn
 
-from .__main__ import _graph_ms, _progress
+from .__main__ import _graph_ms, _progress, capture_graph
+from .systems import failure_note
 
 HQ, HKV, D = 32, 8, 128
 BATCHES = (1, 8, 64)
@@ -63,19 +64,6 @@ class L2Flush:
         torch.sum(self.buffer, dim=0, out=self.total)
 
 
-def _capture(body) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    return graph
-
-
 def step_us(step, flush: L2Flush, repeats: int = 10, rounds: int = 40) -> float:
     """Microseconds of one ``step`` from a clean L2 inside a graph (module docstring): medians over
     ``rounds`` replays of a graph of ``repeats`` x (flush, step), minus the same of flushes alone."""
@@ -85,7 +73,7 @@ def step_us(step, flush: L2Flush, repeats: int = 10, rounds: int = 40) -> float:
                 flush()
                 if with_step:
                     step()
-        return _capture(body)
+        return capture_graph(body, warmups=2)
 
     graphs = graph_of(True), graph_of(False)
     times = ([], [])
@@ -153,8 +141,7 @@ def measure(name: str, make, cache: Cache, copy_gbps: float, reference: torch.Te
         us = step_us(step, flush)
         row["us_dobench"] = _graph_ms(step) * 1e3
     except Exception as e:  # a peer failing on a shape is a result
-        first_line = str(e).splitlines()[0][:160] if str(e) else ""
-        row["note"] = f"fails: {type(e).__name__}: {first_line}"
+        row["note"] = failure_note(e)
         return row
     finally:
         torch.cuda.empty_cache()

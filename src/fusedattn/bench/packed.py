@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import fusedattn
 
-from .systems import Unavailable
+from .systems import Unavailable, failure_note
 from .variants import time_step
 
 DOCS, TOTAL, H, D = 16, 16384, 16, 128
@@ -123,8 +123,7 @@ def measure(name: str, data: Packed) -> dict:
         row["note"] = f"skipped: {e}"
         return row
     except Exception as e:  # a peer failing is a result
-        first_line = str(e).splitlines()[0][:160] if str(e) else ""
-        row["note"] = f"fails: {type(e).__name__}: {first_line}"
+        row["note"] = failure_note(e)
         return row
     finally:
         torch.cuda.empty_cache()

@@ -52,6 +52,12 @@ class Unavailable(Exception):
     """The system is not installed or does not support the shape."""
 
 
+def failure_note(e: Exception) -> str:
+    """A row's note for a system that raised: a peer failing on a shape is a result, not a crash."""
+    first_line = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"fails: {type(e).__name__}: {first_line}"
+
+
 @dataclass(frozen=True)
 class System:
     name: str

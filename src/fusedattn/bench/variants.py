@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import fusedattn
 
-from .systems import Unavailable
+from .systems import Unavailable, failure_note
 
 B, H, S, D = 4, 16, 4096, 128
 WINDOW = 1024  # keys each query sees in the sliding-window row, itself included
@@ -256,8 +256,7 @@ def measure(variant: Variant, system: str) -> dict:
         row["note"] = f"skipped: {e}"
         return row
     except Exception as e:  # a peer failing on a variant is a result
-        first_line = str(e).splitlines()[0][:160] if str(e) else ""
-        row["note"] = f"fails: {type(e).__name__}: {first_line}"
+        row["note"] = failure_note(e)
         return row
     finally:
         torch.cuda.empty_cache()
