@@ -20,7 +20,7 @@ import fusedattn
 from fusedattn.kernels import bwd
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-from attention_runner import check_case, make_inputs, record_launches
+from attention_runner import check_case, launcher_constexprs, make_inputs, record_launches
 from cases import WHOLE_TILE_MASK_CASES, Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -67,16 +67,7 @@ def gluon_launches(monkeypatch):
 @pytest.fixture
 def group_sum_launches(monkeypatch):
     """GROUP_SUM of every Gluon dK/dV launch (True: one program per query head, fp32 group sums)."""
-    from fusedattn.kernels import hopper_bwd
-
-    flags, real_launch = [], hopper_bwd.launch
-
-    def spy(kernel, grid, args, **constexprs):
-        flags.append(constexprs["GROUP_SUM"])
-        return real_launch(kernel, grid, args, **constexprs)
-
-    monkeypatch.setattr(hopper_bwd, "launch", spy)
-    return flags
+    return launcher_constexprs(monkeypatch, "_dkdv_ws_kernel", lambda constexprs: constexprs["GROUP_SUM"])
 
 
 def pinned_dkdv(case: Case, config: KernelConfig, **options):
@@ -270,16 +261,8 @@ def test_masks_with_partial_tiles_run_the_triton_pass(gluon_launches):
 @pytest.fixture
 def bias_launches(monkeypatch):
     """(BIAS, DBIAS) of every Gluon dK/dV launch."""
-    from fusedattn.kernels import hopper_bwd
-
-    flags, real_launch = [], hopper_bwd.launch
-
-    def spy(kernel, grid, args, **constexprs):
-        flags.append((constexprs["BIAS"], constexprs["DBIAS"]))
-        return real_launch(kernel, grid, args, **constexprs)
-
-    monkeypatch.setattr(hopper_bwd, "launch", spy)
-    return flags
+    return launcher_constexprs(monkeypatch, "_dkdv_ws_kernel",
+                               lambda constexprs: (constexprs["BIAS"], constexprs["DBIAS"]))
 
 
 # A trainable 16-bit bias of the full (B, Hq, Sq, Sk) shape at D=128: the 5-matmul pass reads it

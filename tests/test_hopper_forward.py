@@ -195,7 +195,7 @@ def test_cached_launches_run_the_kernel_each_problem_compiled():
         out = fusedattn.attention(q, k, v, **case.options())
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-    launch._compiled.clear()
+    launch.forget_compiled()
     first = [step(case, *qkv[:4]) for case, qkv in zip(cases, inputs)]
     kernels = {entry[3] for entry in launch._compiled.values()}
     assert {hopper_fwd._attn_fwd_ws_kernel, hopper_fwd._attn_fwd_kernel} & kernels

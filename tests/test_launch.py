@@ -2,9 +2,12 @@
 the GPU suite launches through the cache: test_hopper_forward.py)."""
 
 import itertools
+import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.nvidia.compiler import CUDABackend
 
@@ -61,3 +64,27 @@ def test_host_grid_arithmetic_agrees_with_triton():
         assert next_power_of_2(a) == triton.next_power_of_2(a), a
         for b in (1, 3, 16, 64, 128):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+@triton.jit
+def _scaled_sum(out, a, scale, b, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    keep = offs < n
+    tl.store(out + offs, tl.load(a + offs, mask=keep) * scale + tl.load(b + offs, mask=keep), mask=keep)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="runs a kernel: a GPU or Triton's interpreter")
+def test_launcher_fills_its_slots_in_order_call_after_call():
+    """A Launcher keeps the problem's arguments and takes each call's in the order of its SLOTs: a
+    second call with other tensors (and another alignment: a new specialisation) computes with them."""
+    from fusedattn.kernels.launch import SLOT, Launcher
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 37
+    launcher = Launcher(_scaled_sum, (1,), (SLOT, SLOT, 3.0, SLOT, n), BLOCK=64)
+    for offset in (0, 1, 0):  # 1: tensors 4 bytes past a 16-byte boundary
+        a, b = (torch.randn(n + 1, device=device)[offset:offset + n] for _ in range(2))
+        out = torch.zeros(n + 1, device=device)[offset:offset + n]
+        launcher(out, a, b)
+        torch.testing.assert_close(out, a * 3.0 + b)

@@ -167,7 +167,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-_BIAS_INPUT = 7  # the bias's position among the ops' inputs (after q, k, v, sinks, mask, tile states, grid)
+_SINKS_INPUT, _BIAS_INPUT = 3, 7  # positions among the ops' inputs (q, k, v, sinks, mask, tile states, grid, bias)
 
 
 def sink_gradient(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
@@ -181,25 +181,27 @@ def sink_gradient(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
     return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
 
 
-def _backward_with(backward_fn, ctx, dout, dlse):
+def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bool):
+    """(dq, dk, dv, dsinks, dbias) of a call saved by ``_setup_context``; dsinks / dbias None unless asked."""
     q, k, v, out, lse, sinks, mask, mask_states, bias = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dout = _unit_stride_head_dim(dout)  # e.g. the expanded ones of out.sum() have stride 0
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    bias_grad = bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
+    bias_grad = bias is not None and bias_grad
     dq, dk, dv, dbias = backward_fn(dout, dlse, q, k, v, out, lse, mask, mask_states, ctx.mask_grid, bias, bias_grad,
                                     *ctx.options)
     layout = ctx.options[0]
-    dsinks = sink_gradient(sinks, out, dout, lse, dlse, layout) if sinks is not None and ctx.needs_input_grad[3] \
-        else None
-    # one gradient per input: q, k, v, sinks, (mask, tile states, grid), bias, options
-    return (dq, dk, dv, dsinks, None, None, None, dbias if bias_grad else None) + (None,) * len(ctx.options)
+    dsinks = sink_gradient(sinks, out, dout, lse, dlse, layout) if sinks is not None and sinks_grad else None
+    return dq, dk, dv, dsinks, dbias if bias_grad else None
 
 
 def _backward(ctx, dout, dlse):
-    return _backward_with(_backward_op, ctx, dout, dlse)
+    dq, dk, dv, dsinks, dbias = _backward_with(_backward_op, ctx, dout, dlse, ctx.needs_input_grad[_SINKS_INPUT],
+                                               ctx.needs_input_grad[_BIAS_INPUT])
+    # one gradient per input: q, k, v, sinks, (mask, tile states, grid), bias, options
+    return (dq, dk, dv, dsinks, None, None, None, dbias) + (None,) * len(ctx.options)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -208,19 +210,23 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """Eager mode: the two ops' implementations under a plain autograd.Function. Through the
     custom ops a forward+backward step cost 1327 us of host time on the H200 host, 900 us this way
-    (benchmarks/NOTES.md v18), against ~0.8 ms of GPU work for an S=1k layer. torch.compile traces
-    the custom ops instead (``attention``); both run the same code (``_forward_impl``,
+    (benchmarks/NOTES.md v18), against ~0.8 ms of GPU work for an S=1k layer. Only the inputs that
+    can take a gradient are the Function's inputs; the rest travel as one Python value (``rest``):
+    the engine handles every input and gradient slot on each step (NOTES.md v38). torch.compile
+    traces the custom ops instead (``attention``); both run the same code (``_forward_impl``,
     ``_backward_impl``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, mask, mask_states, mask_grid, bias, *options):
+    def forward(ctx, q, k, v, sinks, bias, rest):
+        mask, mask_states, mask_grid, *options = rest
         out, lse = _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, *options)
         _setup_context(ctx, (q, k, v, sinks, mask, mask_states, mask_grid, bias, *options), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward_with(_backward_impl, ctx, dout, dlse)
+        return (*_backward_with(_backward_impl, ctx, dout, dlse, ctx.needs_input_grad[3], ctx.needs_input_grad[4]),
+                None)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -260,11 +266,12 @@ def attention(
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic)
-    args = (q, k, v, sinks, *_mask_args(mask), bias, *spec.op_args(), _resolve_backend(q.device))
+    mask_args, options = _mask_args(mask), (*spec.op_args(), _resolve_backend(q.device))
+    args = (q, k, v, sinks, *mask_args, bias, *options)
     if torch.compiler.is_compiling():
         out, lse = _forward_op(*args)
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias)):
-        out, lse = _EagerAttention.apply(*args)
+        out, lse = _EagerAttention.apply(q, k, v, sinks, bias, (*mask_args, *options))
     else:  # nothing to differentiate: no autograd node (its host time is a fifth of an inference call's)
         out, lse = _forward_impl(*args)
     return (out, lse) if return_lse else out

@@ -35,6 +35,8 @@ tensors' alignment allow (``memory.load_block``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -46,7 +48,7 @@ from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
                   mask_args, mask_descriptor, padded_dim, padded_dims, row_list_args, score_constants, sequence_args)
-from .launch import cdiv, launch
+from .launch import SLOT, Launcher, cdiv, launch, per_problem_dict
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
@@ -669,6 +671,31 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
         dbias = torch.zeros_like(bias) if bias_grad else None
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_(), dbias
+    dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
+                                       skips_tiles=mask is not None)
+    plan = backward_plan(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
+    dkdv_cfg, dq_cfg, atomic_dq, padded_d = plan.dkdv, configs.dq, plan.atomic_dq, plan.padded_d
+    if atomic_dq:
+        # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
+        # The pre-pass zeroes it. Packed sequences: (1, total_q, Hq, D) seen as (1, Hq, total_q, D).
+        if packing is None:
+            dq_buffer = torch.empty((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
+        else:
+            dq_buffer = torch.zeros((1, total_q, heads_q, padded_d), dtype=torch.float32,
+                                    device=q.device).transpose(1, 2)
+    # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
+    padded_rows = plan.padded_rows
+    lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
+    delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
+    plan.preprocess(out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
+                    dq_buffer if plan.zero_dq else lse, sequence_args(packing, lse)[0])
+
+    # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
+    # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
+    gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
+                                  dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias)
+    if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
+        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias
     qk_scale, softcap_log2 = score_constants(spec)
     block_d, block_dv = padded_dims(head_dim, head_dim_v)
     flags = dict(
@@ -676,54 +703,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
     )
-    dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
-                                       skips_tiles=mask is not None)
-
-    dkdv_cfg, dq_cfg = configs.dkdv, configs.dq
-    if packing is not None and dkdv_cfg.hopper_overlap is not None:  # the Gluon pass takes no packing
-        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
-        atomic_dq_config = False  # as where the Gluon pass declines a problem: dQ in a pass of its own
-    else:
-        atomic_dq_config = configs.atomic_dq
-    if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
-        dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
-    atomic_dq = atomic_dq_config and not spec.deterministic
-    # The Gluon pass reads a bias (and stores its gradient) in its 5-matmul form only.
-    bias_in_gluon = atomic_dq and gluon_dkdv_takes_bias(q, spec, bias, dbias_mode)
-    if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias,
-                                                                      bias_in_gluon):
-        atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
-    block_major = dkdv_block_major(spec, heads_q // heads_kv)
-    if atomic_dq:
-        # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
-        # The pre-pass zeroes it. Packed sequences: (1, total_q, Hq, D) seen as (1, Hq, total_q, D).
-        padded_d = cdiv(head_dim, 4) * 4
-        if packing is None:
-            dq_buffer = torch.empty((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
-        else:
-            dq_buffer = torch.zeros((1, total_q, heads_q, padded_d), dtype=torch.float32,
-                                    device=q.device).transpose(1, 2)
-
-    # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
-    pre_block_m = configs.preprocess_block_m
-    row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, 16)
-    padded_rows = cdiv(seqlen_q, row_multiple) * row_multiple
-    lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
-    delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
-    zero_dq = atomic_dq and packing is None
-    launch(_preprocess_kernel, (padded_rows // pre_block_m, batch * heads_q),
-           (out, dout, lse, dlse if dlse is not None else lse, lse2, delta, dq_buffer if zero_dq else lse,
-            sequence_args(packing, lse)[0], *bhs_strides(out, layout, packing), *bhs_strides(dout, layout, packing),
-            seqlen_q, heads_q, padded_rows, padded_d if zero_dq else 0, total_q if packing is not None else 0),
-           HEAD_DIM_V=head_dim_v, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=pre_block_m, HAS_DLSE=dlse is not None,
-           ZERO_DQ=zero_dq, BLOCK_DQ=padded_dim(padded_d) if zero_dq else 16, VARLEN=packing is not None)
-
-    # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
-    # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
-    gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
-                                  dq_buffer if atomic_dq else None, mask, bias, bias_in_gluon, dbias)
-    if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
-        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
         dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     dq_tma = atomic_dq and configs.dq_tma and packing is None
@@ -786,7 +765,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         dkdv_tma, dq_tma = run_dkdv and dkdv_descs is not None, run_dq and dq_descs is not None
         launch(_backward_kernel, (programs,),
                (*tensors, *(dkdv_descs if dkdv_tma else (q, dout)), *(dq_descs if dq_tma else (k, v)), dq_target,
-                *bias_descs, *mask_descs, *scalars, first_dq_program, int(block_major)),
+                *bias_descs, *mask_descs, *scalars, first_dq_program, int(plan.block_major)),
                RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma, DQ_TMA_LOADS=dq_tma,
                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
 
@@ -804,6 +783,83 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     if atomic_dq:
         dq_buffer = from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype)
     return dq_buffer, dk, dv, dbias
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What ``attention_backward`` decides before launching anything: the dK/dV pass's config, dQ
+    by atomics or by a pass of its own, the bias in the Gluon pass, the Triton dK/dV programs'
+    order, the padded widths of dQ's accumulator and of the row statistics, and the pre-pass's
+    launch (``backward_plan``)."""
+
+    dkdv: KernelConfig
+    atomic_dq: bool
+    bias_in_gluon: bool
+    block_major: bool
+    padded_d: int
+    padded_rows: int
+    zero_dq: bool
+    preprocess: Launcher  # (out, dout, lse, dlse, lse2, delta, dQ accumulator, cu_seqlens_q)
+
+
+_plain_plans = per_problem_dict()  # problem metadata -> BackwardPlan (``backward_plan``)
+_MAX_PLANS = 256
+
+
+def backward_plan(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
+                  dbias_mode: int, packing: Packing | None) -> BackwardPlan:
+    """The backward's decisions for one call, kept per problem where the problem's metadata alone
+    decides them (no mask, bias or packing, whose contents take part): a short training step
+    spends its host time on them otherwise (benchmarks/NOTES.md v38)."""
+    if mask is not None or bias is not None or packing is not None:
+        return _decide_backward(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, out.stride(), dout.stride(), dlse is not None, spec, configs,
+           DKDV_BLOCK_MAJOR)
+    plan = _plain_plans.get(key)
+    if plan is None:
+        if len(_plain_plans) >= _MAX_PLANS:
+            _plain_plans.clear()
+        plan = _plain_plans[key] = _decide_backward(q, k, v, out, dout, dlse, spec, configs, None, None, dbias_mode,
+                                                    None)
+    return plan
+
+
+def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
+                     dbias_mode: int, packing: Packing | None) -> BackwardPlan:
+    layout = spec.layout
+    batch, heads_q, seqlen_q, head_dim = to_bhsd(q, layout).shape
+    heads_kv, _, head_dim_v = to_bhsd(v, layout).shape[1:]
+    total_q = seqlen_q
+    if packing is not None:
+        batch, seqlen_q = packing.sequences, packing.max_seqlen_q
+    dkdv_cfg = configs.dkdv
+    if packing is not None and dkdv_cfg.hopper_overlap is not None:  # the Gluon pass takes no packing
+        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
+        atomic_dq_config = False  # as where the Gluon pass declines a problem: dQ in a pass of its own
+    else:
+        atomic_dq_config = configs.atomic_dq
+    if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
+        dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
+    atomic_dq = atomic_dq_config and not spec.deterministic
+    # The Gluon pass reads a bias (and stores its gradient) in its 5-matmul form only.
+    bias_in_gluon = atomic_dq and gluon_dkdv_takes_bias(q, spec, bias, dbias_mode)
+    if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias,
+                                                                      bias_in_gluon):
+        atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
+    padded_d = cdiv(head_dim, 4) * 4 if atomic_dq else 0
+    pre_block_m = configs.preprocess_block_m
+    row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, 16)
+    padded_rows = cdiv(seqlen_q, row_multiple) * row_multiple
+    zero_dq = atomic_dq and packing is None
+    preprocess = Launcher(
+        _preprocess_kernel, (padded_rows // pre_block_m, batch * heads_q),
+        ((SLOT,) * 8 + (*bhs_strides(out, layout, packing), *bhs_strides(dout, layout, packing), seqlen_q, heads_q,
+                        padded_rows, padded_d if zero_dq else 0, total_q if packing is not None else 0)),
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dims(head_dim, head_dim_v)[1], BLOCK_M=pre_block_m,
+        HAS_DLSE=dlse is not None, ZERO_DQ=zero_dq, BLOCK_DQ=padded_dim(padded_d) if zero_dq else 16,
+        VARLEN=packing is not None)
+    return BackwardPlan(dkdv_cfg, atomic_dq, bias_in_gluon, dkdv_block_major(spec, heads_q // heads_kv), padded_d,
+                        padded_rows, zero_dq, preprocess)
 
 
 def column_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, cfg: KernelConfig,

@@ -69,12 +69,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
+from . import hopper
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait, window_bounds,
                      ws_registers)
-from .launch import cdiv, launch
+from .launch import SLOT, Launcher, cdiv, per_problem
 from .memory import tma_addressable
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
@@ -739,30 +740,47 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
         descs += [Descriptor(t, (1, 1, KEYS_PER_WG, head_dim)) for t in sums]
     descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
     dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
+    bias_slices = None
     if bias is not None:
         assert dq_accum is not None and head_dim == 128 and not spec.has_softcap
         if dbias is not None and not tma_addressable(dbias):
             return False
         tile = (1, 1, config.block_m, KEYS_PER_WG * config.hopper_split)
-        bias_args = (Descriptor(bias, tile), Descriptor(dbias, tile) if dbias is not None else dq_desc,
-                     *bias_slice_args(bias, heads_q))
+        bias_descs = (Descriptor(bias, tile), Descriptor(dbias, tile) if dbias is not None else dq_desc)
+        bias_slices = bias_slice_args(bias, heads_q)
     else:
-        bias_args = (dq_desc, dq_desc, 0, 1)
-    key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
-    heads = batch * (heads_q if group_sum else heads_kv)
-    chunk = chunk_head_rows(heads, key_blocks, spec.has_window_right, q.device)
-    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+        bias_descs = (dq_desc, dq_desc)
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
-    args = (*descs, dq_desc, seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
-            *score_constants(spec), spec.scale, *lists, *bias_args, key_blocks, chunk)
-    grid = (heads * key_blocks,) if chunk > 1 else (key_blocks, heads)
-    launch(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
-           CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
-           NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, CHUNKED=chunk > 1,
-           DQ=dq_accum is not None, LISTS=tile_lists is not None, GROUP_SUM=group_sum, BIAS=bias is not None,
-           DBIAS=dbias is not None, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-           maxnreg=maxnreg)
+    launcher = _dkdv_launcher(q4.shape, heads_kv, seqlen_k, spec, config, dq_accum is not None, tuple(lists[1:]),
+                              tile_lists is not None, group_sum, bias_slices, dbias is not None, q.device.index,
+                              hopper.CHUNK_HEADS)
+    launcher(*descs, dq_desc, lists[0], *bias_descs)
     if group_sum:
         dk4.copy_(sums[0])
         dv4.copy_(sums[1])
     return True
+
+
+@per_problem
+def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, dq: bool,
+                   list_strides: tuple, has_lists: bool, group_sum: bool, bias_slices: tuple | None, dbias: bool,
+                   device_index: int, chunk_knob) -> Launcher:
+    """The pass's launch for one problem (decided once: grid, launch order, registers); each call
+    passes the 8 descriptors of Q, dO, K, V, dK, dV (or the group sums), lse2, delta, then dQ's, the
+    tile lists, and the bias's and its gradient's. ``chunk_knob``: ``hopper.CHUNK_HEADS``, read by
+    ``chunk_head_rows``, so that setting it takes effect."""
+    batch, heads_q, seqlen_q, head_dim = q_shape
+    key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
+    heads = batch * (heads_q if group_sum else heads_kv)
+    chunk = chunk_head_rows(heads, key_blocks, spec.has_window_right, torch.device("cuda", device_index))
+    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+    args = ((SLOT,) * 9 + (seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
+                           *score_constants(spec), spec.scale, SLOT, *list_strides, SLOT, SLOT,
+                           *(bias_slices or (0, 1)), key_blocks, chunk))
+    grid = (heads * key_blocks,) if chunk > 1 else (key_blocks, heads)
+    return Launcher(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
+                    CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
+                    NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
+                    CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
+                    DBIAS=dbias, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
+                    maxnreg=maxnreg)

@@ -55,10 +55,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..spec import AttentionSpec, to_bhsd
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
+from . import hopper
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, sm_count, turn_pass, turn_wait, window_bounds, ws_registers)
-from .launch import cdiv, launch
+from .launch import SLOT, Launcher, cdiv, per_problem
 
 
 # --------------------------------------------------------------------------- helpers
@@ -742,41 +743,53 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     (``fwd.gluon_reads_bias``; warp-specialised kernel only, 2 consumer warpgroups and 2 stages: the
     bias ring takes the shared memory a third warpgroup would)."""
     q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
-    batch, heads_q, seqlen_q, head_dim = q4.shape
-    heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
     q_rows = WG_ROWS if config.hopper_split else BLOCK_M
     descs = [descriptor(q4, q_rows), descriptor(k4, config.block_n), descriptor(v4, config.block_n),
              descriptor(to_bhsd(out, spec.layout), q_rows)]
     if any(d is None for d in descs):
         return False
+    lists = tile_lists if tile_lists is not None else (lse, 0, 0, 0, 1)
+    if bias is not None:
+        assert config.hopper_split == 2 and config.num_stages == 2, "the bias ring fits beside 2 x 2 tiles"
+        bias_desc, bias_slices = Descriptor(bias, (1, 1, WG_ROWS, config.block_n)), bias_slice_args(bias, q4.shape[1])
+    else:
+        bias_desc, bias_slices = descs[0], None
+    launcher = _forward_launcher(q4.shape, k4.shape[1], k4.shape[2], spec, config, tuple(lists[1:]),
+                                 tile_lists is not None, bias_slices, q.device.index, (hopper.CHUNK_HEADS, PROGRAMS))
+    per_call = (*descs, lse, lists[0], bias_desc)
+    launcher(*per_call[:len(launcher.slots)])  # the 8-warp kernel takes no lists or bias
+    return True
+
+
+@per_problem
+def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
+                      list_strides: tuple, has_lists: bool, bias_slices: tuple | None, device_index: int,
+                      knobs: tuple) -> Launcher:
+    """The forward's launch for one problem (decided once: grid, launch order, persistence,
+    registers); each call passes Q, K, V, O descriptors, lse, the tile lists and the bias
+    descriptor. ``knobs``: the experiment switches it reads, so that setting one takes effect."""
+    batch, heads_q, seqlen_q, head_dim = q_shape
+    device = torch.device("cuda", device_index)
     causal = spec.window_right == 0
     query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
-    chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, q.device)
+    chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, device)
     tiles = batch * heads_q * query_blocks
     grid = (tiles,)
-    args = (*descs, lse, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, *score_constants(spec),
-            query_blocks, chunk)
-    if config.hopper_split:
-        programs = persistent_programs(tiles, config, causal, tile_lists is None and bias is None, q.device)
-        persistent = programs > 0
-        if persistent:
-            grid = (programs,)
-        maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
-        lists = tile_lists if tile_lists is not None else (lse, 0, 0, 0, 1)
-        if bias is not None:
-            assert config.hopper_split == 2 and config.num_stages == 2, "the bias ring fits beside 2 x 2 tiles"
-            bias_args = (Descriptor(bias, (1, 1, WG_ROWS, config.block_n)), *bias_slice_args(bias, heads_q))
-        else:
-            bias_args = (descs[0], 0, 1)
-        launch(_attn_fwd_ws_kernel, grid, (*args, batch * heads_q, *lists, *bias_args), BLOCK_N=config.block_n,
-               HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
-               NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
-               LISTS=tile_lists is not None, BIAS=bias is not None,
-               PERSISTENT=persistent,
-               PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
-    else:
-        assert tile_lists is None and bias is None, "tile lists, bias: the warp-specialised kernel only"
-        launch(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal,
-               LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap, OVERLAP=config.hopper_overlap,
-               NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
-    return True
+    args = (SLOT, SLOT, SLOT, SLOT, SLOT, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left,
+            *score_constants(spec), query_blocks, chunk)
+    if not config.hopper_split:
+        assert not has_lists and bias_slices is None, "tile lists, bias: the warp-specialised kernel only"
+        return Launcher(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim,
+                        CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
+                        OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
+    programs = persistent_programs(tiles, config, causal, not has_lists and bias_slices is None, device)
+    persistent = programs > 0
+    if persistent:
+        grid = (programs,)
+    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+    return Launcher(
+        _attn_fwd_ws_kernel, grid, (*args, batch * heads_q, SLOT, *list_strides, SLOT, *(bias_slices or (0, 1))),
+        BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
+        NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
+        BIAS=bias_slices is not None, PERSISTENT=persistent, PRODUCER_REGS=producer_regs,
+        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)

@@ -18,6 +18,8 @@ those launches go through Triton's runner, as before).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
@@ -29,10 +31,11 @@ DIRECT = True  # experiments: False launches every cached kernel through Triton'
 def launch(kernel, grid, args: tuple, **constexprs_and_options):
     """``kernel[grid](*args, **constexprs_and_options)``: ``args`` the leading arguments, in order
     (tensors, ints, floats, None, descriptors, and any constexpr among them), the keywords every
-    constexpr the kernel takes after them and the launch options (num_warps, num_stages, maxnreg)."""
+    constexpr the kernel takes after them and the launch options (num_warps, num_stages, maxnreg).
+    Returns the cache entry of the compiled kernel (None under the interpreter)."""
     if isinstance(kernel, InterpretedFunction):  # runs on the CPU: nothing compiled to keep
         kernel[grid](*_for_triton(args), **constexprs_and_options)
-        return
+        return None
     positional_constexprs = _positional_constexprs(kernel, len(args))
     device = torch.cuda.current_device()
     # id(kernel): hashing a JITFunction goes through its cache_key property on every lookup; the
@@ -41,16 +44,90 @@ def launch(kernel, grid, args: tuple, **constexprs_and_options):
            *map(_specialisation, args), *(args[i] for i in positional_constexprs))
     entry = _compiled.get(key)
     if entry is None:
-        compiled = kernel[grid](*_for_triton(args), **constexprs_and_options)
-        constexprs = tuple(constexprs_and_options[name] for name in kernel.arg_names[len(args):])
-        _compiled[key] = (compiled, constexprs, _DirectLaunch.of(compiled), kernel)
-        return
+        entry = _compiled[key] = _first_launch(kernel, grid, args, constexprs_and_options)
+    else:
+        _run(entry, grid, args, device)
+    return entry
+
+
+def _first_launch(kernel, grid, args: tuple, constexprs_and_options: dict) -> tuple:
+    """Launch through Triton (which compiles, or finds its own cache) and return what a later
+    launch of the same specialisation needs: (compiled kernel, trailing constexprs, direct launch,
+    the kernel)."""
+    compiled = kernel[grid](*_for_triton(args), **constexprs_and_options)
+    constexprs = tuple(constexprs_and_options[name] for name in kernel.arg_names[len(args):])
+    return compiled, constexprs, _DirectLaunch.of(compiled), kernel
+
+
+def _run(entry: tuple, grid, args: tuple, device: int) -> None:
     compiled, constexprs, direct, _ = entry
     grid3 = (*grid, 1, 1)[:3]  # a compiled kernel's runner takes a 3-D grid
     if direct is not None and DIRECT and _no_launch_hooks():
         direct(grid3, args + constexprs, device)
     else:
         compiled[grid3](*args, *constexprs)
+
+
+class Launcher:
+    """One kernel launch as a problem decides it -- kernel, grid, constexprs, options, and every
+    argument that depends only on the problem (shapes, strides, scalars) -- kept by the caller per
+    problem; each call passes the arguments that change between calls (its tensors and
+    descriptors), in the order of the ``SLOT`` markers in ``args``. What it saves over ``launch``:
+    the per-call key over every argument (~20 us for a 30-argument kernel); the compiled kernel is
+    found by the specialisation of the call's own arguments, the rest being fixed with the
+    launcher. Under the interpreter every call goes through ``launch``."""
+
+    __slots__ = ("kernel", "grid", "template", "slots", "options", "device", "entries")
+
+    def __init__(self, kernel, grid, args: tuple, **constexprs_and_options):
+        self.kernel, self.grid, self.options = kernel, grid, constexprs_and_options
+        self.template = list(args)
+        self.slots = tuple(i for i, arg in enumerate(args) if arg is SLOT)
+        self.device = None if isinstance(kernel, InterpretedFunction) else torch.cuda.current_device()
+        self.entries = {}
+
+    def __call__(self, *values):
+        assert len(values) == len(self.slots)
+        args = self.template.copy()
+        for position, value in zip(self.slots, values):
+            args[position] = value
+        args = tuple(args)
+        key = tuple(map(_specialisation, values)) if self.device is not None else None
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = launch(self.kernel, self.grid, args, **self.options)
+            if entry is not None:
+                self.entries[key] = entry
+        else:
+            _run(entry, self.grid, args, self.device)
+
+
+SLOT = object()  # marks a ``Launcher`` argument that each call passes
+
+_problem_caches: list = []  # the cache_clear of every per-problem cache of launchers
+
+
+def per_problem(build):
+    """Keep what ``build`` returns (a ``Launcher``, a plan holding some) per argument tuple: the
+    problem's metadata, never its tensors."""
+    cached = functools.lru_cache(maxsize=256)(build)
+    _problem_caches.append(cached.cache_clear)
+    return cached
+
+
+def per_problem_dict() -> dict:
+    """A dict for per-problem values its owner keys by the problem's metadata itself (where the
+    decision needs the tensors at hand, which ``per_problem`` cannot take)."""
+    kept: dict = {}
+    _problem_caches.append(kept.clear)
+    return kept
+
+
+def forget_compiled() -> None:
+    """Drop every kept compiled kernel and per-problem launcher (tests: count what a step compiles)."""
+    _compiled.clear()
+    for clear in _problem_caches:
+        clear()
 
 
 def cdiv(a: int, b: int) -> int:
