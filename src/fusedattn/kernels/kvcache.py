@@ -235,11 +235,12 @@ KEY_TILE = 64  # keys per tile: decoding is bound by reading K/V; deeper pipelin
 STAGE_BYTES_BUDGET = 128 * 1024  # shared memory for the K/V pipeline stages
 MAX_STAGES = 4
 NUM_WARPS = 4
-# Split-KV: as many programs as fit on the GPU at once (PROGRAMS_PER_SM: two of the decoding
-# kernel's ~100 KB of pipeline stages fit an SM's shared memory), never a second, partial wave; at
-# least MIN_BLOCKS_PER_SPLIT key tiles a split; at most MAX_SPLITS (the combination loads them all).
-PROGRAMS_PER_SM = 2
-MIN_BLOCKS_PER_SPLIT = 4
+# Split-KV: as many programs as fit on the GPU at once, never a second, partial wave; at least a few
+# key tiles a split; at most MAX_SPLITS (the combination loads them all). (programs per SM, least
+# key tiles a split), contiguous: two of the decoding kernel's ~100 KB of pipeline stages fit an
+# SM's shared memory; paged: a split runs half the stages, three fit, and shorter splits paid
+# (B=1 at 8k: 48 splits of 2-3 tiles 20.3-20.6 us, 32 of 4 tiles 21.1-21.9; benchmarks/NOTES.md v38).
+SPLIT_RULE = {False: (2, 4), True: (3, 2)}  # by paged
 MAX_SPLITS = 64
 INTERPRETER_SMS = 8  # the "SM count" the auto split assumes under Triton's interpreter (tests split too)
 
@@ -268,12 +269,13 @@ def pipeline_stages(block_d: int, block_dv: int, element_size: int, paged: bool,
     return max(1, stages // 2) if split else 2 * stages
 
 
-def auto_splits(programs: int, key_blocks: int, device: torch.device) -> int:
-    """Splits over the keys so the grid fills the GPU (``PROGRAMS_PER_SM``), none where the other
-    dims already do or the keys are too few to share. From shapes only (capacity, not the lengths),
-    so a CUDA graph captured once stays right as the cache grows."""
-    wanted = PROGRAMS_PER_SM * processor_count(device) // programs
-    return max(1, min(wanted, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+def auto_splits(programs: int, key_blocks: int, device: torch.device, paged: bool = False) -> int:
+    """Splits over the keys so the grid fills the GPU (``SPLIT_RULE``), none where the other dims
+    already do or the keys are too few to share. From shapes only (capacity, not the lengths), so a
+    CUDA graph captured once stays right as the cache grows."""
+    per_sm, least_blocks = SPLIT_RULE[paged]
+    wanted = per_sm * processor_count(device) // programs
+    return max(1, min(wanted, key_blocks // least_blocks, MAX_SPLITS))
 
 
 def key_reach(spec: AttentionSpec, seqlen_q: int, capacity: int) -> int:
@@ -315,7 +317,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
     m_blocks = cdiv(seqlen_q * group, block_m)
     key_blocks = cdiv(key_reach(spec, seqlen_q, capacity), KEY_TILE)
     if num_splits is None:
-        num_splits = auto_splits(batch * heads_kv * m_blocks, key_blocks, q.device)
+        num_splits = auto_splits(batch * heads_kv * m_blocks, key_blocks, q.device, paged)
     # a split beyond one per key tile would be empty
     num_splits = max(1, min(num_splits, key_blocks, MAX_SPLITS))
     if num_splits == 1:
