@@ -146,16 +146,15 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
         assert_close_to_reference(f"{case.id} {name}", ours_t, lowp_t, ref_t)
 
 
-def launcher_constexprs(monkeypatch, kernel_name: str, pick) -> list:
-    """``pick(constexprs)`` of every launch of the kernel ``kernel_name`` made through a per-problem
+def launcher_constexprs(monkeypatch, kernel, pick) -> list:
+    """``pick(constexprs)`` of every launch of ``kernel`` made through a per-problem
     ``launch.Launcher`` (the Gluon kernels, the backward's pre-pass), in order."""
     from fusedattn.kernels.launch import Launcher
 
     seen, real_call = [], Launcher.__call__
 
     def spy(self, *values):
-        if getattr(self.kernel, "__name__", None) == kernel_name or getattr(self.kernel, "fn", None) is not None \
-                and self.kernel.fn.__name__ == kernel_name:
+        if self.kernel is kernel:
             seen.append(pick(self.options))
         return real_call(self, *values)
 

@@ -67,7 +67,9 @@ def gluon_launches(monkeypatch):
 @pytest.fixture
 def group_sum_launches(monkeypatch):
     """GROUP_SUM of every Gluon dK/dV launch (True: one program per query head, fp32 group sums)."""
-    return launcher_constexprs(monkeypatch, "_dkdv_ws_kernel", lambda constexprs: constexprs["GROUP_SUM"])
+    from fusedattn.kernels import hopper_bwd
+
+    return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel, lambda constexprs: constexprs["GROUP_SUM"])
 
 
 def pinned_dkdv(case: Case, config: KernelConfig, **options):
@@ -261,7 +263,9 @@ def test_masks_with_partial_tiles_run_the_triton_pass(gluon_launches):
 @pytest.fixture
 def bias_launches(monkeypatch):
     """(BIAS, DBIAS) of every Gluon dK/dV launch."""
-    return launcher_constexprs(monkeypatch, "_dkdv_ws_kernel",
+    from fusedattn.kernels import hopper_bwd
+
+    return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel,
                                lambda constexprs: (constexprs["BIAS"], constexprs["DBIAS"]))
 
 

@@ -48,7 +48,7 @@ from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
                   mask_args, mask_descriptor, padded_dim, padded_dims, row_list_args, score_constants, sequence_args)
-from .launch import SLOT, Launcher, cdiv, launch, per_problem_dict
+from .launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, launch, per_problem_dict
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
@@ -803,7 +803,6 @@ class BackwardPlan:
 
 
 _plain_plans = per_problem_dict()  # problem metadata -> BackwardPlan (``backward_plan``)
-_MAX_PLANS = 256
 
 
 def backward_plan(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
@@ -817,7 +816,7 @@ def backward_plan(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Attent
            DKDV_BLOCK_MAJOR)
     plan = _plain_plans.get(key)
     if plan is None:
-        if len(_plain_plans) >= _MAX_PLANS:
+        if len(_plain_plans) >= MAX_PROBLEMS:
             _plain_plans.clear()
         plan = _plain_plans[key] = _decide_backward(q, k, v, out, dout, dlse, spec, configs, None, None, dbias_mode,
                                                     None)

@@ -105,19 +105,21 @@ class Launcher:
 SLOT = object()  # marks a ``Launcher`` argument that each call passes
 
 _problem_caches: list = []  # the cache_clear of every per-problem cache of launchers
+MAX_PROBLEMS = 256  # problems each per-problem cache keeps
 
 
 def per_problem(build):
     """Keep what ``build`` returns (a ``Launcher``, a plan holding some) per argument tuple: the
     problem's metadata, never its tensors."""
-    cached = functools.lru_cache(maxsize=256)(build)
+    cached = functools.lru_cache(maxsize=MAX_PROBLEMS)(build)
     _problem_caches.append(cached.cache_clear)
     return cached
 
 
 def per_problem_dict() -> dict:
     """A dict for per-problem values its owner keys by the problem's metadata itself (where the
-    decision needs the tensors at hand, which ``per_problem`` cannot take)."""
+    decision needs the tensors at hand, which ``per_problem`` cannot take); the owner empties it
+    past ``MAX_PROBLEMS`` entries."""
     kept: dict = {}
     _problem_caches.append(kept.clear)
     return kept
