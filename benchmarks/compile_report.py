@@ -164,12 +164,14 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
         persistent = hopper_fwd.runs_persistent(gluon_forward, flags["HAS_RIGHT"],
                                                 not flags["HAS_MASK"] and not flags["HAS_BIAS"])
         problems += _report_hopper_forward(head_dim, dtype, gluon_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-                                           flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"], persistent)
+                                           flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"],
+                                           persistent and not flags["VARLEN"], flags["VARLEN"])
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_runs:
         # deterministic calls run the pass without dQ; the default at D=128 the 5-matmul form
         for with_dq in (False, True) if configs.atomic_dq else (False,):
             problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
-                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], flags["HAS_MASK"])
+                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], flags["HAS_MASK"],
+                                            varlen=flags["VARLEN"])
     gluon_dkdv_bias = (flags["HAS_BIAS"] and flags["BIAS_TMA"] and not flags["HAS_SOFTCAP"] and not flags["HAS_SINKS"]
                        and flags["DBIAS"] == bwd.DBIAS_STORE and configs.atomic_dq and head_dim == 128)
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_dkdv_bias:  # the 5-matmul form only
@@ -198,10 +200,11 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
 
 def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
-                           lists: bool = False, bias: bool = False, persistent: bool = False):
+                           lists: bool = False, bias: bool = False, persistent: bool = False, varlen: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
     ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype,
-    ``persistent``: the tile loop of a launch of fewer programs than tiles (warp-specialised kernel)."""
+    ``persistent``: the tile loop of a launch of fewer programs than tiles, ``varlen``: packed
+    sequences (warp-specialised kernel)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, cols: int = head_dim) -> str:
@@ -213,10 +216,12 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
-                          PERSISTENT=persistent, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=num_warps)
+                          PERSISTENT=persistent, VARLEN=varlen, PRODUCER_REGS=producer_regs,
+                          CONSUMER_REGS=consumer_regs, num_warps=num_warps)
         list_args = dict(head_rows="i32", tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
                          list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),
-                         bias_batches="i32", bias_head_div="i32")
+                         bias_batches="i32", bias_head_div="i32", lse_head_stride="i32", Out=f"*{dtype}",
+                         stride_out_row="i32", stride_out_head="i32")
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
@@ -236,16 +241,18 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
-                           lists: bool = False, bias: bool = False, persistent: bool = False) -> int:
+                           lists: bool = False, bias: bool = False, persistent: bool = False,
+                           varlen: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
     shown = (f"forward (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}"
-             f"{', persistent' if persistent else ''}) {rows}x{cfg.block_n} s{cfg.num_stages}")
+             f"{', persistent' if persistent else ''}{', packed' if varlen else ''}) {rows}x{cfg.block_n} "
+             f"s{cfg.num_stages}")
     try:
-        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias, persistent)
+        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias, persistent, varlen)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1
@@ -256,10 +263,11 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False,
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
-                       bias: bool = False, dbias: bool = False):
+                       bias: bool = False, dbias: bool = False, varlen: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
     (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
-    ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient)."""
+    ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
+    packed sequences, dK/dV stored by pointers)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, ty: str = dtype) -> str:
@@ -272,8 +280,12 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
-                      GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, PRODUCER_REGS=producer_regs,
+                      GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
                       CONSUMER_REGS=consumer_regs, num_warps=4)
+    if varlen:
+        constexprs["CHUNKED"] = False
+    else:  # the launcher passes no dK/dV pointers
+        constexprs.update(DK=None, DV=None)
     dq_block = [1, 1, cfg.block_m, hopper_bwd.DQ_COLS]
     dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
@@ -288,7 +300,10 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                      tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
                      bias_desc=score_tile if bias else dq_desc, dbias_desc=score_tile if dbias else dq_desc,
                      bias_batches="i32", bias_head_div="i32", key_blocks="i32", chunk_heads="i32",
+                     stride_kv_row="i32", stride_kv_head="i32",
                      **{name: "constexpr" for name in constexprs})
+    if varlen:
+        signature.update(DK=f"*{dtype}", DV=f"*{dtype}")
     src = GluonASTSource(hopper_bwd._dkdv_ws_kernel, signature, constexprs)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
     usage = _resource_usage(compiled.asm["cubin"])
@@ -297,9 +312,9 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
 
 
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
-                        left: bool = False, lists: bool = False, bias: bool = False) -> int:
+                        left: bool = False, lists: bool = False, bias: bool = False, varlen: bool = False) -> int:
     kind = (f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
-            f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}")
+            f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}{', packed' if varlen else ''}")
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
@@ -307,7 +322,7 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     for group_sum in group_sums:
         try:
             r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,
-                                    bias, bias)
+                                    bias, bias, varlen)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1

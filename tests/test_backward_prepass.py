@@ -37,3 +37,31 @@ def test_prepass_row_statistics_and_dq_accumulator(zero_dq):
         assert torch.equal(dq, torch.zeros_like(dq))
     else:
         assert dq.isnan().all()
+
+
+def test_prepass_packed_sequences_zero_every_row_of_the_dq_accumulator():
+    """VARLEN: per (sequence, head) program the statistics of its rows (padding rows: lse2 +inf,
+    delta 0) and, with ZERO_DQ, its rows of the head-major (1, Hq, total_q, dq_cols) accumulator --
+    together every row, including those of a one-token sequence (an empty one has none)."""
+    lengths, heads, head_dim_v, dq_cols, block_m = (5, 0, 20, 1, 12), 3, 16, 12, 16
+    total, max_len, padded_rows = sum(lengths), max(lengths), 32
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    out, dout = (torch.randn(total, heads, head_dim_v, device=DEVICE, generator=gen) for _ in range(2))
+    lse = torch.randn(heads, total, device=DEVICE, generator=gen)
+    lse2, delta = (torch.full((len(lengths) * heads, padded_rows), 7.0, device=DEVICE) for _ in range(2))
+    dq = torch.full((1, heads, total, dq_cols), float("nan"), device=DEVICE)
+    row = heads * head_dim_v  # the packed tensors' row stride stands for the batch stride
+    launch(bwd._preprocess_kernel, (padded_rows // block_m, len(lengths) * heads),
+           (out, dout, lse, lse, lse2, delta, dq, cu, row, head_dim_v, row, row, head_dim_v, row, max_len, heads,
+            padded_rows, dq_cols, total),
+           HEAD_DIM_V=head_dim_v, BLOCK_DV=16, BLOCK_M=block_m, HAS_DLSE=False, ZERO_DQ=True, BLOCK_DQ=16,
+           VARLEN=True)
+    assert torch.equal(dq, torch.zeros_like(dq))
+    want_delta = (out.double() * dout.double()).sum(-1)  # (total, heads)
+    for seq, (start, n) in enumerate(zip(cu.tolist(), lengths)):
+        rows = slice(seq * heads, (seq + 1) * heads)
+        torch.testing.assert_close(delta[rows, :n].double(), want_delta[start:start + n].t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse2[rows, :n].double(), lse[:, start:start + n].double() * math.log2(math.e),
+                                   rtol=1e-6, atol=1e-6)
+        assert torch.all(lse2[rows, n:] == float("inf")) and torch.all(delta[rows, n:] == 0)

@@ -80,6 +80,24 @@ FULL = QUICK + [
                dtype=torch.float16),
 ]
 TRITON_CASES = FULL if ON_GPU else QUICK  # QUICK has no bf16: the interpreter's bf16 dot is unusable
+# What the Gluon kernels take (Hopper, 16-bit, D = Dv in {64, 128}, no sinks): each path of the packed
+# forward and dK/dV pass -- dQ summed in the pass (D=128) or by the Triton dQ pass (D=64,
+# deterministic), dK/dV stored by pointers or summed over a GQA group (causal GQA), causal, none,
+# a left window -- with sequences of 0 and 1 tokens, Sq != Sk both ways, lengths off every tile.
+GLUON = [
+    VarlenCase((1000, 1, 0, 255, 129, 2048, 113), heads_q=8, heads_kv=2, head_dim=128, causal=True,
+               dtype=torch.bfloat16),
+    VarlenCase((300, 17, 0, 511, 2), (129, 400, 33, 64, 0), heads_q=4, heads_kv=4, head_dim=128, lse_grad=True,
+               dtype=torch.float16),
+    VarlenCase((700, 1, 190, 64), heads_q=4, heads_kv=1, head_dim=128, causal=True, deterministic=True,
+               dtype=torch.bfloat16),
+    VarlenCase((1000, 1, 0, 255, 129, 2048, 113), heads_q=4, heads_kv=2, head_dim=64, causal=True, softcap=30.0,
+               lse_grad=True, dtype=torch.bfloat16),
+    VarlenCase((513, 64, 1500), (400, 64, 1600), heads_q=4, heads_kv=2, head_dim=128, window=(100, 0),
+               softcap=30.0, lse_grad=True, dtype=torch.bfloat16),
+    VarlenCase((65, 300, 1), (300, 1, 77), heads_q=6, heads_kv=2, head_dim=64, dtype=torch.float16),
+    VarlenCase((191, 193, 385), heads_q=4, heads_kv=2, head_dim=128, dtype=torch.bfloat16),
+]
 
 
 def _offsets(lengths, device) -> torch.Tensor:
@@ -124,9 +142,11 @@ def reference_loop(q, k, v, case: VarlenCase, sinks_=None):
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def check_varlen_case(case: VarlenCase, backend: str, device) -> None:
+def check_varlen_case(case: VarlenCase, backend: str, device, host_offsets: bool = False) -> None:
+    """``host_offsets``: the offsets passed on the CPU (q on the GPU), read without a device sync."""
     q, k, v, dout, dlse, sinks = make_inputs(case, device)
-    cu_q, cu_k = _offsets(case.lengths_q, device), _offsets(case.keys, device)
+    offsets_device = "cpu" if host_offsets else device
+    cu_q, cu_k = _offsets(case.lengths_q, offsets_device), _offsets(case.keys, offsets_device)
 
     def ours(q_, k_, v_, sinks_=None):
         with fusedattn.use_backend(backend):
@@ -151,6 +171,27 @@ def check_varlen_case(case: VarlenCase, backend: str, device) -> None:
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c.id)
 def test_varlen_kernels_match_per_sequence_reference(case):
     check_varlen_case(case, "triton", TRITON_DEVICE)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="Gluon kernels: Hopper only")
+@pytest.mark.parametrize("case", GLUON, ids=lambda c: c.id)
+def test_varlen_gluon_kernels_match_per_sequence_reference(case, monkeypatch):
+    """The Gluon forward and dK/dV pass over packed sequences (each program's tile from the host's
+    map of the blocks that exist) against the per-sequence reference; both must have run."""
+    from fusedattn.kernels import hopper_bwd, hopper_fwd
+
+    from attention_runner import record_launches
+
+    forwards = record_launches(monkeypatch, hopper_fwd, "_packed_forward")
+    passes = record_launches(monkeypatch, hopper_bwd, "_packed_dkdv")
+    check_varlen_case(case, "triton", "cuda")
+    assert forwards and all(forwards) and passes and all(passes)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="offsets on the CPU with q on a GPU")
+@pytest.mark.parametrize("case", [GLUON[0], GLUON[1], FULL[-1]], ids=lambda c: c.id)
+def test_varlen_offsets_on_the_host_match_per_sequence_reference(case):
+    check_varlen_case(case, "triton", "cuda", host_offsets=True)
 
 
 @pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
@@ -178,6 +219,10 @@ def test_varlen_new_lengths_compile_nothing_new():
     from fusedattn.kernels import bwd, fwd
 
     kernels = (fwd._forward_kernel, bwd._preprocess_kernel, bwd._backward_kernel)
+    if torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernels run the packed problem there
+        from fusedattn.kernels import hopper_bwd, hopper_fwd
+
+        kernels += (hopper_fwd._attn_fwd_ws_kernel, hopper_bwd._dkdv_ws_kernel)
 
     def compiled() -> int:
         return sum(len(kernel.device_caches[torch.cuda.current_device()][0]) for kernel in kernels)

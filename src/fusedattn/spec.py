@@ -8,7 +8,7 @@ no code path has a separate causal branch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +60,11 @@ class Packing:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    # The offsets as the host read them (``varlen.check_packing``), and the Gluon kernels' maps of
+    # (sequence, block) entries built from them (kernels/packed_tiles.py), kept for the backward.
+    offsets_q: tuple | None = field(default=None, compare=False, repr=False)
+    offsets_k: tuple | None = field(default=None, compare=False, repr=False)
+    tile_maps: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def sequences(self) -> int:

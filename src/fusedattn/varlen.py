@@ -21,15 +21,11 @@ from .tuning.configs import select_configs
 _NAME = "fusedattn.varlen_attention"
 
 
-def _sequence_stats(cu: torch.Tensor) -> torch.Tensor:
-    """[first entry, last entry, shortest length, longest length] of one cu_seqlens, on its device."""
-    lengths = cu[1:] - cu[:-1]
-    return torch.stack([cu[0], cu[-1], lengths.min(), lengths.max()])
-
-
 def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -> Packing:
     """The packing, checked (issue 5: bad offsets are errors, never a wrong result or a bad access).
-    Reading the offsets' values costs one small device-to-host copy a call."""
+    Offsets on q's device are read back for that: a small device-to-host copy a call, which waits
+    for the GPU. Offsets on the CPU (with q on a GPU) are read where they are and copied to the GPU
+    without waiting: the call then never stalls the host on the GPU."""
     cus = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     for name, cu in cus:
         if not isinstance(cu, torch.Tensor):
@@ -39,18 +35,24 @@ def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) 
         if cu.dim() != 1 or cu.numel() < 2:
             raise ValueError(f"{_NAME}: `{name}` must be 1-D with (sequences + 1) >= 2 entries, got shape "
                              f"{tuple(cu.shape)}")
-        if cu.device != q.device:
-            raise ValueError(f"{_NAME}: `{name}` is on {cu.device} but q is on {q.device}")
+        if cu.device != q.device and cu.device.type != "cpu":
+            raise ValueError(f"{_NAME}: `{name}` is on {cu.device} but q is on {q.device}; expected q's device "
+                             f"or the CPU")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"{_NAME}: `cu_seqlens_q` has {cu_seqlens_q.numel()} entries and `cu_seqlens_k` "
                          f"{cu_seqlens_k.numel()}; expected one per sequence boundary in both")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TypeError(f"{_NAME}: `{name}` must be an int >= 0, got {type(value).__name__} {value!r}")
-    stats = torch.cat([_sequence_stats(cu_seqlens_q), _sequence_stats(cu_seqlens_k)]).tolist()
-    for (name, cu), (first, last, shortest, longest), total, max_name, max_given in zip(
-            cus, (stats[:4], stats[4:]), (q.shape[0], k.shape[0]), ("max_seqlen_q", "max_seqlen_k"),
+    # The offsets read on the host (one small copy each; one when q and k share them), checked there,
+    # and kept: the Gluon kernels' maps of the blocks that exist are built from them (packed_tiles.py).
+    offsets_q = cu_seqlens_q.tolist()
+    offsets_k = offsets_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.tolist()
+    for (name, cu), offsets, total, max_name, max_given in zip(
+            cus, (offsets_q, offsets_k), (q.shape[0], k.shape[0]), ("max_seqlen_q", "max_seqlen_k"),
             (max_seqlen_q, max_seqlen_k)):
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        first, last, shortest, longest = offsets[0], offsets[-1], min(lengths), max(lengths)
         if first != 0 or shortest < 0:
             raise ValueError(f"{_NAME}: `{name}` must start at 0 and never decrease (offsets of consecutive "
                              f"sequences), got {cu.tolist()}")
@@ -60,7 +62,13 @@ def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) 
         if longest > max_given:
             raise ValueError(f"{_NAME}: `{max_name}` is {max_given} but a sequence has {longest} tokens; "
                              f"expected at least the longest length")
-    return Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if cu_seqlens_q.device != q.device:  # host offsets: the kernels read a copy on q's device
+        on_device = cu_seqlens_q.to(q.device, non_blocking=True)
+        cu_seqlens_k = on_device if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.to(q.device, non_blocking=True)
+        cu_seqlens_q = on_device
+    elif cu_seqlens_k.device != q.device:
+        cu_seqlens_k = cu_seqlens_k.to(q.device, non_blocking=True)
+    return Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tuple(offsets_q), tuple(offsets_k))
 
 
 class _VarlenAttention(torch.autograd.Function):

@@ -150,8 +150,9 @@ def _preprocess_kernel(
 ):
     """Row statistics of the backward: lse in base 2 and delta = rowsum(dO * O) (- dlse), rows padded
     to ``stride_stats`` (rows past a sequence's length: lse2 of -inf, delta 0). ``ZERO_DQ``: also
-    zero this program's rows of the contiguous fp32 (B, Hq, Sq, dq_cols) dQ accumulator that the
-    dK/dV pass then sums into (a memset launch less a step). ``VARLEN``: packed sequences
+    zero this program's rows of the contiguous fp32 (B, Hq, Sq, dq_cols) dQ accumulator (packed: (1,
+    Hq, total_q, dq_cols)) that the dK/dV pass then sums into (a memset launch less a step).
+    ``VARLEN``: packed sequences
     (``memory.sequence_rows``), lse (Hq, total_q)."""
     batch_head = tl.program_id(1)
     batch = batch_head // heads_q
@@ -659,7 +660,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     """Returns (dq, dk, dv, dbias), dq/dk/dv each in the layout and dtype of its input. ``mask``,
     ``bias``, ``packing``: as for ``fwd.attention_forward``. ``dbias`` (with ``bias_grad``, else None)
     has the bias's 4-D shape and dtype: the gradient summed over the bias's broadcast dims (SPEC 3.3).
-    Packed sequences run the Triton passes with pointer loads."""
+    Packed sequences run the Gluon dK/dV pass where it takes the problem (over the host's map of the
+    key blocks that exist, packed_tiles.py), else the Triton passes with pointer loads."""
     layout = spec.layout
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, layout).shape[1:]
@@ -676,13 +678,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     plan = backward_plan(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
     dkdv_cfg, dq_cfg, atomic_dq, padded_d = plan.dkdv, configs.dq, plan.atomic_dq, plan.padded_d
     if atomic_dq:
-        # dQ is summed over key blocks in an fp32 (B*Hq, Sq, D) buffer; rows padded to 16 bytes for TMA.
-        # The pre-pass zeroes it. Packed sequences: (1, total_q, Hq, D) seen as (1, Hq, total_q, D).
-        if packing is None:
-            dq_buffer = torch.empty((batch, heads_q, seqlen_q, padded_d), dtype=torch.float32, device=q.device)
-        else:
-            dq_buffer = torch.zeros((1, total_q, heads_q, padded_d), dtype=torch.float32,
-                                    device=q.device).transpose(1, 2)
+        # dQ is summed over key blocks in an fp32 (B, Hq, Sq, D) buffer -- packed sequences: (1, Hq,
+        # total_q, D) --, rows padded to 16 bytes for TMA. The pre-pass zeroes it.
+        rows = (batch, heads_q, seqlen_q) if packing is None else (1, heads_q, total_q)
+        dq_buffer = torch.empty((*rows, padded_d), dtype=torch.float32, device=q.device)
     # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
     padded_rows = plan.padded_rows
     lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
@@ -693,7 +692,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
-                                  dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias)
+                                  dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias, packing)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias
     qk_scale, softcap_log2 = score_constants(spec)
@@ -832,11 +831,7 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     if packing is not None:
         batch, seqlen_q = packing.sequences, packing.max_seqlen_q
     dkdv_cfg = configs.dkdv
-    if packing is not None and dkdv_cfg.hopper_overlap is not None:  # the Gluon pass takes no packing
-        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
-        atomic_dq_config = False  # as where the Gluon pass declines a problem: dQ in a pass of its own
-    else:
-        atomic_dq_config = configs.atomic_dq
+    atomic_dq_config = configs.atomic_dq
     if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
         dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
     atomic_dq = atomic_dq_config and not spec.deterministic
@@ -849,7 +844,7 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     pre_block_m = configs.preprocess_block_m
     row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, 16)
     padded_rows = cdiv(seqlen_q, row_multiple) * row_multiple
-    zero_dq = atomic_dq and packing is None
+    zero_dq = atomic_dq
     preprocess = Launcher(
         _preprocess_kernel, (padded_rows // pre_block_m, batch * heads_q),
         ((SLOT,) * 8 + (*bhs_strides(out, layout, packing), *bhs_strides(dout, layout, packing), seqlen_q, heads_q,
@@ -951,13 +946,13 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
 
 def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
                      dq_accum: torch.Tensor | None = None, mask=None, bias=None,
-                     reads_bias: bool = False, dbias: torch.Tensor | None = None) -> bool:
+                     reads_bias: bool = False, dbias: torch.Tensor | None = None, packing=None) -> bool:
     """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
     takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
     nothing launched, where not (or where TMA cannot address a tensor). With a mask the pass walks
     its column lists at the config's tiles (``fwd.gluon_mask_dkdv``). ``reads_bias``
     (``gluon_dkdv_takes_bias``, with ``dq_accum``): it reads ``bias`` and stores ``dbias``, its
-    gradient, when one is given."""
+    gradient, when one is given. ``packing``: packed sequences (``fwd.attention_forward``)."""
     reads_bias = reads_bias and dq_accum is not None
     if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias,
                                                             reads_bias=reads_bias):
@@ -973,7 +968,7 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, co
         lists = column_list_args(mask, spec, seqlen_q, seqlen_k, config, heads_q, heads_kv, lse2)
     group_sum = hopper_bwd.sums_over_group(spec, heads_q, heads_kv, config, lists is not None)
     return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, dq_accum, lists,
-                                group_sum, bias, dbias)
+                                group_sum, bias, dbias, packing)
 
 
 DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order

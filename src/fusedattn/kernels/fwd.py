@@ -315,7 +315,9 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     skipped, full ones run without the mask (tile_lists.py).
     ``bias``: the user's additive bias, 4-D and broadcast the same way, any float dtype.
     ``packing``: q, k, v are (1, total, H, D) "bshd" views of packed sequences (spec.Packing; no
-    mask or bias); lse is then (Hq, total_q). The Triton kernel with pointer loads runs them."""
+    mask or bias); lse is then (Hq, total_q). The Gluon forward runs them where it takes the
+    problem (over the host's map of the blocks that exist, packed_tiles.py), else the Triton kernel
+    with pointer loads."""
     batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
     heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -330,7 +332,12 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         return out.zero_(), lse.copy_(sinks.view(heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
-        if packing is None and hopper_supports(q, k, v, spec, sinks, mask, bias, reads_bias=True):
+        if packing is not None and hopper_supports(q, k, v, spec, sinks):
+            from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
+
+            if hopper_fwd.attention_forward(q, k, v, out, lse, spec, config, packing=packing):
+                return out, lse
+        elif hopper_supports(q, k, v, spec, sinks, mask, bias, reads_bias=True):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             gluon_config, lists = config, None

@@ -75,8 +75,17 @@ from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait, window_bounds,
                      ws_registers)
-from .launch import SLOT, Launcher, cdiv, per_problem
+from .launch import SLOT, Launcher, cdiv, launch, per_problem
 from .memory import tma_addressable
+from . import packed_tiles
+
+# Fields of a packed-sequence tile map (packed_tiles.py), as the kernel reads them.
+MAP_SEQUENCE: gl.constexpr = gl.constexpr(packed_tiles.SEQUENCE)
+MAP_BLOCK: gl.constexpr = gl.constexpr(packed_tiles.BLOCK)
+MAP_Q_START: gl.constexpr = gl.constexpr(packed_tiles.Q_START)
+MAP_SEQ_Q: gl.constexpr = gl.constexpr(packed_tiles.SEQ_Q)
+MAP_K_START: gl.constexpr = gl.constexpr(packed_tiles.K_START)
+MAP_SEQ_K: gl.constexpr = gl.constexpr(packed_tiles.SEQ_K)
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -86,7 +95,7 @@ KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
 @gluon.jit
 def _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr):
+                CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr, LISTS: gl.constexpr):
     """The steps of the program whose keys are [n0, n0 + BLOCK_N): (n_steps, walk). Steps [0,
     n_interior_steps) walk the interior query blocks (every key of the program visible to every
     row: no mask) of every head of the KV group (head-major), the rest the masked ones
@@ -97,8 +106,9 @@ def _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M: gl.const
     [inner_end, end) (left window edge) masked, all of them when the key block crosses Sk.
     Otherwise the same rule for causal or no window, written for the two cases (a block range of
     masked steps, not two: a general walk cost D=64 causal deterministic steps 5%, v25): [msk_begin,
-    int_begin) straddle the causal diagonal (with DQ: or the key block crosses Sk), [int_begin,
-    end) interior.
+    int_begin) straddle the causal diagonal (with RAGGED: or the key block crosses Sk), [int_begin,
+    end) interior. RAGGED (with dQ, whose dS K reads every key; with packed sequences, whose keys
+    past Sk are the next sequence's, not zeros): keys past Sk must give p = 0 exactly.
 
     LISTS (a mask): the host's list at ``entries`` (tile_lists.column_lists: [full count, partial
     count, full..., partial...], each ``member * query_blocks + query_block``) -- its full tiles are
@@ -125,7 +135,7 @@ def _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M: gl.const
             else:
                 begin = end * 0
                 inner_begin = end * 0
-            if DQ:  # keys past Sk must give p = 0 exactly (they reach dQ): a ragged key block masks every step
+            if RAGGED:  # keys past Sk must give p = 0 exactly: a ragged key block masks every step
                 inner_begin = gl.where(n0 + BLOCK_N > seq_k, end, inner_begin)
             n_inner = end - inner_begin
             n_lead = inner_begin - begin
@@ -163,12 +173,17 @@ def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem, v_smem, q_ring,
               do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch, head_kv, first_head, n0, seq_q,
-              seq_k, heads_q, group, window_left, entries, bias_at, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-              DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr):
+              seq_k, heads_q, group, window_left, entries, bias_at, packed, SPLIT: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr,
+              VARLEN: gl.constexpr):
     """``group``: the query heads the walk covers, from ``first_head`` on (1 with GROUP_SUM). BIAS:
     each step's bias tile (queries x the program's keys) lands in the ring slot with Q and dO, read
-    in the bias's own shape at batch ``bias_at[0]``, head ``head // bias_at[1]``."""
+    in the bias's own shape at batch ``bias_at[0]``, head ``head // bias_at[1]``. ``packed``
+    (``_dkdv_ws_kernel``): the first query and key rows of the program's sequence and its first row
+    of the row statistics (and what the consumers take); with VARLEN the consumers store dK, dV
+    themselves, but for the group sums."""
+    q_start, k_start, stats_row0 = packed[0], packed[1], packed[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
@@ -177,10 +192,12 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
         else:  # a tile entirely past Sk is not loaded (its consumer skips every step)
             live = nc < seq_k
         mbarrier.expect(kv_bars.index(c), k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=live)
-        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, nc, 0], kv_bars.index(c), k_smem.index(c), pred=live)
-        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, nc, 0], kv_bars.index(c), v_smem.index(c), pred=live)
-    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ,
-                                LISTS)
+        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, k_start + nc, 0], kv_bars.index(c), k_smem.index(c),
+                                        pred=live)
+        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, k_start + nc, 0], kv_bars.index(c), v_smem.index(c),
+                                        pred=live)
+    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
+                                DQ or VARLEN, LISTS)
     nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                             + dl_desc.block_type.nbytes + (bias_desc.block_type.nbytes if BIAS else 0))
     for t in range(n_steps):
@@ -188,11 +205,11 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
         mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
         member, blk = _step_coords(t, walk, LEFT, LISTS)
         head = first_head + member
-        row = batch * heads_q + head
+        row = stats_row0 + head
         bar = ready.index(slot)
         mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, blk * BLOCK_M, 0], bar, q_ring.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [batch, head, blk * BLOCK_M, 0], bar, do_ring.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [batch, head, q_start + blk * BLOCK_M, 0], bar, q_ring.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [batch, head, q_start + blk * BLOCK_M, 0], bar, do_ring.index(slot))
         tma.async_copy_global_to_shared(lse_desc, [row, blk * BLOCK_M], bar, lse_ring.index(slot))
         tma.async_copy_global_to_shared(dl_desc, [row, blk * BLOCK_M], bar, dl_ring.index(slot))
         if BIAS:
@@ -202,19 +219,22 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
     # or with GROUP_SUM added into the fp32 group sums (staged by ``_group_sum_staging``). The
     # producer issues them so that no consumer touches a descriptor: in a consumer, ptxas kept the
     # descriptor address live across the loop and spilled it.
+    # With VARLEN the rows past Sk are the next sequence's, which a TMA store would overwrite: the
+    # consumers store dK, dV by masked pointer stores; the group sums' reduce-adds add zeros there.
     STAGE_LAYOUT: gl.constexpr = dk_desc.layout
-    for c in gl.static_range(SPLIT):
-        nc = n0 + c * KEYS
-        if nc < seq_k:
-            mbarrier.wait(done.index(c), 0)
-            if GROUP_SUM:
-                dk_buf, dv_buf = _group_sum_staging(k_smem, v_smem, q_ring, do_ring, c, STAGE_LAYOUT)
-                tma_reduce_add(dk_desc, [batch, head_kv, nc, 0], dk_buf)
-                tma_reduce_add(dv_desc, [batch, head_kv, nc, 0], dv_buf)
-            else:
-                tma.async_copy_shared_to_global(dk_desc, [batch, head_kv, nc, 0], k_smem.index(c))
-                tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], v_smem.index(c))
-    tma.store_wait(pendings=0)
+    if GROUP_SUM or not VARLEN:
+        for c in gl.static_range(SPLIT):
+            nc = n0 + c * KEYS
+            if nc < seq_k:
+                mbarrier.wait(done.index(c), 0)
+                if GROUP_SUM:
+                    dk_buf, dv_buf = _group_sum_staging(k_smem, v_smem, q_ring, do_ring, c, STAGE_LAYOUT)
+                    tma_reduce_add(dk_desc, [batch, head_kv, k_start + nc, 0], dk_buf)
+                    tma_reduce_add(dv_desc, [batch, head_kv, k_start + nc, 0], dv_buf)
+                else:
+                    tma.async_copy_shared_to_global(dk_desc, [batch, head_kv, nc, 0], k_smem.index(c))
+                    tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], v_smem.index(c))
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -236,24 +256,26 @@ def _group_sum_staging(k_smem, v_smem, q_ring, do_ring, WG: gl.constexpr, layout
 
 @gluon.jit
 def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, bias_at,
-           SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-           CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, DBIAS: gl.constexpr):
+           q_start, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+           CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, DBIAS: gl.constexpr,
+           VARLEN: gl.constexpr):
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
     (D=128), or all columns over its own keys (D=64, ``_dq_tile``). DBIAS: also the step's dS
     (queries x the program's keys, staged query-major by ``_dq_tile``) stored as the bias gradient,
     one program per entry (a bias of the full (B, Hq, Sq, Sk) shape), rows past Sq and keys past Sk
-    clipped. Without DQ: nothing."""
+    clipped. Without DQ: nothing. With VARLEN the rows past Sq are the next sequence's: their dS is
+    0 (lse2 = +inf in the statistics' padding), so their reduce-adds add zeros."""
     if DQ:
         ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
-                                    DQ, LISTS)
+                                    DQ or VARLEN, LISTS)
         COLS: gl.constexpr = dq_desc.block_type.shape[3]
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS)
             for w in gl.static_range(SPLIT):
                 mbarrier.wait(dq_full.index(w), t & 1)
-                tma_reduce_add(dq_desc, [batch, first_head + member, blk * BLOCK_M, (w * COLS) % HEAD_D],
+                tma_reduce_add(dq_desc, [batch, first_head + member, q_start + blk * BLOCK_M, (w * COLS) % HEAD_D],
                                dq_s.index(w))
             if DBIAS:  # every warpgroup's dQ wgmma came after its dS store: the whole tile is there
                 tma.async_copy_shared_to_global(dbias_desc, [bias_at[0], (first_head + member) // bias_at[1],
@@ -334,8 +356,9 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
           dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
           HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr):
-    """One query block against this warpgroup's keys; first_row is used on MASK steps only. With
+          LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr):
+    """One query block against this warpgroup's keys; first_row is used on MASK steps only (RAGGED:
+    keys past Sk are masked there too, ``_query_walk``). With
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
     BIAS (with DQ, without SOFTCAP): the slot's bias tile, this warpgroup's keys read transposed,
     added in log2 units (its -inf entries give p = 0; a row with no key has lse2 = +inf)."""
@@ -377,7 +400,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
                 keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
             else:
                 keep = gl.expand_dims(keys, 1) >= 0
-            if DQ:  # keys past Sk reach dQ: p = 0 exactly (without dQ, their dK/dV rows are not stored)
+            if RAGGED:  # keys past Sk reach dQ or are another sequence's: p = 0 exactly
                 keep = keep & gl.expand_dims(keys < seq_k, 1)
         s = gl.where(keep, s, -float("inf"))
     lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
@@ -406,8 +429,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
-              stage_layout: gl.constexpr, BIAS: gl.constexpr):
-    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup."""
+              stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr):
+    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. VARLEN (packed sequences): dK, dV
+    of the keys inside the sequence go out by pointer stores (``packed`` = (first query row, first
+    key row, first statistics row, KV head, dK, dV, their row and head strides))."""
+    RAGGED: gl.constexpr = DQ or VARLEN
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -416,8 +442,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     dtype: gl.constexpr = k_smem.dtype
     KEYS: gl.constexpr = k_smem.shape[3]
 
-    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT, DQ,
-                                LISTS)
+    n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
+                                RAGGED, LISTS)
     n_interior_steps = walk[0]
     rule = (seq_k - seq_q, window_left)
     nc = n0 + WG * KEYS
@@ -443,13 +469,14 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         for t in range(0, n_interior_steps):
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
-                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS)
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
+                           RAGGED)
         for t in range(n_interior_steps, n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
                            BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
-                           SOFTCAP, DQ, BIAS)
+                           SOFTCAP, DQ, BIAS, RAGGED)
         if DQ_COLS != HEAD_D:
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -463,7 +490,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         for t in range(0, interior_end):
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
-                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS)
+                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
+                           RAGGED)
         # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
         # (every step, when inactive): query blocks [w_begin, w_end) are visible.
         w_end = 2147483647
@@ -475,7 +503,9 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
             w_begin = gl.where(active, w_begin, 2147483647)
         elif CAUSAL:  # query blocks before w_begin see none of this warpgroup's keys
             w_begin = gl.where(active, gl.maximum(nc - (seq_k - seq_q), 0) // BLOCK_M, 2147483647)
-        if CAUSAL or LEFT or LISTS:
+        else:  # VARLEN without a bound: every step of a key block crossing Sk is masked, and seen
+            w_begin = gl.where(active, 0, 2147483647)
+        if CAUSAL or LEFT or LISTS or VARLEN:
             for t in range(interior_end, n_steps):
                 member, blk = _step_coords(t, walk, LEFT, LISTS)
                 if LEFT:
@@ -486,7 +516,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                     dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars,
                                    dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale,
                                    softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
-                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS)
+                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
@@ -505,6 +535,16 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(done.index(WG), count=1)
+    elif VARLEN:
+        if active:  # the keys inside the sequence, by pointers (the rows past Sk are the next sequence's)
+            _, k_start, _, head_kv, dk_ptr, dv_ptr, stride_row, stride_head = packed
+            rows = nc + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
+            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+            offsets = (gl.expand_dims((k_start + rows).to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
+                       + head_kv.to(gl.int64) * stride_head)
+            keep = gl.expand_dims(rows < seq_k, 1) & gl.expand_dims(cols >= 0, 0)
+            gl.store(dk_ptr + offsets, (dk * scale).to(dtype), mask=keep)
+            gl.store(dv_ptr + offsets, dv.to(dtype), mask=keep)
     elif active:
         # dK (* scale) and dV into this warpgroup's K/V buffers (its wgmmas have all retired); the
         # producer stores them (those of keys past Sk are not stored).
@@ -520,15 +560,16 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group", "window_left", "list_stride_b",
                               "list_stride_h", "list_stride_n", "bias_batches", "bias_head_div", "key_blocks",
-                              "chunk_heads"])
+                              "chunk_heads", "stride_kv_row", "stride_kv_head"])
 def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
                     heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, tile_lists, list_stride_b,
                     list_stride_h, list_stride_n, bias_desc, dbias_desc, bias_batches, bias_head_div, key_blocks,
-                    chunk_heads, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr,
-                    LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr,
-                    PINGPONG: gl.constexpr, CHUNKED: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
-                    GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    chunk_heads, DK, DV, stride_kv_row, stride_kv_head, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                    CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    SPLIT: gl.constexpr, PINGPONG: gl.constexpr, CHUNKED: gl.constexpr, DQ: gl.constexpr,
+                    LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
+                    VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -537,7 +578,13 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     BIAS: a 16-bit bias by elements (``bias_desc``, block (1, 1, BLOCK_M, BLOCK_N) over its own
     (B|1, H|1, Sq, Sk) shape; batch index ``batch * bias_batches``, head ``head // bias_head_div``);
     DBIAS: its gradient stored through ``dbias_desc`` (same block, the full shape). Only in the
-    5-matmul form with dQ split by columns (D=128), without softcap (``bwd.gluon_dkdv_takes_bias``)."""
+    5-matmul form with dQ split by columns (D=128), without softcap (``bwd.gluon_dkdv_takes_bias``).
+    VARLEN: packed sequences (varlen_attention): ``tile_lists`` is the host's map of the launch's
+    ``key_blocks`` (sequence, key block) entries (packed_tiles.py), every head row taking each in
+    turn; the descriptors view the packed (1, H, total rows, D) tensors, each step offset by its
+    sequence's first rows; the row statistics are (sequences * Hq, padded rows); dK, dV go out by
+    pointers (``DK``, ``DV``: row and head strides ``stride_kv_*``) or into the group sums."""
+    gl.static_assert(not (VARLEN and (LISTS or BIAS)), "packed sequences: no mask, no bias")
     gl.static_assert(not BIAS or (DQ and not SOFTCAP and HEAD_D == 128), "a bias: D=128, with dQ, no softcap")
     gl.static_assert(BIAS or not DBIAS, "a bias gradient needs the bias")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
@@ -552,7 +599,17 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     dtype: gl.constexpr = q_desc.dtype
     STAGE_LAYOUT: gl.constexpr = dk_desc.layout  # GROUP_SUM: the fp32 dK/dV tiles' (``_group_sum_staging``)
 
-    if CHUNKED:  # a 1-D launch, key block 0 (the heaviest under a causal bound) first in each chunk of rows
+    if VARLEN:  # an entry of the map (heaviest first) and a head row, in launch order; batch 0
+        head_rows = heads_q if GROUP_SUM else heads_kv
+        pid_bh, entry = launch_order(gl.program_id(0), head_rows, key_blocks, chunk_heads)
+        fields = tile_lists + entry
+        pid_n = gl.load(fields + MAP_BLOCK * key_blocks)
+        sequence = gl.load(fields + MAP_SEQUENCE * key_blocks)
+        q_start = gl.load(fields + MAP_Q_START * key_blocks)
+        seq_q = gl.load(fields + MAP_SEQ_Q * key_blocks)
+        k_start = gl.load(fields + MAP_K_START * key_blocks)
+        seq_k = gl.load(fields + MAP_SEQ_K * key_blocks)
+    elif CHUNKED:  # a 1-D launch, key block 0 (the heaviest under a causal bound) first in each chunk of rows
         pid_bh, pid_n = launch_order(gl.program_id(0), gl.num_programs(0) // key_blocks, key_blocks, chunk_heads)
     else:
         # Head-major: a 2-D grid (key blocks, rows). Block indices read from the grid cost no registers
@@ -569,6 +626,13 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         head_kv = pid_bh % heads_kv
         first_head = head_kv * group
         walk_group = group
+    if VARLEN:
+        stats_row0 = sequence * heads_q
+    else:
+        q_start = 0
+        k_start = 0
+        stats_row0 = batch * heads_q
+    packed = (q_start, k_start, stats_row0, head_kv, DK, DV, stride_kv_row, stride_kv_head)
     n0 = pid_n * BLOCK_N
     entries = tile_lists  # LISTS: this program's list (indexed by KV head)
     if LISTS:
@@ -636,38 +700,42 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
-                         SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS)),
+                         packed, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS,
+                         VARLEN)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
-                      entries, bias_at, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS, DBIAS)),
+                      entries, bias_at, q_start, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS, DBIAS,
+                      VARLEN)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
-                         SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS)),
+                         packed, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS,
+                         VARLEN)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
-                      entries, bias_at, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS, DBIAS)),
+                      entries, bias_at, q_start, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS, DBIAS,
+                      VARLEN)),
         ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -711,7 +779,7 @@ def sums_over_group(spec: AttentionSpec, heads_q: int, heads_kv: int, config: Ke
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
               dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
-              bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None) -> bool:
+              bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None, packing=None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
@@ -724,7 +792,11 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     ``group_sum`` (``sums_over_group``): a program per query head, dK/dV summed over each group in
     fp32 buffers, then converted into ``dk``, ``dv``. ``bias`` (with ``dq_accum``, D=128, no softcap;
     ``fwd.gluon_reads_bias``): read by tiles; ``dbias`` (its gradient, the full (B, Hq, Sq, Sk)
-    shape, the bias's dtype, its unvisited tiles already zero) stored tile by tile."""
+    shape, the bias's dtype, its unvisited tiles already zero) stored tile by tile. ``packing``
+    (spec.Packing; no mask or bias): q, k, v, dout, dk, dv are (1, total, H, D) views of packed
+    sequences, the row statistics (sequences * Hq, padded rows) (``_packed_dkdv``)."""
+    if packing is not None:
+        return _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec, config, dq_accum, group_sum, packing)
     q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
     batch, heads_q, seqlen_q, head_dim = q4.shape
     heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
@@ -776,11 +848,57 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = ((SLOT,) * 9 + (seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
                            *score_constants(spec), spec.scale, SLOT, *list_strides, SLOT, SLOT,
-                           *(bias_slices or (0, 1)), key_blocks, chunk))
+                           *(bias_slices or (0, 1)), key_blocks, chunk, None, None, 0, 0))
     grid = (heads * key_blocks,) if chunk > 1 else (key_blocks, heads)
     return Launcher(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
-                    DBIAS=dbias, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
+                    DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
                     maxnreg=maxnreg)
+
+
+def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig, dq_accum,
+                 group_sum: bool, packing) -> bool:
+    """The pass over packed sequences: one program per (entry of the host's map of the key blocks
+    that exist, head row), heaviest entries first (packed_tiles.py); a new set of lengths changes
+    the map and the grid, never the compiled kernel. dK, dV by pointer stores (or summed over
+    each group in fp32, then converted); dQ, with ``dq_accum`` ((1, Hq, total_q, D) fp32, zeroed),
+    by reduce-adds."""
+    q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
+    heads_q, head_dim = q4.shape[1], q4.shape[3]
+    heads_kv = k4.shape[1]
+    descs = [descriptor(q4, config.block_m), descriptor(do4, config.block_m),
+             descriptor(k4, KEYS_PER_WG), descriptor(v4, KEYS_PER_WG)]
+    if any(d is None for d in descs):
+        return False
+    if group_sum:
+        sums = torch.zeros((2, 1, heads_kv, k4.shape[2], head_dim), dtype=torch.float32, device=q.device)
+        descs += [Descriptor(t, (1, 1, KEYS_PER_WG, head_dim)) for t in sums]
+    else:
+        descs += descs[2:4]  # not read: the consumers store dK, dV by pointers
+    descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
+    dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
+    tile_map = packed_tiles.key_block_map(packing, KEYS_PER_WG * config.hopper_split, spec, q.device)
+    entries = tile_map.shape[1]
+    if entries:
+        maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+        head_rows = heads_q if group_sum else heads_kv
+        from .hopper_fwd import packed_chunk_heads
+
+        launch(_dkdv_ws_kernel, (entries * head_rows,), (
+            *descs, dq_desc, packing.max_seqlen_q, packing.max_seqlen_k, heads_q, heads_kv, heads_q // heads_kv,
+            spec.window_left, *score_constants(spec), spec.scale, tile_map, 0, 0, 0, dq_desc, dq_desc, 0, 1, entries,
+            packed_chunk_heads(head_rows), dk4, dv4, dk4.stride(2), dk4.stride(1),
+        ), BLOCK_M=config.block_m, HEAD_D=head_dim, CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left,
+            SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
+            PINGPONG=config.hopper_pingpong, CHUNKED=False, DQ=dq_accum is not None, LISTS=False,
+            GROUP_SUM=group_sum, BIAS=False, DBIAS=False, VARLEN=True, PRODUCER_REGS=producer_regs,
+            CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+    if group_sum:
+        dk4.copy_(sums[0])
+        dv4.copy_(sums[1])
+    elif not entries:
+        dk.zero_()
+        dv.zero_()
+    return True

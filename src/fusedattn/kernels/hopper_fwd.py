@@ -59,7 +59,15 @@ from . import hopper
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, sm_count, turn_pass, turn_wait, window_bounds, ws_registers)
-from .launch import SLOT, Launcher, cdiv, per_problem
+from .launch import SLOT, Launcher, cdiv, launch, per_problem
+from . import packed_tiles
+
+# Fields of a packed-sequence tile map (packed_tiles.py), as the kernel reads them.
+MAP_BLOCK: gl.constexpr = gl.constexpr(packed_tiles.BLOCK)
+MAP_Q_START: gl.constexpr = gl.constexpr(packed_tiles.Q_START)
+MAP_SEQ_Q: gl.constexpr = gl.constexpr(packed_tiles.SEQ_Q)
+MAP_K_START: gl.constexpr = gl.constexpr(packed_tiles.K_START)
+MAP_SEQ_K: gl.constexpr = gl.constexpr(packed_tiles.SEQ_K)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -135,20 +143,33 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, m0, row_o: gl.constexpr):
-    """Normalise, lse (natural log; -inf and out 0 for a row with no visible key), and O out through
-    the (retired) Q buffer by TMA, which clips rows past the head's length."""
+def _epilogue(acc, m_i, l_i, rows, Lse, lse_base, seq_q, q, q_buf, o_desc, batch, head, m0, row_o: gl.constexpr,
+              packed_out=None, o_layout: gl.constexpr = None, VARLEN: gl.constexpr = False):
+    """Normalise, lse (natural log; -inf and out 0 for a row with no visible key; row r at ``Lse +
+    lse_base + r``), and O out through the (retired) Q buffer by TMA, which clips rows past the
+    head's length. VARLEN (packed sequences): rows past the sequence's length belong to the next
+    sequence, which TMA would not clip: O goes out by pointer stores masked to the sequence's rows
+    (``packed_out`` = (O, its row and head strides, the sequence's first row))."""
     empty_row = l_i == 0.0
     l_safe = gl.where(empty_row, 1.0, l_i)
     lse = gl.where(empty_row, -float("inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
     inv_l = gl.convert_layout(1.0 / l_safe, row_o)
     out = (acc * gl.expand_dims(inv_l, 1)).to(q.dtype)
-    gl.store(Lse + pid_bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
-    q.store(out)
-    fence_async_shared()
-    gl.thread_barrier()  # in a warp-specialised partition: a named barrier over its own warps
-    tma.async_copy_shared_to_global(o_desc, [batch, head, m0, 0], q_buf)
-    tma.store_wait(pendings=0)
+    gl.store(Lse + lse_base + rows, lse, mask=rows < seq_q)
+    if VARLEN:
+        out_ptr, stride_row, stride_head, q_start = packed_out
+        out_rows = m0 + gl.arange(0, out.shape[0], layout=row_o)
+        cols = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, o_layout))
+        offsets = (gl.expand_dims((q_start + out_rows).to(gl.int64) * stride_row, 1)
+                   + gl.expand_dims(cols, 0) + head.to(gl.int64) * stride_head)
+        keep = gl.expand_dims(out_rows < seq_q, 1) & gl.expand_dims(cols >= 0, 0)
+        gl.store(out_ptr + offsets, out, mask=keep)
+    else:
+        q.store(out)
+        fence_async_shared()
+        gl.thread_barrier()  # in a warp-specialised partition: a named barrier over its own warps
+        tma.async_copy_shared_to_global(o_desc, [batch, head, m0, 0], q_buf)
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -346,7 +367,8 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
                                          rows, seq_k, rule, qk_scale, softcap_log2, k_desc, v_desc, BLOCK_N, HEAD_D,
                                          NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP)
 
-    _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_smem, o_desc, batch, head, m0, row_o)
+    _epilogue(acc, m_i, l_i, rows, Lse, pid_bh.to(gl.int64) * seq_q, seq_q, q, q_smem, o_desc, batch, head, m0, row_o,
+              None, o_layout, False)
 
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
@@ -394,17 +416,36 @@ def _snake_tile(round_index, total_tiles):
 
 @gluon.jit
 def _ws_tile(t, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-             LISTS: gl.constexpr):
+             LISTS: gl.constexpr, VARLEN: gl.constexpr):
     """Where tile ``t`` (``_tile_block``) lies: (batch * heads + head, batch, head, KV head, first
-    query row, its key blocks). Key blocks = (first block, blocks, full blocks, list entries): with
-    LISTS from the host's tile list (tile_lists.py: [full count, partial count, full..., partial...]),
-    else the block range of block_range.py; each consumer masks those not interior to its rows.
+    query row, its key blocks, its sequence). Key blocks = (first block, blocks, full blocks, list
+    entries): with LISTS from the host's tile list (tile_lists.py: [full count, partial count,
+    full..., partial...]), else the block range of block_range.py; each consumer masks those not
+    interior to its rows. Sequence = (Sq, Sk, first query row, first key row, lse offset of its row
+    0): the launch's one length and 0 offsets, or with VARLEN (packed sequences) the tile's own from
+    the host's map (packed_tiles.py: ``query_blocks`` entries, heaviest first, in ``launch_order``
+    over the heads).
     ``sched`` = the launch's runtime scalars (``attention_forward``)."""
     (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists, list_stride_b,
-     list_stride_h, list_stride_r, list_head_div) = sched
-    pid_bh, pid_m = _tile_block(t, head_rows, query_blocks, chunk_heads, CAUSAL)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+     list_stride_h, list_stride_r, list_head_div, tile_map, lse_head_stride, _, _, _) = sched
+    if VARLEN:
+        head, entry = launch_order(t, num_heads, query_blocks, chunk_heads)
+        pid_bh = head
+        batch = head * 0
+        fields = tile_map + entry
+        pid_m = gl.load(fields + MAP_BLOCK * query_blocks)
+        q_start = gl.load(fields + MAP_Q_START * query_blocks)
+        seq_q = gl.load(fields + MAP_SEQ_Q * query_blocks)
+        k_start = gl.load(fields + MAP_K_START * query_blocks)
+        seq_k = gl.load(fields + MAP_SEQ_K * query_blocks)
+        lse_base = head.to(gl.int64) * lse_head_stride + q_start
+    else:
+        pid_bh, pid_m = _tile_block(t, head_rows, query_blocks, chunk_heads, CAUSAL)
+        batch = pid_bh // num_heads
+        head = pid_bh % num_heads
+        q_start = 0
+        k_start = 0
+        lse_base = pid_bh.to(gl.int64) * seq_q
     if LISTS:
         entries = (tile_lists + batch.to(gl.int64) * list_stride_b + (head // list_head_div).to(gl.int64) * list_stride_h
                    + pid_m.to(gl.int64) * list_stride_r)
@@ -414,14 +455,14 @@ def _ws_tile(t, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.
         first, _, _, end = key_blocks_for_query_block(pid_m, seq_q, seq_k, window_left, 0, BLOCK_M, BLOCK_N, LEFT,
                                                       CAUSAL)
         tiles = (first, end - first, end * 0, tile_lists)
-    return pid_bh, batch, head, head // group, pid_m * BLOCK_M, tiles
+    return pid_bh, batch, head, head // group, pid_m * BLOCK_M, tiles, (seq_q, seq_k, q_start, k_start, lse_base)
 
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
                  v_empty, bias_state, bias_slices, sched, own_tile, ROWS: gl.constexpr, NQ: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr,
-                 LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
+                 LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr, VARLEN: gl.constexpr):
     """The program's tile (``own_tile``, ``_ws_tile`` of its id), or with PERSISTENT each of its tiles
     in turn (``_snake_tile``)."""
     if PERSISTENT:
@@ -430,7 +471,7 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_ba
         for r in range(gl.cdiv(total_tiles, gl.num_programs(0))):
             t = _snake_tile(r, total_tiles)
             if t < total_tiles:
-                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS)
+                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
                 loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty,
                                           k_ready, v_ready, k_empty, v_empty, bias_state, bias_slices, tile, r,
                                           loaded, ROWS, NQ, BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS,
@@ -452,12 +493,15 @@ def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, 
     in the order the consumers use them. The ring's slots and phases count key blocks over all of
     the program's tiles (``loaded`` before this one; returned after it), so the next tile's first
     blocks load while the consumers finish this one."""
-    _, batch, head, head_kv, m0, tiles = tile
+    _, batch, head, head_kv, m0, tiles, seq = tile
+    q_row0 = seq[2] + m0  # rows and keys of packed sequences (VARLEN) are offset by their sequence's first
+    k_start = seq[3]
     for w in gl.static_range(NQ):
         if PERSISTENT:  # a fresh mbarrier counts as phase 1 complete: r = 0 passes
             mbarrier.wait(q_empty.index(w), (r & 1) ^ 1)
         mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, m0 + w * ROWS, 0], q_bars.index(w), q_smem.index(w))
+        tma.async_copy_global_to_shared(q_desc, [batch, head, q_row0 + w * ROWS, 0], q_bars.index(w),
+                                        q_smem.index(w))
     bias_at = (batch * bias_slices[0], head // bias_slices[1])
     for j in range(tiles[1]):
         n = loaded + j
@@ -466,7 +510,8 @@ def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, 
         key = _tile_key(tiles, j, BLOCK_N, LISTS)
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, key, 0], k_ready.index(slot), k_ring.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [batch, head_kv, k_start + key, 0], k_ready.index(slot),
+                                        k_ring.index(slot))
         if BIAS:
             bias_ring, b_ready, b_empty = bias_state
             for w in gl.static_range(NQ):
@@ -477,7 +522,8 @@ def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, 
                                                 b_ready.index(b), bias_ring.index(b))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, key, 0], v_ready.index(slot), v_ring.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [batch, head_kv, k_start + key, 0], v_ready.index(slot),
+                                        v_ring.index(slot))
     return loaded + tiles[1]
 
 
@@ -525,7 +571,7 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                  bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, WG: gl.constexpr, ROWS: gl.constexpr,
                  NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
                  PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                 PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
+                 PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr, VARLEN: gl.constexpr):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
     if PERSISTENT:
         total_tiles = sched[0] * sched[1]
@@ -533,15 +579,15 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
         for r in range(gl.cdiv(total_tiles, gl.num_programs(0))):
             t = _snake_tile(r, total_tiles)
             if t < total_tiles:
-                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS)
+                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
                 done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
                                         v_empty, turn_bars, bias_state, Lse, sched, qk_scale, softcap_log2, tile, r,
                                         done, WG, ROWS, NQ, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT,
-                                        SOFTCAP, PINGPONG, LISTS, BIAS)
+                                        SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ, BLOCK_N,
-                         HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)
+                         HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN)
 
 
 @gluon.jit
@@ -549,7 +595,8 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      bias_state, Lse, sched, qk_scale, softcap_log2, tile, r, done, WG: gl.constexpr,
                      ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                     SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
+                     SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
+                     VARLEN: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th), on one
     warpgroup: every one of the tile's key blocks (the producer loads each once for all), with the mask on
     those not interior to this warpgroup's rows. With LISTS the host's list says which: its full
@@ -564,10 +611,10 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    seq_q, seq_k, window_left = sched[5], sched[6], sched[7]
+    pid_bh, batch, head, _, m0, tiles, seq = tile
+    seq_q, seq_k, window_left = seq[0], seq[1], sched[7]
     rule = (seq_k - seq_q, window_left)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    pid_bh, batch, head, _, m0, tiles = tile
     mw = m0 + WG * ROWS
     first, n_blocks, n_full, _ = tiles
     if LISTS:
@@ -603,7 +650,8 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                  acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS)
-    _epilogue(acc, m_i, l_i, rows, Lse, pid_bh, seq_q, q, q_buf, o_desc, batch, head, mw, row_o)
+    _epilogue(acc, m_i, l_i, rows, Lse, seq[4], seq_q, q, q_buf, o_desc, batch, head, mw, row_o,
+              (sched[15], sched[16], sched[17], seq[2]), o_layout, VARLEN)
     if PERSISTENT:
         mbarrier.arrive(q_empty.index(WG), count=1)
     return done + n_blocks
@@ -611,14 +659,16 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left", "query_blocks", "chunk_heads",
                               "head_rows", "list_stride_b", "list_stride_h", "list_stride_r", "list_head_div",
-                              "bias_batches", "bias_head_div"])
+                              "bias_batches", "bias_head_div", "lse_head_stride", "stride_out_row",
+                              "stride_out_head"])
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
                         softcap_log2, query_blocks, chunk_heads, head_rows, tile_lists, list_stride_b, list_stride_h,
-                        list_stride_r, list_head_div, bias_desc, bias_batches, bias_head_div,
+                        list_stride_r, list_head_div, bias_desc, bias_batches, bias_head_div, lse_head_stride, Out,
+                        stride_out_row, stride_out_head,
                         BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                         SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
-                        LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                        LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
@@ -630,7 +680,12 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     else from the block range of block_range.py. BIAS: a 16-bit bias by elements over queries and
     keys (``bias_desc``, block (1, 1, 64, BLOCK_N) over its own (B|1, H|1, Sq, Sk) shape; its batch
     is ``batch`` when ``bias_batches`` is 1, else 0, its head ``head // bias_head_div``), one tile per
-    consumer warpgroup and key block through a ring of its own."""
+    consumer warpgroup and key block through a ring of its own. VARLEN: packed sequences
+    (varlen_attention): ``tile_lists`` is the host's map of the launch's ``query_blocks`` (sequence,
+    query block) entries (packed_tiles.py), every head taking each in turn; the descriptors view
+    the packed (1, H, total rows, D) tensors, each tile offset by its sequence's first row; lse is
+    (Hq, ``lse_head_stride``) and O (``Out``) is stored by pointers (``_epilogue``)."""
+    gl.static_assert(not (VARLEN and (LISTS or BIAS or PERSISTENT)), "packed sequences: no mask, bias, persistence")
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
@@ -638,11 +693,12 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     dtype: gl.constexpr = q_desc.dtype
 
     sched = (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists,
-             list_stride_b, list_stride_h, list_stride_r, list_head_div)
+             list_stride_b, list_stride_h, list_stride_r, list_head_div, tile_lists, lse_head_stride, Out,
+             stride_out_row, stride_out_head)
     bias_slices = (bias_batches, bias_head_div)
     # one program per tile: its tile, found here (as the partitions' argument it costs the 3-warpgroup
     # consumers fewer registers than found in each partition)
-    own_tile = _ws_tile(gl.program_id(0), sched, SPLIT * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS)
+    own_tile = _ws_tile(gl.program_id(0), sched, SPLIT * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
 
     q_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, ROWS, HEAD_D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
@@ -681,28 +737,33 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
+                            VARLEN)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
+                            VARLEN)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, sched, own_tile, ROWS, SPLIT, BLOCK_N,
-                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS)),
+                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
+                            VARLEN)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
+                            VARLEN)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS)),
+                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
+                            VARLEN)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, sched, own_tile, ROWS, SPLIT, BLOCK_N,
-                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS)),
+                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -732,7 +793,7 @@ def runs_persistent(config: KernelConfig, causal: bool, plain: bool) -> bool:
 
 
 def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
-                      tile_lists: tuple | None = None, bias: torch.Tensor | None = None) -> bool:
+                      tile_lists: tuple | None = None, bias: torch.Tensor | None = None, packing=None) -> bool:
     """Attention into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32); False, launching
     nothing, when a tensor cannot go through TMA (the caller then runs the Triton kernel).
     ``config.hopper_split`` 2 or 3: the warp-specialised kernel with that many consumer warpgroups
@@ -741,7 +802,10 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     (warp-specialised kernel only; the mask must leave no partial tile of its own:
     ``tile_lists.tiles_whole``). ``bias``: 16-bit, by elements over queries and keys, TMA-addressable
     (``fwd.gluon_reads_bias``; warp-specialised kernel only, 2 consumer warpgroups and 2 stages: the
-    bias ring takes the shared memory a third warpgroup would)."""
+    bias ring takes the shared memory a third warpgroup would). ``packing`` (spec.Packing): q, k, v,
+    out are (1, total, H, D) views of packed sequences and lse (Hq, total_q) (``_packed_forward``)."""
+    if packing is not None:
+        return _packed_forward(q, k, v, out, lse, spec, config, packing)
     q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
     q_rows = WG_ROWS if config.hopper_split else BLOCK_M
     descs = [descriptor(q4, q_rows), descriptor(k4, config.block_n), descriptor(v4, config.block_n),
@@ -756,7 +820,7 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
         bias_desc, bias_slices = descs[0], None
     launcher = _forward_launcher(q4.shape, k4.shape[1], k4.shape[2], spec, config, tuple(lists[1:]),
                                  tile_lists is not None, bias_slices, q.device.index, (hopper.CHUNK_HEADS, PROGRAMS))
-    per_call = (*descs, lse, lists[0], bias_desc)
+    per_call = (*descs, lse, lists[0], bias_desc, lse)  # the last: the packed forward's O pointer (unused)
     launcher(*per_call[:len(launcher.slots)])  # the 8-warp kernel takes no lists or bias
     return True
 
@@ -788,8 +852,50 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
         grid = (programs,)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     return Launcher(
-        _attn_fwd_ws_kernel, grid, (*args, batch * heads_q, SLOT, *list_strides, SLOT, *(bias_slices or (0, 1))),
+        _attn_fwd_ws_kernel, grid, (*args, batch * heads_q, SLOT, *list_strides, SLOT, *(bias_slices or (0, 1)),
+                                    0, SLOT, 0, 0),
         BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
         NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
-        BIAS=bias_slices is not None, PERSISTENT=persistent, PRODUCER_REGS=producer_regs,
+        BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, PRODUCER_REGS=producer_regs,
         CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+
+
+def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, packing) -> bool:
+    """The warp-specialised forward over packed sequences: one program per (entry of the host's map
+    of the query blocks that exist, head), heaviest entries first (packed_tiles.py); a new set of
+    lengths changes the map and the grid, never the compiled kernel. False (nothing launched) for
+    the 8-warp kernel's configs or tensors TMA cannot address."""
+    if not config.hopper_split:
+        return False
+    q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
+    descs = [descriptor(q4, WG_ROWS), descriptor(k4, config.block_n), descriptor(v4, config.block_n)]
+    if any(d is None for d in descs):
+        return False
+    heads_q, heads_kv = q4.shape[1], k4.shape[1]
+    tile_map = packed_tiles.query_block_map(packing, WG_ROWS * config.hopper_split, spec, q.device)
+    chunk = packed_chunk_heads(heads_q)
+    entries = tile_map.shape[1]
+    if entries == 0:
+        return True
+    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+    out_rows = to_bhsd(out, spec.layout)  # (1, Hq, total_q, D): rows and heads by their strides
+    launch(_attn_fwd_ws_kernel, (entries * heads_q,), (
+        *descs, descs[0], lse, packing.max_seqlen_q, packing.max_seqlen_k, heads_q, heads_q // heads_kv,
+        spec.window_left, *score_constants(spec), entries, chunk, heads_q, tile_map, 0, 0, 0, 1, descs[0], 0, 1,
+        lse.shape[-1], out, out_rows.stride(2), out_rows.stride(1),
+    ), BLOCK_N=config.block_n, HEAD_D=q4.shape[-1], CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left,
+        SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
+        PINGPONG=config.hopper_pingpong, LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True,
+        PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+    return True
+
+
+def packed_chunk_heads(heads: int) -> int:
+    """Head rows per chunk of ``hopper.launch_order`` over a packed map: one -- head-major, each head
+    walking the map's entries heaviest first -- unless the experiment switch ``hopper.CHUNK_HEADS``
+    says otherwise. Measured (H100, 16 documents, D=128 causal, NOTES.md v39): the dK/dV pass 1.36
+    ms with each entry's heads one after another (chunks of all heads), 0.98 in chunks of 4, 0.96
+    head-major: programs running together share one head's Q and dO (K and V in the forward) in L2."""
+    if hopper.CHUNK_HEADS is not None:
+        return max(1, min(hopper.CHUNK_HEADS or heads, heads))
+    return 1

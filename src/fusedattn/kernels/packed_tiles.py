@@ -1,0 +1,86 @@
+"""Which programs run over packed sequences (``varlen_attention``), and in which order: the host's
+map of (sequence, block) entries that the Gluon kernels take their tiles from.
+
+A grid that covered the longest sequence for every sequence would start mostly empty programs (16
+documents of 61-3589 tokens: ~70% of a 192-row forward grid, each empty warp-specialised program
+still allocating its barriers and exiting). The host reads the offsets once a call anyway
+(``varlen.check_packing``), so it lists the blocks that exist instead, heaviest first -- the
+longest-processing-time order: with documents of very different lengths a grid in sequence order
+would end on the longest document's diagonal tail.
+
+A map is int32 (``FIELDS``, entries), field-major (field f of entry e at ``f * entries + e``):
+the sequence, the block within it, the sequence's first query row, its Sq, its first key row, its
+Sk. The kernels read the fields they need with one load each (no second trip to ``cu_seqlens``).
+Pure PyTorch on the host, so it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..spec import AttentionSpec, Packing
+
+SEQUENCE, BLOCK, Q_START, SEQ_Q, K_START, SEQ_K = range(6)
+FIELDS = 6
+
+
+def query_block_map(packing: Packing, block_m: int, spec: AttentionSpec, device: torch.device) -> torch.Tensor:
+    """Every query block of every sequence with a query (a sequence without keys too: its rows get
+    out = 0, lse = -inf), heaviest first (the keys its rows see, ``_visited_keys``)."""
+    return _cached(packing, ("query", block_m, spec.window_left, spec.window_right), device,
+                   lambda: _block_map(packing, block_m, spec, by_queries=True))
+
+
+def key_block_map(packing: Packing, block_n: int, spec: AttentionSpec, device: torch.device) -> torch.Tensor:
+    """Every key block of every sequence with a key (a sequence without queries too: its dK, dV
+    rows are zeros the program must write), heaviest first (the queries that see it)."""
+    return _cached(packing, ("key", block_n, spec.window_left, spec.window_right), device,
+                   lambda: _block_map(packing, block_n, spec, by_queries=False))
+
+
+def _cached(packing: Packing, key: tuple, device: torch.device, build) -> torch.Tensor:
+    """A map is built once per packing and kind (the forward and backward of one call share it)."""
+    found = packing.tile_maps.get(key)
+    if found is None:
+        # non_blocking: from pageable memory the copy is staged at once, with no wait for the stream (a
+        # blocking copy would wait for the GPU in the middle of the backward).
+        found = packing.tile_maps[key] = build().to(device, non_blocking=True)
+    return found
+
+
+def _block_map(packing: Packing, block: int, spec: AttentionSpec, by_queries: bool) -> torch.Tensor:
+    # NumPy on a few hundred entries: ~30 us a map where the same in torch CPU ops took ~200 us (a
+    # varlen call pays it between its offsets' host read and its first launch; NOTES.md v39).
+    if packing.offsets_q is None:
+        raise ValueError("packed_tiles: the packing carries no host offsets (varlen.check_packing reads them)")
+    offsets_q = np.asarray(packing.offsets_q, dtype=np.int64)
+    offsets_k = np.asarray(packing.offsets_k, dtype=np.int64)
+    lengths_q, lengths_k = np.diff(offsets_q), np.diff(offsets_k)
+    lengths = lengths_q if by_queries else lengths_k
+    blocks = -(-lengths // block)
+    sequence = np.repeat(np.arange(lengths.size), blocks)
+    index = np.arange(sequence.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    seq_q, seq_k = lengths_q[sequence], lengths_k[sequence]
+    work = _visited(index, block, seq_q, seq_k, spec, by_queries)
+    order = np.argsort(-work, kind="stable")  # heaviest first; equal work keeps sequence order
+    fields = np.stack([sequence, index, offsets_q[:-1][sequence], seq_q, offsets_k[:-1][sequence], seq_k])
+    return torch.from_numpy(np.ascontiguousarray(fields[:, order], dtype=np.int32))
+
+
+def _visited(index: np.ndarray, block: int, sq: np.ndarray, sk: np.ndarray, spec: AttentionSpec,
+             by_queries: bool) -> np.ndarray:
+    """How many keys a query block's rows see (``by_queries``), or how many queries see a key
+    block's keys: the span between the window's bounds (SPEC 3.2, bottom-right aligned) clipped to
+    the sequence -- the block's work, up to the diagonal's partial tiles."""
+    diag = sk - sq
+    first = index * block
+    if by_queries:
+        last = np.minimum(first + block, sq) - 1
+        hi = sk if not spec.has_window_right else np.clip(last + diag + spec.window_right + 1, 0, sk)
+        lo = 0 if not spec.has_window_left else np.maximum(first + diag - spec.window_left, 0)
+    else:
+        last = np.minimum(first + block, sk) - 1
+        lo = 0 if not spec.has_window_right else np.maximum(first - diag - spec.window_right, 0)
+        hi = sq if not spec.has_window_left else np.clip(last - diag + spec.window_left + 1, 0, sq)
+    return np.maximum(hi - lo, 0)

@@ -1,0 +1,70 @@
+"""The host's maps of the blocks packed sequences have (kernels/packed_tiles.py), which the Gluon
+kernels take their tiles from: every block of every sequence exactly once with its sequence's
+offsets and lengths, heaviest first by the SPEC 3.2 rule (checked against ``spec.keep_mask``, not
+against the map's own arithmetic). Pure host code: runs without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fusedattn.kernels import packed_tiles
+from fusedattn.spec import Packing, keep_mask, resolve_spec
+
+CASES = [
+    # lengths of queries, of keys (None: the same), causal, window, block
+    ((17, 1, 0, 33), None, True, None, 16),
+    ((5, 20, 3), (19, 7, 0), False, (8, 2), 16),  # a sequence with queries and no keys
+    ((9, 0, 20), (12, 17, 5), True, None, 8),  # a sequence with keys and no queries
+    ((1000, 1, 0, 255, 129, 2048, 113), None, True, None, 192),
+    ((513, 64, 1500), (400, 64, 1600), False, (100, 0), 128),
+    ((65, 300, 1), (300, 1, 77), False, None, 64),
+]
+
+
+def _packing(lengths_q, lengths_k) -> Packing:
+    offsets_q = tuple(itertools.accumulate(lengths_q, initial=0))
+    offsets_k = tuple(itertools.accumulate(lengths_k, initial=0))
+    return Packing(torch.tensor(offsets_q, dtype=torch.int32), torch.tensor(offsets_k, dtype=torch.int32),
+                   max(lengths_q), max(lengths_k), offsets_q, offsets_k)
+
+
+def _check_map(lengths_q, lengths_k, causal, window, block, by_queries: bool):
+    lengths_k = lengths_q if lengths_k is None else lengths_k
+    packing = _packing(lengths_q, lengths_k)
+    spec = resolve_spec(64, layout="bshd", causal=causal, window=window, scale=None, softcap=None,
+                        deterministic=False)
+    build = packed_tiles.query_block_map if by_queries else packed_tiles.key_block_map
+    tile_map = build(packing, block, spec, torch.device("cpu"))
+    assert tile_map.dtype == torch.int32 and tile_map.shape[0] == packed_tiles.FIELDS and tile_map.is_contiguous()
+    entries = [tuple(column) for column in tile_map.t().tolist()]
+    expected, work = set(), {}
+    for seq, (sq, sk) in enumerate(zip(lengths_q, lengths_k)):
+        keep = keep_mask(sq, sk, spec.window_left, spec.window_right)
+        for index in range(-(-(sq if by_queries else sk) // block)):
+            expected.add((seq, index, packing.offsets_q[seq], sq, packing.offsets_k[seq], sk))
+            part = keep[index * block:(index + 1) * block] if by_queries else keep[:, index * block:(index + 1) * block].t()
+            work[(seq, index)] = int(part.any(0).sum())  # keys its rows see / queries that see its keys
+    assert len(entries) == len(set(entries)) and set(entries) == expected
+    order = [work[entry[:2]] for entry in entries]
+    assert order == sorted(order, reverse=True), "heaviest first"
+    assert build(packing, block, spec, torch.device("cpu")) is tile_map  # kept for the backward
+
+
+@pytest.mark.parametrize("lengths_q, lengths_k, causal, window, block", CASES)
+def test_query_block_map_lists_every_query_block_once_heaviest_first(lengths_q, lengths_k, causal, window, block):
+    _check_map(lengths_q, lengths_k, causal, window, block, by_queries=True)
+
+
+@pytest.mark.parametrize("lengths_q, lengths_k, causal, window, block", CASES)
+def test_key_block_map_lists_every_key_block_once_heaviest_first(lengths_q, lengths_k, causal, window, block):
+    _check_map(lengths_q, lengths_k, causal, window, block, by_queries=False)
+
+
+def test_a_packing_without_host_offsets_is_refused():
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    spec = resolve_spec(64, layout="bshd", causal=True, window=None, scale=None, softcap=None, deterministic=False)
+    with pytest.raises(ValueError, match="host offsets"):
+        packed_tiles.query_block_map(Packing(cu, cu, 4, 4), 16, spec, torch.device("cpu"))
