@@ -347,12 +347,13 @@ def report_kvcache(head_dim: int, dtype: str) -> int:
     jobs = [(f"kvcache {'paged' if paged else 'contiguous'} causal{' split' if split else ''}",
              kvcache._cache_attention_kernel,
              dict(common, BLOCK_M=kvcache.row_tile(4), BLOCK_N=kvcache.KEY_TILE, HAS_LEFT=False, HAS_RIGHT=True,
-                  HAS_SOFTCAP=False, HAS_SINKS=False, PAGED=paged, DOT_PRECISION=fwd.dot_precision(TYPES[dtype])),
+                  HAS_SOFTCAP=False, HAS_SINKS=False, PAGED=paged, DOT_PRECISION=fwd.dot_precision(TYPES[dtype]),
+                  PDL=split),
              kvcache.NUM_WARPS, kvcache.pipeline_stages(block_d, block_d, TYPES[dtype].itemsize, paged, split))
             for paged, split in ((False, True), (True, True), (True, False))]
     jobs += [("kvcache append paged", kvcache._append_kernel, dict(common, BLOCK_S=16, PAGED=True), 4, 1),
              ("kvcache combine", kvcache._combine_splits_kernel, dict(HEAD_DIM_V=head_dim, BLOCK_DV=block_d,
-                                                                       BLOCK_SPLITS=32), 4, 1)]
+                                                                       BLOCK_SPLITS=32, PDL=True), 4, 1)]
     problems = 0
     for name, kernel, constexprs, warps, num_stages in jobs:
         shown = f"{name:<30} w{warps} s{num_stages}"

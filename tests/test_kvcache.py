@@ -220,6 +220,30 @@ def test_kvcache_splits_agree_with_no_split():
         torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9, reason="dependent launch: sm_90+")
+def test_kvcache_combination_launched_early_waits_for_the_splits(monkeypatch):
+    """The split combination is launched while the decoding grid runs (programmatic dependent
+    launch) and must wait for its stores: across repeated steps, with and without the early launch,
+    the bits are the same every time -- a race would read some split's part before it is written."""
+    from fusedattn.kernels import kvcache as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    batch, size, page = 2, 8192, 16
+    q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(batch * size // page, page, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    table = torch.randperm(batch * size // page, device="cuda", generator=gen).to(torch.int32).view(batch, -1)
+    lengths = torch.tensor([size, size - 77], dtype=torch.int32, device="cuda")
+    outputs = {}
+    for early in (False, True):
+        monkeypatch.setattr(kernels, "PDL", early)
+        outputs[early] = [fusedattn.kvcache_attention(q, k, v, lengths, block_table=table, causal=True,
+                                                      return_lse=True) for _ in range(20)]
+    first_out, first_lse = outputs[False][0]
+    for out, lse in outputs[False] + outputs[True]:
+        assert torch.equal(out, first_out) and torch.equal(lse, first_lse)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

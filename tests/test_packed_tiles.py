@@ -68,3 +68,14 @@ def test_a_packing_without_host_offsets_is_refused():
     spec = resolve_spec(64, layout="bshd", causal=True, window=None, scale=None, softcap=None, deterministic=False)
     with pytest.raises(ValueError, match="host offsets"):
         packed_tiles.query_block_map(Packing(cu, cu, 4, 4), 16, spec, torch.device("cpu"))
+
+
+def test_maps_made_together_are_the_maps_made_alone():
+    """The forward makes the backward's map with its own (one copy to the device): the same maps."""
+    lengths = (1000, 1, 0, 255, 129, 2048, 113)
+    spec = resolve_spec(128, layout="bshd", causal=True, window=None, scale=None, softcap=None, deterministic=False)
+    together, alone = _packing(lengths, lengths), _packing(lengths, lengths)
+    query_map, key_map = packed_tiles.prepare(together, spec, torch.device("cpu"), query_block=192, key_block=128)
+    assert torch.equal(query_map, packed_tiles.query_block_map(alone, 192, spec, torch.device("cpu")))
+    assert torch.equal(key_map, packed_tiles.key_block_map(alone, 128, spec, torch.device("cpu")))
+    assert packed_tiles.key_block_map(together, 128, spec, torch.device("cpu")) is key_map

@@ -14,7 +14,8 @@ import torch
 from .checks import check_options, check_qkv, check_sinks
 from .interface import _resolve_backend, _unit_stride_head_dim, attention, sink_gradient
 from .kernels.bwd import attention_backward
-from .kernels.fwd import attention_forward
+from .kernels import packed_tiles
+from .kernels.fwd import attention_forward, hopper_supports
 from .spec import AttentionSpec, Packing, resolve_spec
 from .tuning.configs import select_configs
 
@@ -72,8 +73,8 @@ def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) 
 
 
 class _VarlenAttention(torch.autograd.Function):
-    """The Triton kernels over packed sequences: q, k, v as one batch of (1, total, H, D), the
-    packing as data."""
+    """The kernels over packed sequences (the Gluon ones on Hopper where they take the problem, else
+    the Triton ones): q, k, v as one batch of (1, total, H, D), the packing as data."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, packing: Packing, spec: AttentionSpec):
@@ -82,6 +83,8 @@ class _VarlenAttention(torch.autograd.Function):
         # switch configs, which would compile new kernels.
         configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], has_left=spec.has_window_left,
                                  has_right=spec.has_window_right, has_softcap=spec.has_softcap)
+        if any(ctx.needs_input_grad[:4]):
+            _prepare_maps(q4, k4, v4, sinks, packing, spec, configs)
         kernel_sinks = sinks.detach().float().contiguous() if sinks is not None else None
         out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing)
         ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
@@ -100,6 +103,21 @@ class _VarlenAttention(torch.autograd.Function):
         dsinks = sink_gradient(sinks, out, dout, lse, dlse, "bshd") \
             if sinks is not None and ctx.needs_input_grad[3] else None
         return dq[0], dk[0], dv[0], dsinks, None, None
+
+
+def _prepare_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs) -> None:
+    """Where the Gluon kernels take the problem, the backward's map of key blocks is made with the
+    forward's map of query blocks: one copy to the device, and the backward's host time (which the
+    GPU waits on in a short step) spends nothing on it (kernels/packed_tiles.py)."""
+    if not hopper_supports(q4, k4, v4, spec, sinks):
+        return
+    from .kernels.hopper import WG_ROWS  # Gluon: imported only where it runs (not under the interpreter)
+
+    forward, dkdv = configs.forward, configs.dkdv
+    query_block = WG_ROWS * forward.hopper_split if forward.hopper_overlap is not None and forward.hopper_split \
+        else None
+    key_block = WG_ROWS * dkdv.hopper_split if dkdv.hopper_overlap is not None and dkdv.hopper_split else None
+    packed_tiles.prepare(packing, spec, q4.device, query_block, key_block)
 
 
 def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int):

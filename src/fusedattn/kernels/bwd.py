@@ -807,18 +807,19 @@ _plain_plans = per_problem_dict()  # problem metadata -> BackwardPlan (``backwar
 def backward_plan(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
                   dbias_mode: int, packing: Packing | None) -> BackwardPlan:
     """The backward's decisions for one call, kept per problem where the problem's metadata alone
-    decides them (no mask, bias or packing, whose contents take part): a short training step
-    spends its host time on them otherwise (benchmarks/NOTES.md v38)."""
-    if mask is not None or bias is not None or packing is not None:
+    decides them (no mask or bias, whose contents take part; packed sequences by their count and
+    longest length, not their offsets): a short training step spends its host time on them
+    otherwise (benchmarks/NOTES.md v38, v39)."""
+    if mask is not None or bias is not None:
         return _decide_backward(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
     key = (q.shape, k.shape, v.shape, q.dtype, q.device, out.stride(), dout.stride(), dlse is not None, spec, configs,
-           DKDV_BLOCK_MAJOR)
+           DKDV_BLOCK_MAJOR, None if packing is None else (packing.sequences, packing.max_seqlen_q))
     plan = _plain_plans.get(key)
     if plan is None:
         if len(_plain_plans) >= MAX_PROBLEMS:
             _plain_plans.clear()
         plan = _plain_plans[key] = _decide_backward(q, k, v, out, dout, dlse, spec, configs, None, None, dbias_mode,
-                                                    None)
+                                                    packing)
     return plan
 
 

@@ -75,7 +75,7 @@ from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait, window_bounds,
                      ws_registers)
-from .launch import SLOT, Launcher, cdiv, launch, per_problem
+from .launch import SLOT, Launcher, cdiv, per_problem
 from .memory import tma_addressable
 from . import packed_tiles
 
@@ -882,19 +882,11 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
     tile_map = packed_tiles.key_block_map(packing, KEYS_PER_WG * config.hopper_split, spec, q.device)
     entries = tile_map.shape[1]
     if entries:
-        maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+        launcher = _packed_dkdv_launcher(q4.shape, k4.shape, dk4.stride()[1:3], spec, config, dq_accum is not None,
+                                         group_sum, q.device.index, hopper.CHUNK_HEADS)
         head_rows = heads_q if group_sum else heads_kv
-        from .hopper_fwd import packed_chunk_heads
-
-        launch(_dkdv_ws_kernel, (entries * head_rows,), (
-            *descs, dq_desc, packing.max_seqlen_q, packing.max_seqlen_k, heads_q, heads_kv, heads_q // heads_kv,
-            spec.window_left, *score_constants(spec), spec.scale, tile_map, 0, 0, 0, dq_desc, dq_desc, 0, 1, entries,
-            packed_chunk_heads(head_rows), dk4, dv4, dk4.stride(2), dk4.stride(1),
-        ), BLOCK_M=config.block_m, HEAD_D=head_dim, CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left,
-            SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
-            PINGPONG=config.hopper_pingpong, CHUNKED=False, DQ=dq_accum is not None, LISTS=False,
-            GROUP_SUM=group_sum, BIAS=False, DBIAS=False, VARLEN=True, PRODUCER_REGS=producer_regs,
-            CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+        # dQ's descriptor stands in the bias and bias-gradient slots (never read with VARLEN)
+        launcher(*descs, dq_desc, tile_map, dq_desc, dq_desc, entries, dk4, dv4, grid=(entries * head_rows,))
     if group_sum:
         dk4.copy_(sums[0])
         dv4.copy_(sums[1])
@@ -902,3 +894,25 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
         dk.zero_()
         dv.zero_()
     return True
+
+
+@per_problem
+def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, spec: AttentionSpec,
+                          config: KernelConfig, dq: bool, group_sum: bool, device_index: int, chunk_knob) -> Launcher:
+    """The packed pass's launch for one problem (shapes, not lengths); each call passes the 9
+    descriptors of ``dkdv_pass``, the map, the bias and bias-gradient descriptors, the map's entry
+    count, dK and dV, with its grid (entries x head rows)."""
+    from .hopper_fwd import packed_chunk_heads
+
+    heads_q, head_dim = q_shape[1], q_shape[3]
+    heads_kv = k_shape[1]
+    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+    args = ((SLOT,) * 9 + (0, 0, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, *score_constants(spec),
+                           spec.scale, SLOT, 0, 0, 0, SLOT, SLOT, 0, 1, SLOT,
+                           packed_chunk_heads(heads_q if group_sum else heads_kv), SLOT, SLOT, dkv_strides[1],
+                           dkv_strides[0]))
+    return Launcher(_dkdv_ws_kernel, None, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
+                    CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
+                    NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
+                    CHUNKED=False, DQ=dq, LISTS=False, GROUP_SUM=group_sum, BIAS=False, DBIAS=False, VARLEN=True,
+                    PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)

@@ -59,7 +59,7 @@ from . import hopper
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, sm_count, turn_pass, turn_wait, window_bounds, ws_registers)
-from .launch import SLOT, Launcher, cdiv, launch, per_problem
+from .launch import SLOT, Launcher, cdiv, per_problem
 from . import packed_tiles
 
 # Fields of a packed-sequence tile map (packed_tiles.py), as the kernel reads them.
@@ -871,23 +871,34 @@ def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig
     descs = [descriptor(q4, WG_ROWS), descriptor(k4, config.block_n), descriptor(v4, config.block_n)]
     if any(d is None for d in descs):
         return False
-    heads_q, heads_kv = q4.shape[1], k4.shape[1]
     tile_map = packed_tiles.query_block_map(packing, WG_ROWS * config.hopper_split, spec, q.device)
-    chunk = packed_chunk_heads(heads_q)
     entries = tile_map.shape[1]
     if entries == 0:
         return True
-    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     out_rows = to_bhsd(out, spec.layout)  # (1, Hq, total_q, D): rows and heads by their strides
-    launch(_attn_fwd_ws_kernel, (entries * heads_q,), (
-        *descs, descs[0], lse, packing.max_seqlen_q, packing.max_seqlen_k, heads_q, heads_q // heads_kv,
-        spec.window_left, *score_constants(spec), entries, chunk, heads_q, tile_map, 0, 0, 0, 1, descs[0], 0, 1,
-        lse.shape[-1], out, out_rows.stride(2), out_rows.stride(1),
-    ), BLOCK_N=config.block_n, HEAD_D=q4.shape[-1], CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left,
-        SOFTCAP=spec.has_softcap, NUM_STAGES=config.num_stages, SPLIT=config.hopper_split,
-        PINGPONG=config.hopper_pingpong, LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True,
-        PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+    launcher = _packed_forward_launcher(q4.shape, k4.shape[1], out_rows.stride()[1:3], spec, config,
+                                        q.device.index, hopper.CHUNK_HEADS)
+    # Q's descriptor stands in the O and bias descriptor slots (never read with VARLEN)
+    launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, grid=(entries * q4.shape[1],))
     return True
+
+
+@per_problem
+def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, spec: AttentionSpec,
+                             config: KernelConfig, device_index: int, chunk_knob) -> Launcher:
+    """The packed forward's launch for one problem (shapes, not lengths); each call passes the Q, K,
+    V, O descriptors, lse, the map's entry count, the map, the bias descriptor and O, with its grid
+    (entries x heads)."""
+    heads_q, total_q, head_dim = q_shape[1], q_shape[2], q_shape[3]
+    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+    args = (SLOT, SLOT, SLOT, SLOT, SLOT, 0, 0, heads_q, heads_q // heads_kv, spec.window_left,
+            *score_constants(spec), SLOT, packed_chunk_heads(heads_q), heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
+            total_q, SLOT, out_strides[1], out_strides[0])
+    return Launcher(_attn_fwd_ws_kernel, None, args, BLOCK_N=config.block_n, HEAD_D=head_dim,
+                    CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
+                    NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
+                    LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True, PRODUCER_REGS=producer_regs,
+                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
 
 
 def packed_chunk_heads(heads: int) -> int:

@@ -134,8 +134,10 @@ def _cache_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the combination kernel may start now: it waits for this grid before reading (``_combine_splits_kernel``)
+        tl.extra.cuda.gdc_launch_dependents()
     m_block = tl.program_id(0)
     batch_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -196,12 +198,17 @@ def _cache_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(
     PartOut, PartLse, Out, Lse, heads_q, seqlen_q, num_splits, stride_o_split, stride_l_split,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum_s exp(lse_s - lse) * out_s with lse = log sum_s exp(lse_s) (merge_attention's rule,
     SPEC 3.1 for a row no split saw), one row per program: row r runs over (batch, query, head) as
     in the (B, Sq, Hq, Dv) outputs; lse is (B, Hq, Sq). Every split's part is loaded at once (one
-    round trip to memory, not one per split). A NaN part (a poisoned batch) makes the row NaN."""
+    round trip to memory, not one per split). A NaN part (a poisoned batch) makes the row NaN.
+    PDL (programmatic dependent launch, Hopper): launched while the decoding grid still runs (it
+    calls ``gdc_launch_dependents`` first thing), the programs wait here until that grid has
+    finished and its stores are visible, so the gap between the two kernels is gone."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     head = r % heads_q
     batch_query = r // heads_q
@@ -278,6 +285,22 @@ def auto_splits(programs: int, key_blocks: int, device: torch.device, paged: boo
     return max(1, min(wanted, key_blocks // least_blocks, MAX_SPLITS))
 
 
+PDL: bool | None = None  # experiments: force programmatic dependent launch of the combination on (True) or off
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether the split combination is launched with programmatic dependent launch (sm_90 and
+    later, never under the interpreter)."""
+    if device.type != "cuda":
+        return False
+    return _sm90_or_later(device.index) if PDL is None else PDL
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_or_later(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def key_reach(spec: AttentionSpec, seqlen_q: int, capacity: int) -> int:
     """The most keys one program's rows can see: the capacity, or the window's span."""
     if not spec.has_window_left:
@@ -327,6 +350,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
         part_lse = torch.empty((num_splits, *lse.shape), dtype=torch.float32, device=q.device)
         split_strides = (part_out.stride(0), part_lse.stride(0))
     qk_scale, softcap_log2 = score_constants(spec)
+    pdl = dependent_launch(q.device)
     launch(_cache_attention_kernel, (m_blocks, batch * heads_kv, num_splits), (
         q, k_cache, v_cache, part_out, part_lse, sinks if sinks is not None else lse, cache_seqlens, table,
         *q.stride()[:3], *cache_strides, split_strides[0], *part_out.stride()[-4:-1], split_strides[1],
@@ -335,10 +359,11 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
     ), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=block_m,
         BLOCK_N=KEY_TILE, HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=spec.has_softcap, HAS_SINKS=sinks is not None, PAGED=paged, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=NUM_WARPS, num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1))
+        PDL=pdl and num_splits > 1, num_warps=NUM_WARPS,
+        num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1))
     if num_splits > 1:
         launch(_combine_splits_kernel, (batch * seqlen_q * heads_q,), (
             part_out, part_lse, out, lse, heads_q, seqlen_q, num_splits, split_strides[0], split_strides[1],
         ), HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v), BLOCK_SPLITS=next_power_of_2(num_splits),
-            num_warps=4)
+            PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return out, lse

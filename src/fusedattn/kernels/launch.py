@@ -86,20 +86,23 @@ class Launcher:
         self.device = None if isinstance(kernel, InterpretedFunction) else torch.cuda.current_device()
         self.entries = {}
 
-    def __call__(self, *values):
+    def __call__(self, *values, grid=None):
+        """``grid``: this call's grid, where the problem leaves it to the call's data (packed
+        sequences: the number of blocks that exist); else the launcher's."""
         assert len(values) == len(self.slots)
         args = self.template.copy()
         for position, value in zip(self.slots, values):
             args[position] = value
         args = tuple(args)
+        grid = self.grid if grid is None else grid
         key = tuple(map(_specialisation, values)) if self.device is not None else None
         entry = self.entries.get(key)
         if entry is None:
-            entry = launch(self.kernel, self.grid, args, **self.options)
+            entry = launch(self.kernel, grid, args, **self.options)
             if entry is not None:
                 self.entries[key] = entry
         else:
-            _run(entry, self.grid, args, self.device)
+            _run(entry, grid, args, self.device)
 
 
 SLOT = object()  # marks a ``Launcher`` argument that each call passes

@@ -27,29 +27,37 @@ FIELDS = 6
 
 def query_block_map(packing: Packing, block_m: int, spec: AttentionSpec, device: torch.device) -> torch.Tensor:
     """Every query block of every sequence with a query (a sequence without keys too: its rows get
-    out = 0, lse = -inf), heaviest first (the keys its rows see, ``_visited_keys``)."""
-    return _cached(packing, ("query", block_m, spec.window_left, spec.window_right), device,
-                   lambda: _block_map(packing, block_m, spec, by_queries=True))
+    out = 0, lse = -inf), heaviest first (the keys its rows see, ``_visited``)."""
+    return prepare(packing, spec, device, query_block=block_m)[0]
 
 
 def key_block_map(packing: Packing, block_n: int, spec: AttentionSpec, device: torch.device) -> torch.Tensor:
     """Every key block of every sequence with a key (a sequence without queries too: its dK, dV
     rows are zeros the program must write), heaviest first (the queries that see it)."""
-    return _cached(packing, ("key", block_n, spec.window_left, spec.window_right), device,
-                   lambda: _block_map(packing, block_n, spec, by_queries=False))
+    return prepare(packing, spec, device, key_block=block_n)[0]
 
 
-def _cached(packing: Packing, key: tuple, device: torch.device, build) -> torch.Tensor:
-    """A map is built once per packing and kind (the forward and backward of one call share it)."""
-    found = packing.tile_maps.get(key)
-    if found is None:
-        # non_blocking: from pageable memory the copy is staged at once, with no wait for the stream (a
-        # blocking copy would wait for the GPU in the middle of the backward).
-        found = packing.tile_maps[key] = build().to(device, non_blocking=True)
-    return found
+def prepare(packing: Packing, spec: AttentionSpec, device: torch.device, query_block: int | None = None,
+            key_block: int | None = None) -> list[torch.Tensor]:
+    """The maps asked for (query blocks of ``query_block`` rows, key blocks of ``key_block`` keys),
+    kept on ``packing`` for the rest of the call (the backward reads the forward's); those not made
+    yet are made together and copied to the device in one non-blocking copy -- from pageable
+    memory it is staged at once, with no wait for the stream (a blocking copy would wait for the
+    GPU in the middle of the backward)."""
+    wanted = [(kind, block, spec.window_left, spec.window_right)
+              for kind, block in (("query", query_block), ("key", key_block)) if block is not None]
+    missing = [key for key in wanted if key not in packing.tile_maps]
+    if missing:
+        built = [_block_map(packing, key[1], spec, by_queries=key[0] == "query") for key in missing]
+        flat = torch.from_numpy(np.concatenate([m.ravel() for m in built])).to(device, non_blocking=True)
+        start = 0
+        for key, m in zip(missing, built):
+            packing.tile_maps[key] = flat[start:start + m.size].view(m.shape)
+            start += m.size
+    return [packing.tile_maps[key] for key in wanted]
 
 
-def _block_map(packing: Packing, block: int, spec: AttentionSpec, by_queries: bool) -> torch.Tensor:
+def _block_map(packing: Packing, block: int, spec: AttentionSpec, by_queries: bool) -> np.ndarray:
     # NumPy on a few hundred entries: ~30 us a map where the same in torch CPU ops took ~200 us (a
     # varlen call pays it between its offsets' host read and its first launch; NOTES.md v39).
     if packing.offsets_q is None:
@@ -65,7 +73,7 @@ def _block_map(packing: Packing, block: int, spec: AttentionSpec, by_queries: bo
     work = _visited(index, block, seq_q, seq_k, spec, by_queries)
     order = np.argsort(-work, kind="stable")  # heaviest first; equal work keeps sequence order
     fields = np.stack([sequence, index, offsets_q[:-1][sequence], seq_q, offsets_k[:-1][sequence], seq_k])
-    return torch.from_numpy(np.ascontiguousarray(fields[:, order], dtype=np.int32))
+    return np.ascontiguousarray(fields[:, order], dtype=np.int32)
 
 
 def _visited(index: np.ndarray, block: int, sq: np.ndarray, sk: np.ndarray, spec: AttentionSpec,
