@@ -25,7 +25,7 @@ def test_hopper_kernels_compile_with_pipelined_wgmma(head_dim):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--check", "--head-dims", str(head_dim),
-         "--tma-loads", "on", "--variants", "plain,causal,softcap,window+softcap,mask,causal+mask,causal+mask+sinks,bias", "--hopper-schedules", "0,1,2,ws2,ws2pp,ws3,ws3pp,dkdv2,dkdv2pp1,dkdv2pp2,dkdv3,dkdv3pp1,dkdv3pp2,dkdv2pp1dq"],
+         "--tma-loads", "on", "--variants", "plain,causal,softcap,window+softcap,mask,causal+mask,causal+mask+sinks,bias,varlen+causal", "--hopper-schedules", "0,1,2,ws2,ws2pp,ws3,ws3pp,dkdv2,dkdv2pp1,dkdv2pp2,dkdv3,dkdv3pp1,dkdv3pp2,dkdv2pp1dq"],
         capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "regs=" in result.stdout  # the kernels were compiled and reported

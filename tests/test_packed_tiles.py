@@ -45,7 +45,8 @@ def _check_map(lengths_q, lengths_k, causal, window, block, by_queries: bool):
         keep = keep_mask(sq, sk, spec.window_left, spec.window_right)
         for index in range(-(-(sq if by_queries else sk) // block)):
             expected.add((seq, index, packing.offsets_q[seq], sq, packing.offsets_k[seq], sk))
-            part = keep[index * block:(index + 1) * block] if by_queries else keep[:, index * block:(index + 1) * block].t()
+            rows = slice(index * block, (index + 1) * block)
+            part = keep[rows] if by_queries else keep[:, rows].t()
             work[(seq, index)] = int(part.any(0).sum())  # keys its rows see / queries that see its keys
     assert len(entries) == len(set(entries)) and set(entries) == expected
     order = [work[entry[:2]] for entry in entries]

@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import UNBOUNDED, AttentionSpec
-from . import memory
+from . import memory, packed_tiles
 from .memory import tma_addressable
 
 LOG2E = 1.4426950408889634
@@ -99,6 +99,27 @@ def launch_order(pid, head_rows, blocks, chunk_heads):
     within = pid - chunk * chunk_tiles
     block = within // rows
     return first_row + within - block * rows, block
+
+
+# Fields of a packed-sequence tile map (packed_tiles.py), as the kernels read them.
+MAP_SEQUENCE: gl.constexpr = gl.constexpr(packed_tiles.SEQUENCE)
+MAP_BLOCK: gl.constexpr = gl.constexpr(packed_tiles.BLOCK)
+MAP_Q_START: gl.constexpr = gl.constexpr(packed_tiles.Q_START)
+MAP_SEQ_Q: gl.constexpr = gl.constexpr(packed_tiles.SEQ_Q)
+MAP_K_START: gl.constexpr = gl.constexpr(packed_tiles.K_START)
+MAP_SEQ_K: gl.constexpr = gl.constexpr(packed_tiles.SEQ_K)
+
+
+@gluon.jit
+def packed_tile(pid, head_rows, entries, chunk_heads, tile_map):
+    """Program ``pid`` of a launch over a packed-sequence map (packed_tiles.py: ``entries`` entries,
+    field-major) times ``head_rows`` head rows, in ``launch_order``: (head row, sequence, block,
+    first query row, Sq, first key row, Sk) -- one load a field."""
+    row, entry = launch_order(pid, head_rows, entries, chunk_heads)
+    fields = tile_map + entry
+    return (row, gl.load(fields + MAP_SEQUENCE * entries), gl.load(fields + MAP_BLOCK * entries),
+            gl.load(fields + MAP_Q_START * entries), gl.load(fields + MAP_SEQ_Q * entries),
+            gl.load(fields + MAP_K_START * entries), gl.load(fields + MAP_SEQ_K * entries))
 
 
 CHUNK_HEADS: int | None = None  # tests and experiments: force the head rows per chunk (0: all of them)

@@ -73,19 +73,11 @@ from . import hopper
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
-                     log2_scores, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait, window_bounds,
-                     ws_registers)
+                     log2_scores, packed_tile, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait,
+                     window_bounds, ws_registers)
 from .launch import SLOT, Launcher, cdiv, per_problem
 from .memory import tma_addressable
 from . import packed_tiles
-
-# Fields of a packed-sequence tile map (packed_tiles.py), as the kernel reads them.
-MAP_SEQUENCE: gl.constexpr = gl.constexpr(packed_tiles.SEQUENCE)
-MAP_BLOCK: gl.constexpr = gl.constexpr(packed_tiles.BLOCK)
-MAP_Q_START: gl.constexpr = gl.constexpr(packed_tiles.Q_START)
-MAP_SEQ_Q: gl.constexpr = gl.constexpr(packed_tiles.SEQ_Q)
-MAP_K_START: gl.constexpr = gl.constexpr(packed_tiles.K_START)
-MAP_SEQ_K: gl.constexpr = gl.constexpr(packed_tiles.SEQ_K)
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -600,15 +592,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     STAGE_LAYOUT: gl.constexpr = dk_desc.layout  # GROUP_SUM: the fp32 dK/dV tiles' (``_group_sum_staging``)
 
     if VARLEN:  # an entry of the map (heaviest first) and a head row, in launch order; batch 0
-        head_rows = heads_q if GROUP_SUM else heads_kv
-        pid_bh, entry = launch_order(gl.program_id(0), head_rows, key_blocks, chunk_heads)
-        fields = tile_lists + entry
-        pid_n = gl.load(fields + MAP_BLOCK * key_blocks)
-        sequence = gl.load(fields + MAP_SEQUENCE * key_blocks)
-        q_start = gl.load(fields + MAP_Q_START * key_blocks)
-        seq_q = gl.load(fields + MAP_SEQ_Q * key_blocks)
-        k_start = gl.load(fields + MAP_K_START * key_blocks)
-        seq_k = gl.load(fields + MAP_SEQ_K * key_blocks)
+        pid_bh, sequence, pid_n, q_start, seq_q, k_start, seq_k = packed_tile(
+            gl.program_id(0), heads_q if GROUP_SUM else heads_kv, key_blocks, chunk_heads, tile_lists)
     elif CHUNKED:  # a 1-D launch, key block 0 (the heaviest under a causal bound) first in each chunk of rows
         pid_bh, pid_n = launch_order(gl.program_id(0), gl.num_programs(0) // key_blocks, key_blocks, chunk_heads)
     else:

@@ -58,16 +58,9 @@ from .block_range import key_blocks_for_query_block
 from . import hopper
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
-                     log2_scores, sm_count, turn_pass, turn_wait, window_bounds, ws_registers)
+                     log2_scores, packed_tile, sm_count, turn_pass, turn_wait, window_bounds, ws_registers)
 from .launch import SLOT, Launcher, cdiv, per_problem
 from . import packed_tiles
-
-# Fields of a packed-sequence tile map (packed_tiles.py), as the kernel reads them.
-MAP_BLOCK: gl.constexpr = gl.constexpr(packed_tiles.BLOCK)
-MAP_Q_START: gl.constexpr = gl.constexpr(packed_tiles.Q_START)
-MAP_SEQ_Q: gl.constexpr = gl.constexpr(packed_tiles.SEQ_Q)
-MAP_K_START: gl.constexpr = gl.constexpr(packed_tiles.K_START)
-MAP_SEQ_K: gl.constexpr = gl.constexpr(packed_tiles.SEQ_K)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -429,15 +422,10 @@ def _ws_tile(t, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.
     (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists, list_stride_b,
      list_stride_h, list_stride_r, list_head_div, tile_map, lse_head_stride, _, _, _) = sched
     if VARLEN:
-        head, entry = launch_order(t, num_heads, query_blocks, chunk_heads)
+        head, _, pid_m, q_start, seq_q, k_start, seq_k = packed_tile(t, num_heads, query_blocks, chunk_heads,
+                                                                     tile_map)
         pid_bh = head
         batch = head * 0
-        fields = tile_map + entry
-        pid_m = gl.load(fields + MAP_BLOCK * query_blocks)
-        q_start = gl.load(fields + MAP_Q_START * query_blocks)
-        seq_q = gl.load(fields + MAP_SEQ_Q * query_blocks)
-        k_start = gl.load(fields + MAP_K_START * query_blocks)
-        seq_k = gl.load(fields + MAP_SEQ_K * query_blocks)
         lse_base = head.to(gl.int64) * lse_head_stride + q_start
     else:
         pid_bh, pid_m = _tile_block(t, head_rows, query_blocks, chunk_heads, CAUSAL)
