@@ -157,7 +157,8 @@ def varlen_attention(
 
     q: (total_q, Hq, D), k: (total_k, Hkv, D), v: (total_k, Hkv, Dv); ``cu_seqlens_q`` /
     ``cu_seqlens_k``: int32 (sequences + 1,) offsets, starting at 0 and ending at the token count
-    (a sequence may be empty); ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest length.
+    (a sequence may be empty), on q's device or on the CPU (then checked without waiting for the
+    GPU); ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest length.
     The options mean what they mean for ``fusedattn.attention``, per sequence (causal and window
     bottom-right aligned within each). Returns out (total_q, Hq, Dv), and with ``return_lse=True``
     also lse (Hq, total_q) float32 (FlashAttention's varlen layout). Bias and mask are not taken.
