@@ -49,14 +49,14 @@ def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) 
     # and kept: the Gluon kernels' maps of the blocks that exist are built from them (packed_tiles.py).
     offsets_q = cu_seqlens_q.tolist()
     offsets_k = offsets_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.tolist()
-    for (name, cu), offsets, total, max_name, max_given in zip(
+    for (name, _), offsets, total, max_name, max_given in zip(
             cus, (offsets_q, offsets_k), (q.shape[0], k.shape[0]), ("max_seqlen_q", "max_seqlen_k"),
             (max_seqlen_q, max_seqlen_k)):
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
         first, last, shortest, longest = offsets[0], offsets[-1], min(lengths), max(lengths)
         if first != 0 or shortest < 0:
             raise ValueError(f"{_NAME}: `{name}` must start at 0 and never decrease (offsets of consecutive "
-                             f"sequences), got {cu.tolist()}")
+                             f"sequences), got {offsets}")
         if last != total:
             raise ValueError(f"{_NAME}: `{name}` ends at {last} but the packed tensor has {total} tokens; "
                              f"expected the last offset to equal the token count")

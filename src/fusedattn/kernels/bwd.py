@@ -152,8 +152,7 @@ def _preprocess_kernel(
     to ``stride_stats`` (rows past a sequence's length: lse2 of -inf, delta 0). ``ZERO_DQ``: also
     zero this program's rows of the contiguous fp32 (B, Hq, Sq, dq_cols) dQ accumulator (packed: (1,
     Hq, total_q, dq_cols)) that the dK/dV pass then sums into (a memset launch less a step).
-    ``VARLEN``: packed sequences
-    (``memory.sequence_rows``), lse (Hq, total_q)."""
+    ``VARLEN``: packed sequences (``memory.sequence_rows``), lse (Hq, total_q)."""
     batch_head = tl.program_id(1)
     batch = batch_head // heads_q
     head = batch_head % heads_q

@@ -73,8 +73,8 @@ from . import hopper
 from .block_range import query_blocks_for_key_block
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
-                     log2_scores, packed_tile, row_stats_descriptor, tma_reduce_add, turn_pass, turn_wait,
-                     window_bounds, ws_registers)
+                     log2_scores, packed_chunk_heads, packed_tile, row_stats_descriptor, store_sequence_rows,
+                     tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
 from .launch import SLOT, Launcher, cdiv, per_problem
 from .memory import tma_addressable
 from . import packed_tiles
@@ -530,13 +530,10 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     elif VARLEN:
         if active:  # the keys inside the sequence, by pointers (the rows past Sk are the next sequence's)
             _, k_start, _, head_kv, dk_ptr, dv_ptr, stride_row, stride_head = packed
-            rows = nc + gl.arange(0, KEYS, layout=gl.SliceLayout(1, acc_layout))
-            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-            offsets = (gl.expand_dims((k_start + rows).to(gl.int64) * stride_row, 1) + gl.expand_dims(cols, 0)
-                       + head_kv.to(gl.int64) * stride_head)
-            keep = gl.expand_dims(rows < seq_k, 1) & gl.expand_dims(cols >= 0, 0)
-            gl.store(dk_ptr + offsets, (dk * scale).to(dtype), mask=keep)
-            gl.store(dv_ptr + offsets, dv.to(dtype), mask=keep)
+            head_offset = head_kv.to(gl.int64) * stride_head
+            store_sequence_rows(dk_ptr + head_offset, (dk * scale).to(dtype), nc, k_start, seq_k, stride_row,
+                                acc_layout)
+            store_sequence_rows(dv_ptr + head_offset, dv.to(dtype), nc, k_start, seq_k, stride_row, acc_layout)
     elif active:
         # dK (* scale) and dV into this warpgroup's K/V buffers (its wgmmas have all retired); the
         # producer stores them (those of keys past Sk are not stored).
@@ -887,8 +884,6 @@ def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, sp
     """The packed pass's launch for one problem (shapes, not lengths); each call passes the 9
     descriptors of ``dkdv_pass``, the map, the bias and bias-gradient descriptors, the map's entry
     count, dK and dV, with its grid (entries x head rows)."""
-    from .hopper_fwd import packed_chunk_heads
-
     heads_q, head_dim = q_shape[1], q_shape[3]
     heads_kv = k_shape[1]
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)

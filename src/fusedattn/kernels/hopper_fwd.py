@@ -58,7 +58,8 @@ from .block_range import key_blocks_for_query_block
 from . import hopper
 from .fwd import score_constants
 from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
-                     log2_scores, packed_tile, sm_count, turn_pass, turn_wait, window_bounds, ws_registers)
+                     log2_scores, packed_tile, sm_count, store_sequence_rows, turn_pass, turn_wait, window_bounds,
+                     ws_registers)
 from .launch import SLOT, Launcher, cdiv, per_problem
 from . import packed_tiles
 
@@ -137,7 +138,7 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, rows, Lse, lse_base, seq_q, q, q_buf, o_desc, batch, head, m0, row_o: gl.constexpr,
-              packed_out=None, o_layout: gl.constexpr = None, VARLEN: gl.constexpr = False):
+              packed_out, o_layout: gl.constexpr, VARLEN: gl.constexpr):
     """Normalise, lse (natural log; -inf and out 0 for a row with no visible key; row r at ``Lse +
     lse_base + r``), and O out through the (retired) Q buffer by TMA, which clips rows past the
     head's length. VARLEN (packed sequences): rows past the sequence's length belong to the next
@@ -151,12 +152,7 @@ def _epilogue(acc, m_i, l_i, rows, Lse, lse_base, seq_q, q, q_buf, o_desc, batch
     gl.store(Lse + lse_base + rows, lse, mask=rows < seq_q)
     if VARLEN:
         out_ptr, stride_row, stride_head, q_start = packed_out
-        out_rows = m0 + gl.arange(0, out.shape[0], layout=row_o)
-        cols = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, o_layout))
-        offsets = (gl.expand_dims((q_start + out_rows).to(gl.int64) * stride_row, 1)
-                   + gl.expand_dims(cols, 0) + head.to(gl.int64) * stride_head)
-        keep = gl.expand_dims(out_rows < seq_q, 1) & gl.expand_dims(cols >= 0, 0)
-        gl.store(out_ptr + offsets, out, mask=keep)
+        store_sequence_rows(out_ptr + head.to(gl.int64) * stride_head, out, m0, q_start, seq_q, stride_row, o_layout)
     else:
         q.store(out)
         fence_async_shared()
@@ -420,10 +416,10 @@ def _ws_tile(t, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.
     over the heads).
     ``sched`` = the launch's runtime scalars (``attention_forward``)."""
     (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists, list_stride_b,
-     list_stride_h, list_stride_r, list_head_div, tile_map, lse_head_stride, _, _, _) = sched
-    if VARLEN:
+     list_stride_h, list_stride_r, list_head_div, lse_head_stride, _, _, _) = sched
+    if VARLEN:  # ``tile_lists`` is the packed map
         head, _, pid_m, q_start, seq_q, k_start, seq_k = packed_tile(t, num_heads, query_blocks, chunk_heads,
-                                                                     tile_map)
+                                                                     tile_lists)
         pid_bh = head
         batch = head * 0
         lse_base = head.to(gl.int64) * lse_head_stride + q_start
@@ -639,7 +635,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS)
     _epilogue(acc, m_i, l_i, rows, Lse, seq[4], seq_q, q, q_buf, o_desc, batch, head, mw, row_o,
-              (sched[15], sched[16], sched[17], seq[2]), o_layout, VARLEN)
+              (sched[14], sched[15], sched[16], seq[2]), o_layout, VARLEN)
     if PERSISTENT:
         mbarrier.arrive(q_empty.index(WG), count=1)
     return done + n_blocks
@@ -681,8 +677,8 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     dtype: gl.constexpr = q_desc.dtype
 
     sched = (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists,
-             list_stride_b, list_stride_h, list_stride_r, list_head_div, tile_lists, lse_head_stride, Out,
-             stride_out_row, stride_out_head)
+             list_stride_b, list_stride_h, list_stride_r, list_head_div, lse_head_stride, Out, stride_out_row,
+             stride_out_head)
     bias_slices = (bias_batches, bias_head_div)
     # one program per tile: its tile, found here (as the partitions' argument it costs the 3-warpgroup
     # consumers fewer registers than found in each partition)
@@ -880,7 +876,7 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
     heads_q, total_q, head_dim = q_shape[1], q_shape[2], q_shape[3]
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = (SLOT, SLOT, SLOT, SLOT, SLOT, 0, 0, heads_q, heads_q // heads_kv, spec.window_left,
-            *score_constants(spec), SLOT, packed_chunk_heads(heads_q), heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
+            *score_constants(spec), SLOT, hopper.packed_chunk_heads(heads_q), heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
             total_q, SLOT, out_strides[1], out_strides[0])
     return Launcher(_attn_fwd_ws_kernel, None, args, BLOCK_N=config.block_n, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
@@ -888,13 +884,3 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
                     LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True, PRODUCER_REGS=producer_regs,
                     CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
 
-
-def packed_chunk_heads(heads: int) -> int:
-    """Head rows per chunk of ``hopper.launch_order`` over a packed map: one -- head-major, each head
-    walking the map's entries heaviest first -- unless the experiment switch ``hopper.CHUNK_HEADS``
-    says otherwise. Measured (H100, 16 documents, D=128 causal, NOTES.md v39): the dK/dV pass 1.36
-    ms with each entry's heads one after another (chunks of all heads), 0.98 in chunks of 4, 0.96
-    head-major: programs running together share one head's Q and dO (K and V in the forward) in L2."""
-    if hopper.CHUNK_HEADS is not None:
-        return max(1, min(hopper.CHUNK_HEADS or heads, heads))
-    return 1

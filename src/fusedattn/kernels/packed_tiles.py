@@ -11,7 +11,7 @@ would end on the longest document's diagonal tail.
 A map is int32 (``FIELDS``, entries), field-major (field f of entry e at ``f * entries + e``):
 the sequence, the block within it, the sequence's first query row, its Sq, its first key row, its
 Sk. The kernels read the fields they need with one load each (no second trip to ``cu_seqlens``).
-Pure PyTorch on the host, so it is tested without a GPU.
+NumPy on the host, so it is tested without a GPU.
 """
 
 from __future__ import annotations
