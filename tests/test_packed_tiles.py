@@ -24,6 +24,14 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_maps_of_earlier_tests():
+    """Each test makes its own maps (packed_tiles keeps earlier calls' maps by their lengths)."""
+    packed_tiles._shared.clear()
+    yield
+    packed_tiles._shared.clear()
+
+
 def _packing(lengths_q, lengths_k) -> Packing:
     offsets_q = tuple(itertools.accumulate(lengths_q, initial=0))
     offsets_k = tuple(itertools.accumulate(lengths_k, initial=0))
@@ -77,6 +85,40 @@ def test_maps_made_together_are_the_maps_made_alone():
     spec = resolve_spec(128, layout="bshd", causal=True, window=None, scale=None, softcap=None, deterministic=False)
     together, alone = _packing(lengths, lengths), _packing(lengths, lengths)
     query_map, key_map = packed_tiles.prepare(together, spec, torch.device("cpu"), query_block=192, key_block=128)
+    packed_tiles._shared.clear()
     assert torch.equal(query_map, packed_tiles.query_block_map(alone, 192, spec, torch.device("cpu")))
     assert torch.equal(key_map, packed_tiles.key_block_map(alone, 128, spec, torch.device("cpu")))
     assert packed_tiles.key_block_map(together, 128, spec, torch.device("cpu")) is key_map
+
+
+def test_maps_of_earlier_calls_are_found_by_everything_they_are_made_from():
+    """Every layer of a step passes the same lengths: a later call's packing (a new object) finds
+    the maps made for the first; lengths that differ in the queries only, in the keys only, or a
+    different window or block must not find them. Each map found is checked against one made
+    with nothing kept."""
+    cpu = torch.device("cpu")
+    causal = resolve_spec(64, layout="bshd", causal=True, window=None, scale=None, softcap=None, deterministic=False)
+    window = resolve_spec(64, layout="bshd", causal=False, window=(8, 2), scale=None, softcap=None,
+                          deterministic=False)
+    calls = [((17, 1, 0, 33), (17, 1, 0, 33), causal, 16), ((17, 1, 0, 33), (20, 1, 0, 30), causal, 16),
+             ((18, 0, 0, 33), (17, 1, 0, 33), causal, 16), ((17, 1, 0, 33), (17, 1, 0, 33), window, 16),
+             ((17, 1, 0, 33), (17, 1, 0, 33), causal, 32), ((17, 1, 0, 33), (17, 1, 0, 33), causal, 16)]
+    first = None
+    for lengths_q, lengths_k, spec, block in calls:
+        query_map, key_map = packed_tiles.prepare(_packing(lengths_q, lengths_k), spec, cpu, block, block)
+        kept = dict(packed_tiles._shared)
+        packed_tiles._shared.clear()
+        fresh = packed_tiles.prepare(_packing(lengths_q, lengths_k), spec, cpu, block, block)
+        packed_tiles._shared.clear()
+        packed_tiles._shared.update(kept)
+        assert torch.equal(query_map, fresh[0]) and torch.equal(key_map, fresh[1])
+        first = first or (query_map, key_map)
+    assert query_map is first[0] and key_map is first[1], "the last call repeats the first: its maps are found"
+    assert len(packed_tiles._shared) == 2 * (len(calls) - 1)
+
+
+def test_maps_kept_are_bounded():
+    spec = resolve_spec(64, layout="bshd", causal=True, window=None, scale=None, softcap=None, deterministic=False)
+    for n in range(1, packed_tiles.SHARED_MAPS + 10):
+        packed_tiles.prepare(_packing((n, 3), (n, 3)), spec, torch.device("cpu"), query_block=16)
+    assert len(packed_tiles._shared) == packed_tiles.SHARED_MAPS

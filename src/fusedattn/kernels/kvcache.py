@@ -134,8 +134,10 @@ def _cache_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, WAIT_PRIOR: tl.constexpr,
 ):
+    if WAIT_PRIOR:  # launched early (programmatic dependent launch): the previous kernel's writes first
+        tl.extra.cuda.gdc_wait()
     if PDL:  # the combination kernel may start now: it waits for this grid before reading (``_combine_splits_kernel``)
         tl.extra.cuda.gdc_launch_dependents()
     m_block = tl.program_id(0)
@@ -286,6 +288,7 @@ def auto_splits(programs: int, key_blocks: int, device: torch.device, paged: boo
 
 
 PDL: bool | None = None  # experiments: force programmatic dependent launch of the combination on (True) or off
+EARLY_START: bool | None = None  # experiments: the decoding kernel itself launched early (False: off)
 
 
 def dependent_launch(device: torch.device) -> bool:
@@ -351,6 +354,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
         split_strides = (part_out.stride(0), part_lse.stride(0))
     qk_scale, softcap_log2 = score_constants(spec)
     pdl = dependent_launch(q.device)
+    early = pdl if EARLY_START is None else EARLY_START and pdl
     launch(_cache_attention_kernel, (m_blocks, batch * heads_kv, num_splits), (
         q, k_cache, v_cache, part_out, part_lse, sinks if sinks is not None else lse, cache_seqlens, table,
         *q.stride()[:3], *cache_strides, split_strides[0], *part_out.stride()[-4:-1], split_strides[1],
@@ -359,8 +363,9 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
     ), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=block_m,
         BLOCK_N=KEY_TILE, HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=spec.has_softcap, HAS_SINKS=sinks is not None, PAGED=paged, DOT_PRECISION=dot_precision(q.dtype),
-        PDL=pdl and num_splits > 1, num_warps=NUM_WARPS,
-        num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1))
+        PDL=pdl and num_splits > 1, WAIT_PRIOR=early, num_warps=NUM_WARPS,
+        num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1),
+        **({"launch_pdl": True} if early else {}))
     if num_splits > 1:
         launch(_combine_splits_kernel, (batch * seqlen_q * heads_q,), (
             part_out, part_lse, out, lse, heads_q, seqlen_q, num_splits, split_strides[0], split_strides[1],

@@ -16,6 +16,8 @@ NumPy on the host, so it is tested without a GPU.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import torch
 
@@ -37,24 +39,49 @@ def key_block_map(packing: Packing, block_n: int, spec: AttentionSpec, device: t
     return prepare(packing, spec, device, key_block=block_n)[0]
 
 
+# Maps made for earlier calls, by the lengths they were made from: every layer of a training step
+# (and the backward of each) takes the same packing, so the first call makes the maps and the
+# others find them (making two cost ~270 us of a ~600 us forward call on the GPU machine's host,
+# NOTES.md v40). Keyed by the stream too: a map is copied to the device on the stream current when
+# it is made, and a kernel on another stream could read it before that copy lands.
+_shared: OrderedDict = OrderedDict()
+SHARED_MAPS = 64  # maps kept (each a few KB: 6 x (tokens / block + sequences) int32)
+
+
 def prepare(packing: Packing, spec: AttentionSpec, device: torch.device, query_block: int | None = None,
             key_block: int | None = None) -> list[torch.Tensor]:
     """The maps asked for (query blocks of ``query_block`` rows, key blocks of ``key_block`` keys),
-    kept on ``packing`` for the rest of the call (the backward reads the forward's); those not made
-    yet are made together and copied to the device in one non-blocking copy -- from pageable
-    memory it is staged at once, with no wait for the stream (a blocking copy would wait for the
-    GPU in the middle of the backward)."""
+    kept on ``packing`` for the rest of the call (the backward reads the forward's) and among the
+    maps of earlier calls (``_shared``); those found in neither are made together and copied to
+    the device in one non-blocking copy -- from pageable memory it is staged at once, with no wait
+    for the stream (a blocking copy would wait for the GPU in the middle of the backward)."""
     wanted = [(kind, block, spec.window_left, spec.window_right)
               for kind, block in (("query", query_block), ("key", key_block)) if block is not None]
     missing = [key for key in wanted if key not in packing.tile_maps]
+    if missing:
+        lengths = (device, _stream(device), packing.offsets_q, packing.offsets_k)
+        for key in missing:
+            found = _shared.get((*lengths, *key))
+            if found is not None:
+                _shared.move_to_end((*lengths, *key))
+                packing.tile_maps[key] = found
+        missing = [key for key in missing if key not in packing.tile_maps]
     if missing:
         built = [_block_map(packing, key[1], spec, by_queries=key[0] == "query") for key in missing]
         flat = torch.from_numpy(np.concatenate([m.ravel() for m in built])).to(device, non_blocking=True)
         start = 0
         for key, m in zip(missing, built):
-            packing.tile_maps[key] = flat[start:start + m.size].view(m.shape)
+            packing.tile_maps[key] = _shared[(*lengths, *key)] = flat[start:start + m.size].view(m.shape)
             start += m.size
+        while len(_shared) > SHARED_MAPS:
+            _shared.popitem(last=False)
     return [packing.tile_maps[key] for key in wanted]
+
+
+def _stream(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def _block_map(packing: Packing, block: int, spec: AttentionSpec, by_queries: bool) -> np.ndarray:
