@@ -74,6 +74,8 @@ QUICK = [
     CacheCase((40, 0), 96, seqlen_q=20, new=20, page_size=32, causal=True, num_splits=1),
     # more queries than keys (causal rows with no key: out 0, lse -inf), sinks, splits 2
     CacheCase((3, 1), 64, seqlen_q=6, causal=True, sinks=True, num_splits=2),
+    # Dv = 80: the split combination's second Dv chunk (of kernels.kvcache.COMBINE_DV = 64) is partly past Dv
+    CacheCase((90, 33), 96, heads_q=2, heads_kv=1, head_dim=16, head_dim_v=80, num_splits=3),
 ]
 FULL = QUICK + [
     CacheCase((4000, 1, 2500, 0, 3999), 4096, new=1, page_size=64, heads_q=32, heads_kv=8, head_dim=128,
@@ -242,6 +244,52 @@ def test_kvcache_combination_launched_early_waits_for_the_splits(monkeypatch):
     first_out, first_lse = outputs[False][0]
     for out, lse in outputs[False] + outputs[True]:
         assert torch.equal(out, first_out) and torch.equal(lse, first_lse)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9, reason="dependent launch: sm_90+")
+def test_kvcache_decoding_launched_early_waits_for_the_previous_kernels(monkeypatch):
+    """The decoding kernel is launched early too (programmatic dependent launch) and waits first
+    thing for the kernels before it: here steps whose query and cache lengths kernels write just
+    before the call and whose new key / value rows the append kernel writes, in a CUDA graph (an
+    eager call reads the lengths on the host to check them, which waits for the GPU). With and
+    without the early launch, 20 steps give the same bits -- a race would read the query, the
+    lengths or the appended rows unwritten."""
+    from fusedattn.kernels import kvcache as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    batch, size, page, steps = 2, 4096, 16, 20
+    base_q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    news = [torch.randn(batch, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(steps)]
+    pages = batch * size // page
+    table = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32).view(batch, -1)
+    k, v = (torch.randn(pages, page, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    first_lengths = torch.tensor([size - 2 * steps, size - 3 * steps], dtype=torch.int32, device="cuda")
+    lengths = first_lengths.clone()
+
+    def steps_of_a_layer():
+        results = []
+        for step in range(steps):
+            q = base_q * (step + 1)  # written by a kernel right before the call
+            results.append(fusedattn.kvcache_attention(q, k, v, lengths, block_table=table, k_new=news[step],
+                                                       v_new=news[step] * 2, return_lse=True))
+            lengths.add_(1)
+        return results
+
+    outputs = {}
+    for early in (False, True):
+        monkeypatch.setattr(kernels, "EARLY_START", early)
+        lengths.copy_(first_lengths)
+        steps_of_a_layer()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            results = steps_of_a_layer()
+        lengths.copy_(first_lengths)
+        graph.replay()
+        torch.cuda.synchronize()
+        outputs[early] = [(out.clone(), lse.clone()) for out, lse in results]
+    for (out, lse), (out_early, lse_early) in zip(outputs[False], outputs[True]):
+        assert torch.equal(out, out_early) and torch.equal(lse, lse_early)
+    assert not torch.equal(outputs[False][0][0], outputs[False][1][0])  # the steps differ
 
 
 # ----------------------------------------------------------------------------- bad input

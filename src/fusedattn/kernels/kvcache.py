@@ -83,19 +83,20 @@ def _append_kernel(
 
 @triton.jit
 def _cache_tiles(
-    acc, row_max, row_sum, lost, q, KCache, VCache, BlockTable, batch, head_kv, block_begin, block_end,
+    acc, row_max, row_sum, lost, q, KCache, VCache, BlockTable, batch, head_kv, block_begin, block_end, block_step,
     offs_q, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2,
     stride_table, page_size, num_pages, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Key blocks ``[block_begin, block_end)`` of the cache; ``lost`` counts kept keys whose page lay
-    outside the cache (they read as zero and their rows are poisoned by the caller)."""
+    """Key blocks ``block_begin, block_begin + block_step, ...`` below ``block_end`` of the cache
+    (``split_key_blocks``); ``lost`` counts kept keys whose page lay outside the cache (they read as
+    zero and their rows are poisoned by the caller)."""
     offs_tile = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for n_block in range(block_begin, block_end):
+    for n_block in range(block_begin, block_end, block_step):
         start_n = n_block * BLOCK_N
         offs_n = start_n + offs_tile
         in_range = offs_n < seqlen_k
@@ -165,7 +166,7 @@ def _cache_attention_kernel(
     last_row = tl.minimum(first_row + BLOCK_M, packed_rows) - 1
     begin, _, _, end = key_blocks_for_rows(first_row // group_size, last_row // group_size, seqlen_q, seqlen_k,
                                            window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    begin, end = split_key_blocks(begin, end, split, tl.num_programs(2))
+    begin, end, step = split_key_blocks(begin, end, split, tl.num_programs(2))
 
     row_max, row_sum = initial_row_stats(Sinks, head, BLOCK_M, HAS_SINKS)
     if HAS_SINKS:  # a sink is one logit of the whole row: split 0 counts it, the others start empty
@@ -181,7 +182,7 @@ def _cache_attention_kernel(
     # at B=1 and 2.5x slower paged; benchmarks/NOTES.md v37). Constexprs spelled out: packed in a
     # tuple they would arrive as plain values.
     acc, row_max, row_sum, lost = _cache_tiles(
-        acc, row_max, row_sum, lost, *common, begin, end, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+        acc, row_max, row_sum, lost, *common, begin, end, step, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
         BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, PAGED, DOT_PRECISION)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
@@ -203,9 +204,10 @@ def _combine_splits_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum_s exp(lse_s - lse) * out_s with lse = log sum_s exp(lse_s) (merge_attention's rule,
-    SPEC 3.1 for a row no split saw), one row per program: row r runs over (batch, query, head) as
-    in the (B, Sq, Hq, Dv) outputs; lse is (B, Hq, Sq). Every split's part is loaded at once (one
-    round trip to memory, not one per split). A NaN part (a poisoned batch) makes the row NaN.
+    SPEC 3.1 for a row no split saw), a chunk of BLOCK_DV of one row per program (axis 1: the
+    chunk; the first chunk's program stores lse): row r runs over (batch, query, head) as in the
+    (B, Sq, Hq, Dv) outputs; lse is (B, Hq, Sq). Every split's part is loaded at once (one round
+    trip to memory, not one per split). A NaN part (a poisoned batch) makes the row NaN.
     PDL (programmatic dependent launch, Hopper): launched while the decoding grid still runs (it
     calls ``gdc_launch_dependents`` first thing), the programs wait here until that grid has
     finished and its stores are visible, so the gap between the two kernels is gone."""
@@ -216,7 +218,7 @@ def _combine_splits_kernel(
     batch_query = r // heads_q
     lse_index = ((batch_query // seqlen_q) * heads_q + head).to(tl.int64) * seqlen_q + batch_query % seqlen_q
     splits = tl.arange(0, BLOCK_SPLITS)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     lse_parts = tl.load(PartLse + splits * stride_l_split + lse_index, mask=splits < num_splits,
                         other=float("-inf"))
     parts = tl.load(PartOut + splits.to(tl.int64)[:, None] * stride_o_split + r.to(tl.int64) * HEAD_DIM_V
@@ -235,7 +237,8 @@ def _combine_splits_kernel(
     out = tl.where(poisoned, float("nan"), out)
     lse = tl.where(poisoned, float("nan"), lse)
     tl.store(Out + r.to(tl.int64) * HEAD_DIM_V + offs_dv, out.to(Out.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
-    tl.store(Lse + lse_index, lse)
+    if tl.program_id(1) == 0:
+        tl.store(Lse + lse_index, lse)
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -251,6 +254,10 @@ NUM_WARPS = 4
 # (B=1 at 8k: 48 splits of 2-3 tiles 20.3-20.6 us, 32 of 4 tiles 21.1-21.9; benchmarks/NOTES.md v38).
 SPLIT_RULE = {False: (2, 4), True: (3, 2)}  # by paged
 MAX_SPLITS = 64
+# The combination: a program for each Dv chunk of COMBINE_DV of a row, one warp (B=1 / 8k step
+# 18.5 -> 17.0 us contiguous, 21.2 -> 20.2 paged against one 4-warp program a row; NOTES.md v40).
+COMBINE_DV = 64
+COMBINE_WARPS = 1
 INTERPRETER_SMS = 8  # the "SM count" the auto split assumes under Triton's interpreter (tests split too)
 
 
@@ -367,8 +374,9 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
         num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1),
         **({"launch_pdl": True} if early else {}))
     if num_splits > 1:
-        launch(_combine_splits_kernel, (batch * seqlen_q * heads_q,), (
+        combine_dv = min(COMBINE_DV, next_power_of_2(head_dim_v))
+        launch(_combine_splits_kernel, (batch * seqlen_q * heads_q, cdiv(head_dim_v, combine_dv)), (
             part_out, part_lse, out, lse, heads_q, seqlen_q, num_splits, split_strides[0], split_strides[1],
-        ), HEAD_DIM_V=head_dim_v, BLOCK_DV=next_power_of_2(head_dim_v), BLOCK_SPLITS=next_power_of_2(num_splits),
-            PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        ), HEAD_DIM_V=head_dim_v, BLOCK_DV=combine_dv, BLOCK_SPLITS=next_power_of_2(num_splits),
+            PDL=pdl, num_warps=COMBINE_WARPS, **({"launch_pdl": True} if pdl else {}))
     return out, lse
