@@ -21,7 +21,7 @@ from .block_mask import BlockMask
 from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
 from .kernels.bwd import attention_backward
 from .kernels.fwd import attention_forward, _forward_kernel
-from .spec import AttentionSpec, resolve_spec, to_bhsd
+from .spec import AttentionSpec, bhsd_shape, resolve_spec, to_bhsd
 from .tuning.configs import select_configs
 
 BACKENDS = ("auto", "triton", "torch")
@@ -90,7 +90,7 @@ def _block_mask(mask, mask_states, mask_grid, seqlen_q: int, seqlen_k: int) -> B
 def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
                   softcap, deterministic, backend):
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
-    mask = _block_mask(mask, mask_states, mask_grid, to_bhsd(q, layout).shape[2], to_bhsd(k, layout).shape[2])
+    mask = _block_mask(mask, mask_states, mask_grid, bhsd_shape(q, layout)[2], bhsd_shape(k, layout)[2])
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     if bias is not None:
@@ -98,7 +98,7 @@ def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, wi
     if backend == "torch":
         return cpu.forward(q, k, v, spec, sinks, mask, bias)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, to_bhsd(k, layout).shape[2],
+    configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, bhsd_shape(k, layout)[2],
                              spec.has_window_left, spec.has_window_right, spec.has_softcap)
     return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias)
 
@@ -116,7 +116,7 @@ def _forward_op(
 @_forward_op.register_fake
 def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
                   softcap, deterministic, backend):
-    batch, heads_q, seqlen_q, _ = to_bhsd(q, layout).shape
+    batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
     head_dim_v = v.shape[-1]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
     return q.new_empty(out_shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
@@ -126,13 +126,13 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, mask, mask_states, mask_grid, 
                    window_right, scale, softcap, deterministic, backend):
     """(dq, dk, dv, dbias); dbias is an empty tensor unless ``bias_grad`` (custom ops return tensors)."""
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
-    mask = _block_mask(mask, mask_states, mask_grid, to_bhsd(q, layout).shape[2], to_bhsd(k, layout).shape[2])
+    mask = _block_mask(mask, mask_states, mask_grid, bhsd_shape(q, layout)[2], bhsd_shape(k, layout)[2])
     if bias is not None:
         bias = bias.detach()
     if backend == "torch":
         dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
     else:
-        configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], to_bhsd(k, layout).shape[2],
+        configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], bhsd_shape(k, layout)[2],
                                  spec.has_window_left, spec.has_window_right, spec.has_softcap)
         dq, dk, dv, dbias = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias, bias_grad)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)

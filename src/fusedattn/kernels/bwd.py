@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..block_mask import EMPTY, BlockMask
-from ..spec import AttentionSpec, Packing, from_bhsd, to_bhsd
+from ..spec import AttentionSpec, Packing, bhsd_shape, from_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
@@ -662,8 +662,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     Packed sequences run the Gluon dK/dV pass where it takes the problem (over the host's map of the
     key blocks that exist, packed_tiles.py), else the Triton passes with pointer loads."""
     layout = spec.layout
-    batch, heads_q, seqlen_q, head_dim = to_bhsd(q, layout).shape
-    heads_kv, seqlen_k, head_dim_v = to_bhsd(v, layout).shape[1:]
+    batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, layout)
+    heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, layout)[1:]
     total_q = seqlen_q
     if packing is not None:
         batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
@@ -715,11 +715,12 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dkdv_programs = key_blocks * batch * heads_kv
     dq_programs = 0 if atomic_dq else query_blocks * batch * heads_q
     block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
-    # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass), K, V (dQ pass).
+    # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass, unless the Gluon pass ran it),
+    # K, V (dQ pass, unless the dK/dV programs sum dQ by atomics).
     dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m,
-                                  dkdv_cfg.tma_loads and packing is None)
+                                  dkdv_cfg.tma_loads and packing is None and not gluon_dkdv)
     dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n,
-                                dq_cfg.tma_loads and packing is None)
+                                dq_cfg.tma_loads and packing is None and not atomic_dq)
     user_mask = mask_args(mask, heads_q, heads_kv, lse2)
     # With a mask, the tiles each program visits (tile_lists.py): per key block for dK/dV, per
     # query block for dQ, at each pass's own tile sizes.
@@ -825,8 +826,8 @@ def backward_plan(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Attent
 def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
                      dbias_mode: int, packing: Packing | None) -> BackwardPlan:
     layout = spec.layout
-    batch, heads_q, seqlen_q, head_dim = to_bhsd(q, layout).shape
-    heads_kv, _, head_dim_v = to_bhsd(v, layout).shape[1:]
+    batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, layout)
+    heads_kv, _, head_dim_v = bhsd_shape(v, layout)[1:]
     total_q = seqlen_q
     if packing is not None:
         batch, seqlen_q = packing.sequences, packing.max_seqlen_q
@@ -894,8 +895,8 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbia
                     cfg: KernelConfig, flags: dict):
     """Launch ``_bias_grad_kernel``: one program per output tile of the (broadcast) bias gradient."""
     layout = spec.layout
-    batch, heads_q, seqlen_q, _ = to_bhsd(q, layout).shape
-    heads_kv, seqlen_k = to_bhsd(k, layout).shape[1:3]
+    batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
+    heads_kv, seqlen_k = bhsd_shape(k, layout)[1:3]
     bias = bias_args[0]
     sums = bias_grad_sums(bias)
     q_tiles = 1 if sums["DBIAS_SUM_Q"] else cdiv(seqlen_q, cfg.block_m)
@@ -961,8 +962,8 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, co
 
     if dq_accum is not None and not hopper_bwd.computes_dq(q.shape[-1], config):
         return False
-    batch, heads_q, seqlen_q = to_bhsd(q, spec.layout).shape[:3]
-    heads_kv, seqlen_k = to_bhsd(k, spec.layout).shape[1:3]
+    batch, heads_q, seqlen_q = bhsd_shape(q, spec.layout)[:3]
+    heads_kv, seqlen_k = bhsd_shape(k, spec.layout)[1:3]
     lists = None
     if mask is not None:
         lists = column_list_args(mask, spec, seqlen_q, seqlen_k, config, heads_q, heads_kv, lse2)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..block_mask import BlockMask
-from ..spec import AttentionSpec, Packing, to_bhsd
+from ..spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride
 from ..tuning.configs import KernelConfig
 from .block_range import key_blocks_for_query_block
 from .launch import cdiv, launch, next_power_of_2
@@ -201,7 +201,7 @@ def score_constants(spec: AttentionSpec) -> tuple[float, float]:
 def bhs_strides(t: torch.Tensor, layout: str, packing: Packing | None = None) -> tuple[int, int, int]:
     """(batch, head, row) strides; for packed sequences the row stride stands for the batch's
     (``memory.sequence_rows``: the kernels' batch index is then a sequence's first row)."""
-    sb, sh, ss, sd = to_bhsd(t, layout).stride()
+    sb, sh, ss, sd = bhsd_stride(t, layout)
     assert sd == 1, "head dim must have unit stride (the interface copies otherwise)"
     return (sb if packing is None else ss), sh, ss
 
@@ -302,7 +302,7 @@ def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=No
         return False
     if mask is None:
         return True
-    seqlen_q, seqlen_k = to_bhsd(q, spec.layout).shape[2], to_bhsd(k, spec.layout).shape[2]
+    seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
     return tiles_whole(mask, seqlen_q, seqlen_k, GLUON_MASK_TILE, GLUON_MASK_TILE)
 
 
@@ -318,8 +318,8 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     mask or bias); lse is then (Hq, total_q). The Gluon forward runs them where it takes the
     problem (over the host's map of the blocks that exist, packed_tiles.py), else the Triton kernel
     with pointer loads."""
-    batch, heads_q, seqlen_q, head_dim = to_bhsd(q, spec.layout).shape
-    heads_kv, seqlen_k, head_dim_v = to_bhsd(v, spec.layout).shape[1:]
+    batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, spec.layout)
+    heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, spec.layout)[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse_shape = (batch, heads_q, seqlen_q) if packing is None else (heads_q, seqlen_q)
