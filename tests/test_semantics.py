@@ -180,6 +180,25 @@ def test_empty_sequences(backend, device, batch, seqlen_q, seqlen_k):
         assert torch.equal(t.grad, torch.zeros_like(t))
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k", [(2, 0, 5), (2, 5, 0), (0, 5, 5)])
+def test_empty_sequences_with_sinks(backend, device, batch, seqlen_q, seqlen_k):
+    """With sinks, a row without a key has out 0 and lse = its head's sink (SPEC 3.5): the sinks'
+    gradient is then the lse gradient summed over the rows (no kernel runs), and 0 without rows."""
+    q = torch.randn(batch, seqlen_q, 2, 16, device=device, requires_grad=True)
+    k = torch.randn(batch, seqlen_k, 2, 16, device=device, requires_grad=True)
+    v = torch.randn(batch, seqlen_k, 2, 16, device=device, requires_grad=True)
+    sinks = torch.randn(2, device=device, requires_grad=True)
+    lse_weights = torch.randn(batch, 2, seqlen_q, device=device)
+    with fusedattn.use_backend(backend):
+        out, lse = fusedattn.attention(q, k, v, sinks=sinks, return_lse=True)
+        (out.sum() + (lse * lse_weights).sum()).backward()
+    assert torch.equal(out, torch.zeros_like(out))
+    if seqlen_k == 0:
+        assert torch.equal(lse, sinks.detach().view(1, 2, 1).expand_as(lse))
+    torch.testing.assert_close(sinks.grad, lse_weights.sum((0, 2)) if seqlen_k == 0 else torch.zeros_like(sinks))
+
+
 SCHEDULES = {
     # name: the AttentionConfigs fields that select a backward schedule
     "dq-pass-split": dict(atomic_dq=False, fuse_dq_pass=False),

@@ -122,40 +122,48 @@ def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, wi
     return q.new_empty(out_shape), q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
 
 
-def _backward_impl(dout, dlse, q, k, v, out, lse, mask, mask_states, mask_grid, bias, bias_grad, layout, window_left,
-                   window_right, scale, softcap, deterministic, backend):
-    """(dq, dk, dv, dbias); dbias is an empty tensor unless ``bias_grad`` (custom ops return tensors)."""
+def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
+                   layout, window_left, window_right, scale, softcap, deterministic, backend):
+    """(dq, dk, dv, dbias, dsinks); dbias is an empty tensor unless ``bias_grad``, dsinks (float32)
+    unless ``sinks_grad`` (custom ops return tensors)."""
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
     mask = _block_mask(mask, mask_states, mask_grid, bhsd_shape(q, layout)[2], bhsd_shape(k, layout)[2])
     if bias is not None:
         bias = bias.detach()
+    sinks = sinks if sinks_grad else None
     if backend == "torch":
         dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
+        dsinks = None if sinks is None else _sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
     else:
         configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], bhsd_shape(k, layout)[2],
                                  spec.has_window_left, spec.has_window_right, spec.has_softcap)
-        dq, dk, dv, dbias = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias, bias_grad)
-    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
+        dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
+                                                       bias_grad, sinks=sinks)
+    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), \
+        dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
 def _backward_op(
     dout: torch.Tensor, dlse: Optional[torch.Tensor],
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    sinks: Optional[torch.Tensor], sinks_grad: bool,
     mask: Optional[torch.Tensor], mask_states: Optional[torch.Tensor], mask_grid: list[int],
     bias: Optional[torch.Tensor], bias_grad: bool, layout: str, window_left: int, window_right: int, scale: float,
     softcap: float, deterministic: bool, backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(dout, dlse, q, k, v, out, lse, mask, mask_states, mask_grid, bias, bias_grad, layout,
-                          window_left, window_right, scale, softcap, deterministic, backend)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias,
+                          bias_grad, layout, window_left, window_right, scale, softcap, deterministic, backend)
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, dlse, q, k, v, out, lse, mask, mask_states, mask_grid, bias, bias_grad, *options):
+def _backward_fake(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
+                   *options):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
         torch.empty_like(v, memory_format=torch.contiguous_format), \
-        torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0)
+        torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0), \
+        q.new_empty(sinks.shape if sinks_grad else (0,), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
@@ -170,15 +178,16 @@ def _setup_context(ctx, inputs, output):
 _SINKS_INPUT, _BIAS_INPUT = 3, 7  # positions among the ops' inputs (q, k, v, sinks, mask, tile states, grid, bias)
 
 
-def sink_gradient(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
-    """SPEC 3.5: dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i], p_sink = exp(sink[h] - lse),
-    delta = rowsum(dout * out) - dlse (d lse / d sink = p_sink brings the lse gradient in). Both
-    backends share it: O(B * H * Sq) work on what the forward saved, in a fixed order."""
+def _sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
+    """SPEC 3.5 for the "torch" backend: dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i],
+    p_sink = exp(sink[h] - lse), delta = rowsum(dout * out) - dlse (d lse / d sink = p_sink brings
+    the lse gradient in), float32. The kernels' backward takes delta from its pre-pass instead
+    (``kernels.bwd.sink_gradient``)."""
     delta = (to_bhsd(dout, layout).float() * to_bhsd(out, layout).float()).sum(-1)
     if dlse is not None:
         delta = delta - dlse
     p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse)
-    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+    return -(p_sink * delta).sum((0, 2))
 
 
 def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bool):
@@ -190,11 +199,10 @@ def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bo
     if dlse is not None:
         dlse = dlse.float().contiguous()
     bias_grad = bias is not None and bias_grad
-    dq, dk, dv, dbias = backward_fn(dout, dlse, q, k, v, out, lse, mask, mask_states, ctx.mask_grid, bias, bias_grad,
-                                    *ctx.options)
-    layout = ctx.options[0]
-    dsinks = sink_gradient(sinks, out, dout, lse, dlse, layout) if sinks is not None and sinks_grad else None
-    return dq, dk, dv, dsinks, dbias if bias_grad else None
+    sinks_grad = sinks is not None and sinks_grad
+    dq, dk, dv, dbias, dsinks = backward_fn(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states,
+                                            ctx.mask_grid, bias, bias_grad, *ctx.options)
+    return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, dbias if bias_grad else None
 
 
 def _backward(ctx, dout, dlse):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_options, check_qkv, check_sinks
-from .interface import _resolve_backend, _unit_stride_head_dim, attention, sink_gradient
+from .interface import _resolve_backend, _unit_stride_head_dim, attention
 from .kernels.bwd import attention_backward
 from .kernels import packed_tiles
 from .kernels.fwd import attention_forward, hopper_supports
@@ -98,11 +98,10 @@ class _VarlenAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout).unsqueeze(0)
         if dlse is not None:
             dlse = dlse.float().contiguous()
-        dq, dk, dv, _ = attention_backward(dout, dlse, q4, k4, v4, out, lse, ctx.spec, ctx.configs,
-                                           packing=ctx.packing)
-        dsinks = sink_gradient(sinks, out, dout, lse, dlse, "bshd") \
-            if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq[0], dk[0], dv[0], dsinks, None, None
+        sinks_grad = sinks if sinks is not None and ctx.needs_input_grad[3] else None
+        dq, dk, dv, _, dsinks = attention_backward(dout, dlse, q4, k4, v4, out, lse, ctx.spec, ctx.configs,
+                                                   packing=ctx.packing, sinks=sinks_grad)
+        return dq[0], dk[0], dv[0], dsinks.to(sinks.dtype) if dsinks is not None else None, None, None
 
 
 def _prepare_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs) -> None:

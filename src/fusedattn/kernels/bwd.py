@@ -655,10 +655,12 @@ def _bias_grad_kernel(
 
 def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
                        mask: BlockMask | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
-                       packing: Packing | None = None):
-    """Returns (dq, dk, dv, dbias), dq/dk/dv each in the layout and dtype of its input. ``mask``,
-    ``bias``, ``packing``: as for ``fwd.attention_forward``. ``dbias`` (with ``bias_grad``, else None)
-    has the bias's 4-D shape and dtype: the gradient summed over the bias's broadcast dims (SPEC 3.3).
+                       packing: Packing | None = None, sinks: torch.Tensor | None = None):
+    """Returns (dq, dk, dv, dbias, dsinks), dq/dk/dv each in the layout and dtype of its input.
+    ``mask``, ``bias``, ``packing``: as for ``fwd.attention_forward``. ``dbias`` (with ``bias_grad``,
+    else None) has the bias's 4-D shape and dtype: the gradient summed over the bias's broadcast dims
+    (SPEC 3.3). ``sinks`` (Hq,), whose gradient is wanted: ``dsinks`` (float32, else None), from the
+    pre-pass's row statistics (``sink_gradient``).
     Packed sequences run the Gluon dK/dV pass where it takes the problem (over the host's map of the
     key blocks that exist, packed_tiles.py), else the Triton passes with pointer loads."""
     layout = spec.layout
@@ -671,7 +673,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
         dbias = torch.zeros_like(bias) if bias_grad else None
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_(), dbias
+        dsinks = None if sinks is None else _empty_rows_sink_gradient(sinks, lse, dlse, seqlen_k, heads_q)
+        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_(), dbias, dsinks
     dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
                                        skips_tiles=mask is not None)
     plan = backward_plan(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
@@ -687,13 +690,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
     plan.preprocess(out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
                     dq_buffer if plan.zero_dq else lse, sequence_args(packing, lse)[0])
+    dsinks = None if sinks is None else sink_gradient(sinks, lse2, delta, heads_q)
 
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
                                   dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias, packing)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
-        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias
+        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias, dsinks
     qk_scale, softcap_log2 = score_constants(spec)
     block_d, block_dv = padded_dims(head_dim, head_dim_v)
     flags = dict(
@@ -781,7 +785,28 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         dbias = dbias.to(bias.dtype)
     if atomic_dq:
         dq_buffer = from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype)
-    return dq_buffer, dk, dv, dbias
+    return dq_buffer, dk, dv, dbias, dsinks
+
+
+def sink_gradient(sinks: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, heads_q: int) -> torch.Tensor:
+    """SPEC 3.5: dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i], p_sink = exp(sink[h] - lse), over
+    the pre-pass's row statistics (``_preprocess_kernel``: lse2 = lse * log2 e, delta = rowsum(dO * O)
+    - dlse, d lse / d sink = p_sink bringing the lse gradient in; (B*Hq, rows) with padding rows of
+    lse2 +inf and delta 0, which add 0). O(B * H * Sq) work; recomputing delta from dO and O took ~0.3
+    ms at B=4 H=16 S=4k D=128 (NOTES.md v40). Float32, summed in a fixed order."""
+    rows = lse2.shape[1]
+    p_sink = torch.exp2(sinks.detach().float().view(1, heads_q, 1) * LOG2E_HOST - lse2.view(-1, heads_q, rows))
+    return -(p_sink * delta.view(-1, heads_q, rows)).sum((0, 2))
+
+
+def _empty_rows_sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, seqlen_k: int,
+                              heads_q: int) -> torch.Tensor:
+    """The sink's gradient where no row sees a key (no kernel ran): out = 0, so delta = -dlse; and
+    p_sink = 1 on every row (lse = the sink) when there are rows at all."""
+    if dlse is None or lse.numel() == 0:
+        return torch.zeros(heads_q, dtype=torch.float32, device=lse.device)
+    p_sink = torch.exp(sinks.detach().float().view(-1, 1) - lse.reshape(-1, heads_q, lse.shape[-1])).transpose(0, 1)
+    return (p_sink * dlse.reshape(-1, heads_q, dlse.shape[-1]).transpose(0, 1)).sum((1, 2))
 
 
 @dataclass(frozen=True)
@@ -801,6 +826,7 @@ class BackwardPlan:
     preprocess: Launcher  # (out, dout, lse, dlse, lse2, delta, dQ accumulator, cu_seqlens_q)
 
 
+LOG2E_HOST = 1.4426950408889634
 _plain_plans = per_problem_dict()  # problem metadata -> BackwardPlan (``backward_plan``)
 
 
