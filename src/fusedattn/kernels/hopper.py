@@ -185,6 +185,18 @@ def ws_registers(split: int) -> tuple[int, int, int]:
 
 
 @gluon.jit
+def _rcp_fma(d):
+    """1 / d for d >= 1 on the FMA pipe: a first guess from the exponent bits (within 12%), then
+    three Newton steps (12% -> 1.4% -> 2e-4 -> 4e-8). d is clamped to 2^100 first (the guess of
+    inf would be garbage); 1 / 2^100 is 0 wherever the caller uses it."""
+    d = gl.minimum(d, 1.2676506002282294e30)
+    y = (0x7EF311C3 - d.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
+    y = y * (2.0 - d * y)
+    y = y * (2.0 - d * y)
+    return y * (2.0 - d * y)
+
+
+@gluon.jit
 def _rcp(x):
     # rcp.approx: one MUFU op, ~1 ulp; 1 / inf = 0 (used by tanh for large arguments)
     return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=True,
@@ -192,16 +204,22 @@ def _rcp(x):
 
 
 @gluon.jit
-def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr):
+def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr, RCP_ON_FMA: gl.constexpr = False):
     """(scores in log2 units, tanh of the capped argument or None) of raw fp32 scores ``s``.
 
-    Softcap: tanh(x) = 1 - 2 / (1 + e^{2x}): two MUFU ops (ex2, rcp) and three FMA-pipe ones, an
-    absolute error of a few fp32 ulps (what the score and the backward's 1 - tanh^2 need; the
-    relative error near 0 does not matter there). tanh.approx.f32 would be one MUFU op, but its
-    2^-11 relative error is a 0.015 logit error at softcap 30 -- as large as fp16 rounding."""
+    Softcap: tanh(x) = 1 - 2 / (1 + e^{2x}): ex2 and a reciprocal -- rcp.approx (a MUFU op) or, with
+    RCP_ON_FMA, Newton steps on the FMA pipe (``_rcp_fma``) --, an absolute error of a few fp32 ulps
+    (what the score and the backward's 1 - tanh^2 need; the relative error near 0 does not matter
+    there). The dK/dV pass takes RCP_ON_FMA (-3% of its time at softcap 30); the forward does not:
+    its 3-warpgroup consumers, at 128 registers, spilled and ran 1.67x slower (NOTES.md v40).
+    tanh.approx.f32 would be one MUFU op, but its 2^-11 relative error is a 0.015 logit error at
+    softcap 30 -- as large as fp16 rounding."""
     if SOFTCAP:
         e = gl.exp2(s * (qk_scale * 2.8853900817779268))  # e^{2x} = 2^{2 log2(e) x}
-        t = 1.0 - 2.0 * _rcp(1.0 + e)
+        if RCP_ON_FMA:
+            t = 1.0 - 2.0 * _rcp_fma(1.0 + e)
+        else:
+            t = 1.0 - 2.0 * _rcp(1.0 + e)
         return t * softcap_log2, t
     else:
         return s * qk_scale, s
