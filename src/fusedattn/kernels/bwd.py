@@ -673,7 +673,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
         dbias = torch.zeros_like(bias) if bias_grad else None
-        dsinks = None if sinks is None else _empty_rows_sink_gradient(sinks, lse, dlse, seqlen_k, heads_q)
+        dsinks = None if sinks is None else _empty_rows_sink_gradient(sinks, lse, dlse, heads_q)
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_(), dbias, dsinks
     dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
                                        skips_tiles=mask is not None)
@@ -788,6 +788,9 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     return dq_buffer, dk, dv, dbias, dsinks
 
 
+LOG2E_HOST = 1.4426950408889634
+
+
 def sink_gradient(sinks: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, heads_q: int) -> torch.Tensor:
     """SPEC 3.5: dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i], p_sink = exp(sink[h] - lse), over
     the pre-pass's row statistics (``_preprocess_kernel``: lse2 = lse * log2 e, delta = rowsum(dO * O)
@@ -799,10 +802,10 @@ def sink_gradient(sinks: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, 
     return -(p_sink * delta.view(-1, heads_q, rows)).sum((0, 2))
 
 
-def _empty_rows_sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, seqlen_k: int,
+def _empty_rows_sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                               heads_q: int) -> torch.Tensor:
-    """The sink's gradient where no row sees a key (no kernel ran): out = 0, so delta = -dlse; and
-    p_sink = 1 on every row (lse = the sink) when there are rows at all."""
+    """The sink's gradient where no kernel ran (no row, or no key for any row): out = 0, so delta =
+    -dlse, and p_sink = exp(sink - lse) = 1 on every row (lse = the sink); 0 without rows."""
     if dlse is None or lse.numel() == 0:
         return torch.zeros(heads_q, dtype=torch.float32, device=lse.device)
     p_sink = torch.exp(sinks.detach().float().view(-1, 1) - lse.reshape(-1, heads_q, lse.shape[-1])).transpose(0, 1)
@@ -826,7 +829,6 @@ class BackwardPlan:
     preprocess: Launcher  # (out, dout, lse, dlse, lse2, delta, dQ accumulator, cu_seqlens_q)
 
 
-LOG2E_HOST = 1.4426950408889634
 _plain_plans = per_problem_dict()  # problem metadata -> BackwardPlan (``backward_plan``)
 
 
