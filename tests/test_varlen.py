@@ -213,6 +213,45 @@ def test_varlen_keys_of_a_sequence_without_queries_get_zero_gradients():
     assert dk[:12].abs().sum() > 0 and dk[29:].abs().sum() > 0
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the maps' device copies: a GPU")
+def test_varlen_maps_kept_across_calls_are_not_used_under_graph_capture(monkeypatch):
+    """The maps of the blocks that exist are kept across calls by their lengths
+    (kernels/packed_tiles.py), but not while a CUDA graph is being captured: the graph would go on
+    reading a kept map's memory after it left the cache and was reused. With capture reported, a
+    call for lengths whose maps are kept must neither read nor add to them, and make the same maps."""
+    from fusedattn.kernels import packed_tiles
+    from fusedattn.spec import Packing, resolve_spec
+
+    lengths = (300, 17, 1000)
+    offsets = tuple(int(x) for x in _offsets(lengths, "cpu").tolist())
+    spec = resolve_spec(64, layout="bshd", causal=True, window=None, scale=None, softcap=None, deterministic=False)
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def packing():
+        cu = _offsets(lengths, "cuda")
+        return Packing(cu, cu, max(lengths), max(lengths), offsets, offsets)
+
+    kept_maps = packed_tiles.prepare(packing(), spec, device, query_block=128, key_block=128)
+    kept = dict(packed_tiles._shared)
+
+    class Watched(dict):
+        touched = 0
+
+        def get(self, *args):
+            Watched.touched += 1
+            return super().get(*args)
+
+        def __setitem__(self, key, value):
+            Watched.touched += 1
+            super().__setitem__(key, value)
+
+    monkeypatch.setattr(packed_tiles, "_shared", Watched(kept))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    made = packed_tiles.prepare(packing(), spec, device, query_block=128, key_block=128)
+    assert Watched.touched == 0
+    assert all(m is not k and torch.equal(m, k) for m, k in zip(made, kept_maps))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="compiles only on a GPU")
 def test_varlen_new_lengths_compile_nothing_new():
     """A new set of lengths (and a new longest one) reuses the compiled kernels."""

@@ -58,7 +58,10 @@ def prepare(packing: Packing, spec: AttentionSpec, device: torch.device, query_b
     wanted = [(kind, block, spec.window_left, spec.window_right)
               for kind, block in (("query", query_block), ("key", key_block)) if block is not None]
     missing = [key for key in wanted if key not in packing.tile_maps]
-    if missing:
+    # Not while a CUDA graph is being captured: the graph would keep reading a kept map's memory
+    # after it left ``_shared`` and was reused (there the maps are made in the call, as before).
+    shared = bool(missing) and (device.type != "cuda" or not torch.cuda.is_current_stream_capturing())
+    if shared:
         lengths = (device, _stream(device), packing.offsets_q, packing.offsets_k)
         for key in missing:
             found = _shared.get((*lengths, *key))
@@ -71,7 +74,9 @@ def prepare(packing: Packing, spec: AttentionSpec, device: torch.device, query_b
         flat = torch.from_numpy(np.concatenate([m.ravel() for m in built])).to(device, non_blocking=True)
         start = 0
         for key, m in zip(missing, built):
-            packing.tile_maps[key] = _shared[(*lengths, *key)] = flat[start:start + m.size].view(m.shape)
+            packing.tile_maps[key] = flat[start:start + m.size].view(m.shape)
+            if shared:
+                _shared[(*lengths, *key)] = packing.tile_maps[key]
             start += m.size
         while len(_shared) > SHARED_MAPS:
             _shared.popitem(last=False)
