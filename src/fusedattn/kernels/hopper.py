@@ -211,7 +211,7 @@ def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr, RCP_ON_FMA: gl
     RCP_ON_FMA, Newton steps on the FMA pipe (``_rcp_fma``) --, an absolute error of a few fp32 ulps
     (what the score and the backward's 1 - tanh^2 need; the relative error near 0 does not matter
     there). The dK/dV pass takes RCP_ON_FMA (-3% of its time at softcap 30); the forward does not:
-    its 3-warpgroup consumers, at 128 registers, spilled and ran 1.67x slower (NOTES.md v40).
+    slower with 3 warpgroups (at 128 registers they spilled: 1.67x) and with 2 (1.2-1.4x; NOTES.md v40).
     tanh.approx.f32 would be one MUFU op, but its 2^-11 relative error is a 0.015 logit error at
     softcap 30 -- as large as fp16 rounding."""
     if SOFTCAP:

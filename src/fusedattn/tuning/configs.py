@@ -121,6 +121,10 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
             fwd = KernelConfig(128, 64 if has_right else 128, 8, 2, tma_loads=True, hopper_overlap=0)
         elif head_dim == 128 and short and has_right:
             fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
+        elif has_softcap and has_right:
+            # Causal softcap at long keys: 2 warpgroups without turns (persistent) ran the forward 10%
+            # faster than 3 taking turns, fwd+bwd -3% (H100, S=4k; NOTES.md v40).
+            fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
         elif has_left:
             # A left window's band of keys: 128-row tiles visit fewer pairs it does not keep (a
             # 1024-key band: 89% kept, 76% with 192-row tiles): forward -16% at D=128, -6% at D=64
