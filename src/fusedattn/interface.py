@@ -19,9 +19,9 @@ import torch
 from . import cpu
 from .block_mask import BlockMask
 from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
-from .kernels.bwd import attention_backward
+from .kernels.bwd import attention_backward, sink_gradient_from_outputs
 from .kernels.fwd import attention_forward, _forward_kernel
-from .spec import AttentionSpec, bhsd_shape, resolve_spec, to_bhsd
+from .spec import AttentionSpec, bhsd_shape, resolve_spec
 from .tuning.configs import select_configs
 
 BACKENDS = ("auto", "triton", "torch")
@@ -133,7 +133,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
     sinks = sinks if sinks_grad else None
     if backend == "torch":
         dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
-        dsinks = None if sinks is None else _sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
+        dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
     else:
         configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], bhsd_shape(k, layout)[2],
                                  spec.has_window_left, spec.has_window_right, spec.has_softcap)
@@ -176,18 +176,6 @@ def _setup_context(ctx, inputs, output):
 
 
 _SINKS_INPUT, _BIAS_INPUT = 3, 7  # positions among the ops' inputs (q, k, v, sinks, mask, tile states, grid, bias)
-
-
-def _sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
-    """SPEC 3.5 for the "torch" backend: dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i],
-    p_sink = exp(sink[h] - lse), delta = rowsum(dout * out) - dlse (d lse / d sink = p_sink brings
-    the lse gradient in), float32. The kernels' backward takes delta from its pre-pass instead
-    (``kernels.bwd.sink_gradient``)."""
-    delta = (to_bhsd(dout, layout).float() * to_bhsd(out, layout).float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse
-    p_sink = torch.exp(sinks.detach().float().view(1, -1, 1) - lse)
-    return -(p_sink * delta).sum((0, 2))
 
 
 def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bool):

@@ -98,9 +98,9 @@ class _VarlenAttention(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout).unsqueeze(0)
         if dlse is not None:
             dlse = dlse.float().contiguous()
-        sinks_grad = sinks if sinks is not None and ctx.needs_input_grad[3] else None
+        wanted = sinks if sinks is not None and ctx.needs_input_grad[3] else None
         dq, dk, dv, _, dsinks = attention_backward(dout, dlse, q4, k4, v4, out, lse, ctx.spec, ctx.configs,
-                                                   packing=ctx.packing, sinks=sinks_grad)
+                                                   packing=ctx.packing, sinks=wanted)
         return dq[0], dk[0], dv[0], dsinks.to(sinks.dtype) if dsinks is not None else None, None, None
 
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..block_mask import EMPTY, BlockMask
-from ..spec import AttentionSpec, Packing, bhsd_shape, from_bhsd
+from ..spec import AttentionSpec, Packing, bhsd_shape, from_bhsd, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
@@ -673,7 +673,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
         dbias = torch.zeros_like(bias) if bias_grad else None
-        dsinks = None if sinks is None else _empty_rows_sink_gradient(sinks, lse, dlse, heads_q)
+        dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_(), dbias, dsinks
     dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
                                        skips_tiles=mask is not None)
@@ -802,14 +802,16 @@ def sink_gradient(sinks: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, 
     return -(p_sink * delta.view(-1, heads_q, rows)).sum((0, 2))
 
 
-def _empty_rows_sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                              heads_q: int) -> torch.Tensor:
-    """The sink's gradient where no kernel ran (no row, or no key for any row): out = 0, so delta =
-    -dlse, and p_sink = exp(sink - lse) = 1 on every row (lse = the sink); 0 without rows."""
-    if dlse is None or lse.numel() == 0:
-        return torch.zeros(heads_q, dtype=torch.float32, device=lse.device)
-    p_sink = torch.exp(sinks.detach().float().view(-1, 1) - lse.reshape(-1, heads_q, lse.shape[-1])).transpose(0, 1)
-    return (p_sink * dlse.reshape(-1, heads_q, dlse.shape[-1]).transpose(0, 1)).sum((1, 2))
+def sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
+    """The same gradient from the call's tensors (the "torch" backend, and problems where no kernel
+    runs: no row, or no key for any row): delta = rowsum(dout * out) - dlse in float32. ``lse`` (B,
+    Hq, Sq), or (Hq, total) for packed sequences (their (1, total, H, D) tensors give (1, H, total))."""
+    delta = (to_bhsd(dout, layout).float() * to_bhsd(out, layout).float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse
+    p_sink = torch.exp(sinks.detach().float().view(-1, 1) - lse)
+    terms = p_sink * delta  # (..., Hq, rows)
+    return -terms.movedim(-2, 0).reshape(terms.shape[-2], -1).sum(1)
 
 
 @dataclass(frozen=True)
