@@ -88,3 +88,29 @@ def test_launcher_fills_its_slots_in_order_call_after_call():
         out = torch.zeros(n + 1, device=device)[offset:offset + n]
         launcher(out, a, b)
         torch.testing.assert_close(out, a * 3.0 + b)
+
+
+@triton.jit
+def _doubled_rows(src_desc, out, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
+    first = tl.program_id(0) * BLOCK_ROWS
+    tile = src_desc.load([first, 0])
+    rows, cols = first + tl.arange(0, BLOCK_ROWS), tl.arange(0, COLS)
+    tl.store(out + rows[:, None] * COLS + cols[None, :], tile * 2)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="runs a kernel: a GPU or Triton's interpreter")
+def test_launcher_reads_each_calls_descriptor():
+    """A Launcher's descriptor argument, call after call: another tensor of the same geometry, one of
+    another length (same specialisation, another tensor map), then the first again -- each call
+    reads its own tensor (on the GPU: the kept argument list of the direct launch, _BoundLaunch)."""
+    from fusedattn.kernels.launch import SLOT, Launcher
+    from fusedattn.kernels.memory import Descriptor
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    launcher = Launcher(_doubled_rows, None, (SLOT, SLOT), BLOCK_ROWS=16, COLS=32)
+    first = torch.randn(64, 32, device=device)
+    for src in (first, torch.randn(64, 32, device=device), torch.randn(48, 32, device=device), first):
+        out = torch.full_like(src, float("nan"))
+        launcher(Descriptor(src, (16, 32)), out, grid=(src.shape[0] // 16,))
+        torch.testing.assert_close(out, src * 2)

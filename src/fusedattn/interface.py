@@ -124,8 +124,8 @@ def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, wi
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
                    layout, window_left, window_right, scale, softcap, deterministic, backend):
-    """(dq, dk, dv, dbias, dsinks); dbias is an empty tensor unless ``bias_grad``, dsinks (float32)
-    unless ``sinks_grad`` (custom ops return tensors)."""
+    """(dq, dk, dv, dbias, dsinks); dbias None unless ``bias_grad``, dsinks (float32) None unless
+    ``sinks_grad`` (the custom op returns empty tensors in their place: ``_backward_op``)."""
     spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
     mask = _block_mask(mask, mask_states, mask_grid, bhsd_shape(q, layout)[2], bhsd_shape(k, layout)[2])
     if bias is not None:
@@ -139,8 +139,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
                                  spec.has_window_left, spec.has_window_right, spec.has_softcap)
         dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
                                                        bias_grad, sinks=sinks)
-    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), \
-        dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, dbias, dsinks
 
 
 @torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
@@ -152,8 +151,11 @@ def _backward_op(
     bias: Optional[torch.Tensor], bias_grad: bool, layout: str, window_left: int, window_right: int, scale: float,
     softcap: float, deterministic: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias,
-                          bias_grad, layout, window_left, window_right, scale, softcap, deterministic, backend)
+    dq, dk, dv, dbias, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states,
+                                               mask_grid, bias, bias_grad, layout, window_left, window_right, scale,
+                                               softcap, deterministic, backend)
+    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), \
+        dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_backward_op.register_fake

@@ -686,8 +686,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         dq_buffer = torch.empty((*rows, padded_d), dtype=torch.float32, device=q.device)
     # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
     padded_rows = plan.padded_rows
-    lse2 = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
-    delta = torch.empty((batch * heads_q, padded_rows), dtype=torch.float32, device=q.device)
+    lse2, delta = torch.empty((2, batch * heads_q, padded_rows), dtype=torch.float32, device=q.device).unbind()
     plan.preprocess(out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
                     dq_buffer if plan.zero_dq else lse, sequence_args(packing, lse)[0])
     dsinks = None if sinks is None else sink_gradient(sinks, lse2, delta, heads_q)

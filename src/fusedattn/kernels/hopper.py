@@ -21,7 +21,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..spec import UNBOUNDED, AttentionSpec
 from . import memory, packed_tiles
-from .memory import tma_addressable
 
 LOG2E = 1.4426950408889634
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -69,9 +68,7 @@ def descriptor(t_bhsd: torch.Tensor, rows: int):
     """A 4-D TMA descriptor over a (B, H, S, D) view of any layout, block (1, 1, rows, D): rows past
     a head's length are zero-filled on load and clipped on store. None where TMA cannot address the
     tensor (base or a stride not a multiple of 16 bytes)."""
-    if not tma_addressable(t_bhsd):
-        return None
-    return Descriptor(t_bhsd, (1, 1, rows, t_bhsd.shape[-1]))
+    return Descriptor.if_addressable(t_bhsd, (1, 1, rows, t_bhsd.shape[-1]))
 
 
 def row_stats_descriptor(stats: torch.Tensor, rows: int):

@@ -24,6 +24,8 @@ import torch
 from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 
+from .memory import Descriptor
+
 _compiled: dict = {}
 DIRECT = True  # experiments: False launches every cached kernel through Triton's runner
 
@@ -75,12 +77,15 @@ class Launcher:
     descriptors), in the order of the ``SLOT`` markers in ``args``. What it saves over ``launch``:
     the per-call key over every argument (~20 us for a 30-argument kernel); the compiled kernel is
     found by the specialisation of the call's own arguments, the rest being fixed with the
-    launcher. Under the interpreter every call goes through ``launch``."""
+    launcher, and launched from the argument list the C launcher takes, made once per
+    specialisation with the fixed arguments in place (``_BoundLaunch``). Under the interpreter
+    every call goes through ``launch``."""
 
-    __slots__ = ("kernel", "grid", "template", "slots", "options", "device", "entries")
+    __slots__ = ("kernel", "grid", "grid3", "template", "slots", "options", "device", "entries")
 
     def __init__(self, kernel, grid, args: tuple, **constexprs_and_options):
         self.kernel, self.grid, self.options = kernel, grid, constexprs_and_options
+        self.grid3 = None if grid is None else (*grid, 1, 1)[:3]
         self.template = list(args)
         self.slots = tuple(i for i, arg in enumerate(args) if arg is SLOT)
         self.device = None if isinstance(kernel, InterpretedFunction) else torch.cuda.current_device()
@@ -90,19 +95,62 @@ class Launcher:
         """``grid``: this call's grid, where the problem leaves it to the call's data (packed
         sequences: the number of blocks that exist); else the launcher's."""
         assert len(values) == len(self.slots)
-        args = self.template.copy()
-        for position, value in zip(self.slots, values):
-            args[position] = value
-        args = tuple(args)
-        grid = self.grid if grid is None else grid
         key = tuple(map(_specialisation, values)) if self.device is not None else None
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = launch(self.kernel, grid, args, **self.options)
-            if entry is not None:
-                self.entries[key] = entry
-        else:
-            _run(entry, grid, args, self.device)
+        bound = self.entries.get(key)
+        if bound is not None:
+            bound(values, self.grid3 if grid is None else (*grid, 1, 1)[:3], self.device)
+            return
+        entry = launch(self.kernel, self.grid if grid is None else grid,
+                       tuple(_filled(self.template, self.slots, values)), **self.options)
+        if entry is not None:
+            self.entries[key] = _BoundLaunch(entry, self.template, self.slots, values)
+
+
+class _BoundLaunch:
+    """A ``Launcher``'s compiled kernel for one specialisation of its call arguments, with the list
+    the C launcher takes (``_DirectLaunch``: each descriptor expanded into tensor map, shape and
+    strides) made once with the fixed arguments in place; a call writes its own arguments into
+    their places. Where the kernel has no direct launch, or a launch hook is set, a call goes
+    through ``_run`` (Triton's runner) with the arguments filled into the launcher's template."""
+
+    __slots__ = ("entry", "template", "slots", "expanded", "places")
+
+    def __init__(self, entry: tuple, template: list, slots: tuple, first_values: tuple):
+        self.entry, self.template, self.slots, self.expanded, self.places = entry, template, slots, None, None
+        direct = entry[2]
+        if direct is None:
+            return
+        args = _filled(template, slots, first_values) + list(entry[1])
+        metas = dict(direct.descriptors)
+        starts, widths, expanded = [], [], []
+        for position, arg in enumerate(args):
+            starts.append(len(expanded))
+            expanded += direct.tensor_map(position, arg, metas[position]) if position in metas else [arg]
+            widths.append(len(expanded) - starts[-1])
+        for position in slots:  # none of the first call's own arguments is kept
+            expanded[starts[position]:starts[position] + widths[position]] = [None] * widths[position]
+        # (start, width, position, meta) of each slot; width 0: an argument passed as it is
+        self.places = tuple((starts[p], widths[p] if p in metas else 0, p, metas.get(p)) for p in slots)
+        self.expanded = expanded
+
+    def __call__(self, values: tuple, grid3: tuple, device: int) -> None:
+        if self.expanded is None or not DIRECT or not _no_launch_hooks():
+            _run(self.entry, grid3, tuple(_filled(self.template, self.slots, values)), device)
+            return
+        direct, args = self.entry[2], self.expanded.copy()
+        for (start, width, position, meta), value in zip(self.places, values):
+            if width:
+                args[start:start + width] = direct.tensor_map(position, value, meta)
+            else:
+                args[start] = value
+        direct.launch_expanded(grid3, args, device)
+
+
+def _filled(template: list, slots: tuple, values: tuple) -> list:
+    args = template.copy()
+    for position, value in zip(slots, values):
+        args[position] = value
+    return args
 
 
 SLOT = object()  # marks a ``Launcher`` argument that each call passes
@@ -200,20 +248,27 @@ class _DirectLaunch:
             expanded, done = [], 0
             for position, meta in self.descriptors:
                 expanded += args[done:position]
-                expanded += self._tensor_map(position, args[position], meta)
+                expanded += self.tensor_map(position, args[position], meta)
                 done = position + 1
             expanded += args[done:]
             args = expanded
+        self.launch_expanded(grid3, args, device)
+
+    def launch_expanded(self, grid3, args, device: int) -> None:
+        """Launch with the arguments as the C launcher takes them (descriptors expanded)."""
         stream = torch._C._cuda_getCurrentRawStream(device)
         self.launch(*grid3, stream, self.function, self.cooperative, self.pdl, None, None, self.metadata, None, None,
                     None, *args)
 
-    def _tensor_map(self, position: int, desc, meta) -> list:
+    def tensor_map(self, position: int, desc, meta) -> list:
         """What Triton's launcher takes for a descriptor argument: the encoded tensor map, then the
         shape and strides (``make_tensordesc_arg``), kept by address and geometry."""
         if meta is None:  # a kernel that takes the descriptor's fields, not a map
             return self.encode(desc, None)
-        key = (position, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), desc.padding)
+        geometry = getattr(desc, "geometry", None)  # memory.Descriptor's (address, shape, strides)
+        if geometry is None:
+            geometry = (desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides))
+        key = (position, geometry, desc.padding)
         entry = self.maps.get(key)
         if entry is None:
             if len(self.maps) >= self._MAX_MAPS:
@@ -243,15 +298,14 @@ def _specialisation(arg):
     kind = type(arg)
     if kind is int:
         return (arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31)
+    if isinstance(arg, Descriptor):  # its class, block and dtype, computed once
+        return arg.key
     if kind is float:
         return float
     if arg is None or kind is bool:
         return arg
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
-    key = getattr(arg, "key", None)
-    if key is not None:  # memory.Descriptor (hopper.Descriptor): its class, block and dtype, computed once
-        return key
     if hasattr(arg, "block_shape"):  # Triton's TensorDescriptor: its block and dtype
         return (kind, tuple(arg.block_shape), arg.base.dtype)
     raise TypeError(f"launch: no specialisation rule for {kind.__name__}")

@@ -93,23 +93,40 @@ def lse_offset(seq, head, heads_q, seqlen_q, first_row, stride_lse_head, VARLEN:
 
 def tma_addressable(t: torch.Tensor) -> bool:
     """Whether the copy engine can address ``t``: 16-byte aligned base and outer strides, unit last stride."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+    return _addressable(t.data_ptr(), t.stride(), t.element_size())
+
+
+def _addressable(address: int, strides: tuple, element_size: int) -> bool:
+    return address % 16 == 0 and strides[-1] == 1 and all(s * element_size % 16 == 0 for s in strides[:-1])
 
 
 class Descriptor:
     """A TMA descriptor over a whole tensor as a compiled kernel's launcher reads it (base, shape,
-    strides, padding) with the key ``launch.launch`` specialises on. Triton's TensorDescriptor checks
-    its fields on every construction (~5 us of host time each, a dozen a training step); the one
-    check that can fail here (``tma_addressable``) is the callers', and a real TensorDescriptor is
-    built only for a launch through Triton (``for_triton``: a first launch, the interpreter)."""
+    strides, padding) with the key ``launch.launch`` specialises on, and its ``geometry`` (address,
+    shape, strides), by which the launcher keeps the tensor maps it encodes. Triton's
+    TensorDescriptor checks its fields on every construction (~5 us of host time each, a dozen a
+    training step); the one check that can fail here is TMA's addressing (``if_addressable``), and a
+    real TensorDescriptor is built only for a launch through Triton (``for_triton``: a first launch,
+    the interpreter)."""
 
-    __slots__ = ("base", "shape", "strides", "block_shape", "padding", "key")
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding", "key", "geometry")
 
-    def __init__(self, base: torch.Tensor, block_shape: tuple):
-        self.base, self.shape, self.strides = base, base.shape, base.stride()
+    def __init__(self, base: torch.Tensor, block_shape: tuple, address: int | None = None,
+                 strides: tuple | None = None):
+        self.base, self.shape = base, base.shape
+        self.strides = base.stride() if strides is None else strides
         self.block_shape, self.padding = block_shape, "zero"
         self.key = (type(self), block_shape, base.dtype)
+        self.geometry = (base.data_ptr() if address is None else address, self.shape, self.strides)
+
+    @classmethod
+    def if_addressable(cls, base: torch.Tensor, block_shape: tuple):
+        """The descriptor, or None where TMA cannot address ``base`` (``tma_addressable``): the
+        address and strides read once for both (a short step makes ~15 descriptors)."""
+        address, strides = base.data_ptr(), base.stride()
+        if not _addressable(address, strides, base.element_size()):
+            return None
+        return cls(base, block_shape, address, strides)
 
     def for_triton(self):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -120,9 +137,7 @@ class Descriptor:
 def block_descriptor(t_bhsd: torch.Tensor, block_rows: int, block_cols: int):
     """A TMA descriptor over a (B, H, S, D) view with block (1, 1, block_rows, block_cols), or None
     where the copy engine cannot address it."""
-    if not tma_addressable(t_bhsd):
-        return None
-    return Descriptor(t_bhsd, (1, 1, block_rows, block_cols))
+    return Descriptor.if_addressable(t_bhsd, (1, 1, block_rows, block_cols))
 
 
 def loop_descriptors(pairs, layout: str, block_rows: int, use: bool):
