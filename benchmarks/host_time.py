@@ -43,6 +43,7 @@ PIECES = [  # (module, attribute): functions timed in ``pieces`` mode (those a t
     ("fusedattn.kernels.bwd", "backward_plan"),
     ("fusedattn.kernels.bwd", "hopper_dkdv_pass"),
     ("fusedattn.kernels.hopper_bwd", "dkdv_pass"),
+    ("fusedattn.kernels.bwd", "_triton_passes"),
     ("fusedattn.kernels.launch", "Launcher.__call__"),
     ("fusedattn.kernels.hopper_bwd", "descriptor"),
     ("fusedattn.kernels.hopper_fwd", "descriptor"),
@@ -68,7 +69,7 @@ def _inputs(args, requires_grad: bool):
 
 def _systems(args):
     def ours(q, k, v):
-        return fusedattn.attention(q, k, v, layout=args.layout, causal=args.causal)
+        return fusedattn.attention(q, k, v, layout=args.layout, causal=args.causal, deterministic=args.deterministic)
 
     def cudnn(q, k, v):
         if args.layout == "bshd":
@@ -125,7 +126,7 @@ def gaps(args) -> dict:
                 per_step[f"time of {j}:{e.name[:40]}"].append(e.time_range.elapsed_us())
                 prev_end = e.time_range.end
         result[name] = {key: round(statistics.median(vals), 1) for key, vals in per_step.items()}
-        del q, k, v, dout
+
     return result
 
 
@@ -274,6 +275,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--layout", default="bhsd", choices=("bhsd", "bshd"))
+    p.add_argument("--deterministic", action="store_true")
     p.add_argument("--steps", type=int, default=30, help="profiled steps (gaps)")
     p.add_argument("--rounds", type=int, default=7, help="rounds of GPU-busy host timing (pieces)")
     p.add_argument("--round-steps", type=int, default=20)

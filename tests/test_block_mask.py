@@ -243,15 +243,18 @@ def test_masks_by_elements_are_read_through_tma_where_aligned(monkeypatch, make_
     """A mask by elements whose rows TMA can address is read through descriptors by the forward
     and both backward passes (MASK_TMA); the other forms by pointers; every one matches the
     reference (random entries: every tile partial, so the mask is read on every visited tile)."""
+    from attention_runner import launcher_constexprs
     from fusedattn.kernels import bwd, fwd
 
     flags = []
-    for module in (fwd, bwd):
-        def spy(kernel, grid, args, real=module.launch, **constexprs):
-            if "MASK_TMA" in constexprs:
-                flags.append(constexprs["MASK_TMA"])
-            return real(kernel, grid, args, **constexprs)
-        monkeypatch.setattr(module, "launch", spy)
+
+    def spy(kernel, grid, args, real=fwd.launch, **constexprs):  # the Triton forward
+        if "MASK_TMA" in constexprs:
+            flags.append(constexprs["MASK_TMA"])
+        return real(kernel, grid, args, **constexprs)
+
+    monkeypatch.setattr(fwd, "launch", spy)
+    backward_flags = launcher_constexprs(monkeypatch, bwd._backward_kernel, lambda constexprs: constexprs["MASK_TMA"])
     batch, heads, seqlen_q, dim = 2, 2, 200, 64
     gen = torch.Generator().manual_seed(seqlen_k)
     q, dout = (torch.randn(batch, seqlen_q, heads, dim, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
@@ -266,7 +269,7 @@ def test_masks_by_elements_are_read_through_tma_where_aligned(monkeypatch, make_
     with fusedattn.use_backend("triton"):
         out = fusedattn.attention(*leaves, mask=mask, causal=True)
     grads = torch.autograd.grad(out, leaves, dout)
-    assert flags and all(flag == tma for flag in flags), flags
+    assert flags and backward_flags and all(flag == tma for flag in flags + backward_flags), (flags, backward_flags)
 
     def reference(dtype):
         ref_leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]

@@ -287,15 +287,7 @@ BIAS_CASES = [
 
 @pytest.mark.parametrize("case", BIAS_CASES, ids=[c.id for c in BIAS_CASES])
 def test_gluon_pass_reads_a_bias_and_stores_its_gradient(case, bias_launches, monkeypatch):
-    triton_launches = []
-    real_launch = bwd.launch
-
-    def counted_launch(kernel, grid, *args, **kwargs):
-        if kernel is bwd._backward_kernel:
-            triton_launches.append(grid)
-        return real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(bwd, "launch", counted_launch)
+    triton_launches = launcher_constexprs(monkeypatch, bwd._backward_kernel, lambda constexprs: True)
     with pinned_dkdv(case, dkdv(2, 1), atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")
     # the whole backward in one pass
@@ -317,15 +309,8 @@ def test_biases_the_gluon_pass_does_not_take_run_the_triton_passes(case, bias_la
 def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
     """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not); at
     D=128 outside deterministic mode it sums dQ too (no Triton launch), else the dQ pass runs."""
-    triton_launches = []
-    real_launch = bwd.launch
-
-    def counted_launch(kernel, grid, *args, **kwargs):  # how bwd.py launches its Triton kernels
-        if kernel is bwd._backward_kernel:
-            triton_launches.append(grid)
-        return real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(bwd, "launch", counted_launch)
+    triton_launches = launcher_constexprs(monkeypatch, bwd._backward_kernel,
+                                          lambda constexprs: (constexprs["RUN_DKDV"], constexprs["RUN_DQ"]))
     for head_dim, causal, deterministic in [(64, False, False), (128, True, False), (128, False, True)]:
         configs = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim)
         assert configs.dkdv.hopper_overlap is not None and configs.dkdv.hopper_split in (2, 3)
@@ -333,4 +318,4 @@ def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
         check_case(Case(1, 2, 2, 250, 250, head_dim, causal=causal, deterministic=deterministic,
                         dtype=torch.bfloat16), "triton", "cuda")
     assert gluon_launches == [True, True, True]
-    assert len(triton_launches) == 2  # the dQ pass at D=64 and in deterministic mode
+    assert triton_launches == [(False, True)] * 2  # the dQ pass alone, at D=64 and in deterministic mode

@@ -288,6 +288,27 @@ def test_alternating_shapes_in_one_process_match_reference(causal):
         check_case(case, "triton", device)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_one_problem_with_alternating_strides_matches_reference(deterministic):
+    """The backward keeps its launches per problem (bwd.BackwardPlan.triton_passes), by the inputs'
+    strides: the same shapes alternate between contiguous tensors and views of wider ones (other
+    strides, the same kept plan), each checked against the float64 reference."""
+    device = "cuda" if ON_GPU else "cpu"
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=45, seqlen_k=45, head_dim=32, causal=True,
+                deterministic=deterministic, dtype=_dtype(device))
+    q, k, v, dout, dlse = make_inputs(case, device)
+
+    def wide_views(t):  # (B, S, H, D) inside a (B, S, H, 2D) tensor: row and head strides double
+        wide = torch.randn(*t.shape[:-1], 2 * t.shape[-1], device=device).to(t.dtype)
+        wide[..., 16:16 + t.shape[-1]] = t
+        return wide[..., 16:16 + t.shape[-1]]
+
+    strided = tuple(wide_views(t) for t in (q, k, v))
+    assert strided[0].stride() != q.stride()
+    for inputs in ((q, k, v), strided, (q, k, v), strided):
+        check_case(case, "triton", device, inputs=(*inputs, dout, dlse))
+
+
 @pytest.mark.parametrize("block_major", [False, True], ids=["head-major", "block-major"])
 def test_dkdv_program_order_changes_no_result(block_major, monkeypatch):
     """GQA causal: either order of the dK/dV programs matches the reference, and the gradients are

@@ -35,7 +35,7 @@ tensors' alignment allow (``memory.load_block``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -48,7 +48,7 @@ from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
                   mask_args, mask_descriptor, padded_dim, padded_dims, row_list_args, score_constants, sequence_args)
-from .launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, launch, per_problem_dict
+from .launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, per_problem_dict
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
@@ -697,27 +697,15 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
                                   dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias, packing)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias, dsinks
-    qk_scale, softcap_log2 = score_constants(spec)
-    block_d, block_dv = padded_dims(head_dim, head_dim_v)
-    flags = dict(
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
-        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
-    )
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
         dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     dq_tma = atomic_dq and configs.dq_tma and packing is None
     if atomic_dq:
-        dq_strides = bhs_strides(dq_buffer, "bhsd", packing)
         dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if dq_tma else dq_buffer
     else:
         dq_buffer = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dq_target, dq_strides = dq_buffer, bhs_strides(dq_buffer, layout, packing)
-    key_blocks = cdiv(seqlen_k, dkdv_cfg.block_n)
-    query_blocks = cdiv(seqlen_q, dq_cfg.block_m)
-    dkdv_programs = key_blocks * batch * heads_kv
-    dq_programs = 0 if atomic_dq else query_blocks * batch * heads_q
-    block_d, block_dv = flags["BLOCK_D"], flags["BLOCK_DV"]
+        dq_target = dq_buffer
+    block_d, block_dv = padded_dims(head_dim, head_dim_v)
     # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass, unless the Gluon pass ran it),
     # K, V (dQ pass, unless the dK/dV programs sum dQ by atomics).
     dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m,
@@ -729,8 +717,9 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # query block for dQ, at each pass's own tile sizes.
     column_lists = column_list_args(None if gluon_dkdv else mask, spec, seqlen_q, seqlen_k, dkdv_cfg, heads_q,
                                     heads_kv, lse2)
-    row_lists = row_list_args(mask if dq_programs else None, spec, seqlen_q, seqlen_k, dq_cfg.block_m, dq_cfg.block_n,
-                              heads_q, heads_kv, lse2)
+    runs_dq_pass = not atomic_dq
+    row_lists = row_list_args(mask if runs_dq_pass else None, spec, seqlen_q, seqlen_k, dq_cfg.block_m,
+                              dq_cfg.block_n, heads_q, heads_kv, lse2)
     bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
     dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
     # The bias (and its gradient) through TMA where all three descriptors can be made; else pointers.
@@ -745,6 +734,75 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
          mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)], lse2)
     tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
                column_lists[0], row_lists[0], *sequence_args(packing, lse2))
+
+    def call_arguments(run_dkdv: bool, run_dq: bool) -> tuple:
+        """The kernel's leading arguments, the call's tensors and descriptors (its others follow)."""
+        dkdv_loads = run_dkdv and dkdv_descs is not None
+        dq_loads = run_dq and dq_descs is not None
+        return (*tensors, *(dkdv_descs if dkdv_loads else (q, dout)), *(dq_descs if dq_loads else (k, v)), dq_target,
+                *bias_descs, *mask_descs)
+
+    # The launches depend on the call's tensors only through these where no mask, bias or packing
+    # takes part: kept with the plan (the scalars and constexprs below cost a short step ~100 us).
+    plain = mask is None and bias is None and packing is None
+    passes_key = (q.stride(), k.stride(), v.stride(), gluon_dkdv, dkdv_descs is None, dq_descs is None)
+    passes = plan.triton_passes.get(passes_key) if plain else None
+    if passes is None:
+        passes = _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec, configs, plan, dkdv_cfg, dq_tma, gluon_dkdv,
+                                mask, bias, dbias_mode, packing, user_mask, column_lists, row_lists, bias_args,
+                                dbias_args, bias_tma, mask_tma, dkdv_descs is not None, dq_descs is not None,
+                                call_arguments)
+        if plain:
+            if len(plan.triton_passes) >= 8:
+                plan.triton_passes.clear()
+            plan.triton_passes[passes_key] = passes
+    for launcher, run_dkdv, run_dq in passes:
+        launcher(*call_arguments(run_dkdv, run_dq))
+    if dbias_mode == DBIAS_PASS:
+        _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec, dq_cfg,
+                        _kernel_flags(q, v, spec, mask, bias))
+    elif dbias_mode == DBIAS_ATOMIC:
+        dbias = dbias.to(bias.dtype)
+    if atomic_dq:
+        dq_buffer = from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype)
+    return dq_buffer, dk, dv, dbias, dsinks
+
+
+def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
+    """The backward kernels' feature constexprs: head dims and their padded widths, the window
+    bounds, softcap, mask, bias, the matmuls' precision."""
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    block_d, block_dv = padded_dims(head_dim, head_dim_v)
+    return dict(
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
+        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
+    )
+
+
+def _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec: AttentionSpec, configs: AttentionConfigs,
+                   plan: "BackwardPlan", dkdv_cfg: KernelConfig, dq_tma: bool, gluon_dkdv: bool, mask, bias,
+                   dbias_mode: int, packing: Packing | None, user_mask, column_lists, row_lists, bias_args,
+                   dbias_args, bias_tma: bool, mask_tma: bool, dkdv_loads: bool, dq_loads: bool,
+                   call_arguments) -> list:
+    """The Triton backward's launches for one call: [(launcher, runs dK/dV, runs dQ)], each
+    ``Launcher`` taking the call's tensors and descriptors (``call_arguments``) and fixing the rest:
+    strides, lengths, scalars, the constexprs. dK, dV from the Gluon pass: the dQ pass alone; else
+    one launch of both (dQ by atomics, or the fused dQ programs) or two. ``dkdv_loads``,
+    ``dq_loads``: the passes' tiles come through TMA (their descriptors could be made)."""
+    layout = spec.layout
+    dq_cfg, atomic_dq = configs.dq, plan.atomic_dq
+    batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, layout)
+    heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, layout)[1:]
+    if packing is not None:
+        batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
+    qk_scale, softcap_log2 = score_constants(spec)
+    flags = _kernel_flags(q, v, spec, mask, bias)
+    dq_strides = bhs_strides(dq_buffer, "bhsd" if atomic_dq else layout, packing)
+    key_blocks = cdiv(seqlen_k, dkdv_cfg.block_n)
+    query_blocks = cdiv(seqlen_q, dq_cfg.block_m)
+    dkdv_programs = key_blocks * batch * heads_kv
+    dq_programs = 0 if atomic_dq else query_blocks * batch * heads_q
     scalars = (*(stride for t in (q, k, v, dout, dk, dv) for stride in bhs_strides(t, layout, packing)),
                *dq_strides, *user_mask[1:], *column_lists[1:],
                *row_lists[1:], *bias_args[1:],
@@ -752,7 +810,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
                # group_size is passed, not derived in the kernel: Triton specialises an int argument
                # equal to 1, which removes the group walk's index arithmetic for MHA.
                seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,
-               padded_rows,
+               plan.padded_rows,
                qk_scale, softcap_log2, spec.scale, key_blocks, query_blocks)
     constexprs = dict(
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
@@ -763,28 +821,21 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
 
-    def launch_passes(programs, first_dq_program, run_dkdv, run_dq, cfg):
-        dkdv_tma, dq_tma = run_dkdv and dkdv_descs is not None, run_dq and dq_descs is not None
-        launch(_backward_kernel, (programs,),
-               (*tensors, *(dkdv_descs if dkdv_tma else (q, dout)), *(dq_descs if dq_tma else (k, v)), dq_target,
-                *bias_descs, *mask_descs, *scalars, first_dq_program, int(plan.block_major)),
-               RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=dkdv_tma, DQ_TMA_LOADS=dq_tma,
-               num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
+    def one_launch(programs, first_dq_program, run_dkdv, run_dq, cfg):
+        leading = len(call_arguments(run_dkdv, run_dq))
+        launcher = Launcher(_backward_kernel, (programs,),
+                            (SLOT,) * leading + (*scalars, first_dq_program, int(plan.block_major)),
+                            RUN_DKDV=run_dkdv, RUN_DQ=run_dq, DKDV_TMA_LOADS=run_dkdv and dkdv_loads,
+                            DQ_TMA_LOADS=run_dq and dq_loads,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
+        return launcher, run_dkdv, run_dq
 
-    if gluon_dkdv:
-        launch_passes(dq_programs, 0, False, True, dq_cfg)  # dK, dV came from the Gluon pass: the dQ pass alone
-    elif configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
-        launch_passes(dkdv_programs + dq_programs, dkdv_programs, True, not atomic_dq, dkdv_cfg)
-    else:
-        launch_passes(dkdv_programs, dkdv_programs, True, False, dkdv_cfg)
-        launch_passes(dq_programs, 0, False, True, dq_cfg)
-    if dbias_mode == DBIAS_PASS:
-        _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec, dq_cfg, flags)
-    elif dbias_mode == DBIAS_ATOMIC:
-        dbias = dbias.to(bias.dtype)
-    if atomic_dq:
-        dq_buffer = from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype)
-    return dq_buffer, dk, dv, dbias, dsinks
+    if gluon_dkdv:  # dK, dV came from the Gluon pass: the dQ pass alone
+        return [one_launch(dq_programs, 0, False, True, dq_cfg)]
+    if configs.fuse_dq_pass or atomic_dq:  # one launch; the dQ programs take the dK/dV warps and stages
+        return [one_launch(dkdv_programs + dq_programs, dkdv_programs, True, not atomic_dq, dkdv_cfg)]
+    return [one_launch(dkdv_programs, dkdv_programs, True, False, dkdv_cfg),
+            one_launch(dq_programs, 0, False, True, dq_cfg)]
 
 
 LOG2E_HOST = 1.4426950408889634
@@ -828,6 +879,9 @@ class BackwardPlan:
     padded_rows: int
     zero_dq: bool
     preprocess: Launcher  # (out, dout, lse, dlse, lse2, delta, dQ accumulator, cu_seqlens_q)
+    # The Triton passes' launches of the problem (``_triton_passes``), by the inputs' strides and
+    # what the call could run (the Gluon pass, TMA loads); filled by calls without mask, bias or packing.
+    triton_passes: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 _plain_plans = per_problem_dict()  # problem metadata -> BackwardPlan (``backward_plan``)
