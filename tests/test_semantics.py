@@ -288,6 +288,24 @@ def test_alternating_shapes_in_one_process_match_reference(causal):
         check_case(case, "triton", device)
 
 
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_gradients_are_contiguous_in_the_inputs_layout(backend, device, layout, deterministic):
+    """dq, dk, dv come back contiguous in the user's layout, as the custom op's fake declares them
+    (torch.compile relies on it) and as AccumulateGrad takes a gradient of contiguous inputs without
+    copying it (a dQ with the (B, H, S, D) accumulator's strides in bshd layout was cloned every step)."""
+    case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=45, head_dim=32, causal=True, layout=layout,
+                deterministic=deterministic, dtype=_dtype(device))
+    q, k, v, dout, _ = make_inputs(case, device)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with fusedattn.use_backend(backend):
+        out = fusedattn.attention(*leaves, layout=layout, causal=True, deterministic=deterministic)
+        grads = torch.autograd.grad(out, leaves, dout)
+    for name, grad, leaf in zip(("dq", "dk", "dv"), grads, leaves):
+        assert grad.shape == leaf.shape and grad.is_contiguous(), (name, grad.stride())
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 def test_one_problem_with_alternating_strides_matches_reference(deterministic):
     """The backward keeps its launches per problem (bwd.BackwardPlan.triton_passes), by the inputs'

@@ -696,7 +696,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
                                   dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias, packing)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
-        return from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype), dk, dv, dbias, dsinks
+        return _dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
         dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     dq_tma = atomic_dq and configs.dq_tma and packing is None
@@ -764,8 +764,18 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     elif dbias_mode == DBIAS_ATOMIC:
         dbias = dbias.to(bias.dtype)
     if atomic_dq:
-        dq_buffer = from_bhsd(dq_buffer[..., :head_dim], layout).to(q.dtype)
+        dq_buffer = _dq_from_sums(dq_buffer, q, layout)
     return dq_buffer, dk, dv, dbias, dsinks
+
+
+def _dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tensor:
+    """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums, contiguous in the user's layout
+    like dK and dV: the strides the custom op's fake declares, and those AccumulateGrad keeps
+    without a copy (a conversion that kept the sums' (B, H, S, D) strides was cloned every step in
+    bshd layout)."""
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq.copy_(from_bhsd(sums[..., :q.shape[-1]], layout))
+    return dq
 
 
 def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
