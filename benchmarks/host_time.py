@@ -126,7 +126,6 @@ def gaps(args) -> dict:
                 per_step[f"time of {j}:{e.name[:40]}"].append(e.time_range.elapsed_us())
                 prev_end = e.time_range.end
         result[name] = {key: round(statistics.median(vals), 1) for key, vals in per_step.items()}
-
     return result
 
 

@@ -717,8 +717,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # query block for dQ, at each pass's own tile sizes.
     column_lists = column_list_args(None if gluon_dkdv else mask, spec, seqlen_q, seqlen_k, dkdv_cfg, heads_q,
                                     heads_kv, lse2)
-    runs_dq_pass = not atomic_dq
-    row_lists = row_list_args(mask if runs_dq_pass else None, spec, seqlen_q, seqlen_k, dq_cfg.block_m,
+    row_lists = row_list_args(None if atomic_dq else mask, spec, seqlen_q, seqlen_k, dq_cfg.block_m,
                               dq_cfg.block_n, heads_q, heads_kv, lse2)
     bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
     dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
@@ -745,7 +744,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # The launches depend on the call's tensors only through these where no mask, bias or packing
     # takes part: kept with the plan (the scalars and constexprs below cost a short step ~100 us).
     plain = mask is None and bias is None and packing is None
-    passes_key = (q.stride(), k.stride(), v.stride(), gluon_dkdv, dkdv_descs is None, dq_descs is None)
+    if plain:
+        passes_key = (q.stride(), k.stride(), v.stride(), gluon_dkdv, dkdv_descs is None, dq_descs is None)
     passes = plan.triton_passes.get(passes_key) if plain else None
     if passes is None:
         passes = _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec, configs, plan, dkdv_cfg, dq_tma, gluon_dkdv,
