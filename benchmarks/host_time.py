@@ -59,8 +59,10 @@ PIECES = [  # (module, attribute): functions timed in ``pieces`` mode (those a t
 def _inputs(args, requires_grad: bool):
     gen = torch.Generator(device="cuda").manual_seed(0)
     size = (args.batch, args.heads, args.seqlen, args.head_dim)
+    if args.layout == "bshd" and args.storage == "contiguous":
+        size = (args.batch, args.seqlen, args.heads, args.head_dim)
     q, k, v, dout = (torch.randn(size, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    if args.layout == "bshd":
+    if args.layout == "bshd" and args.storage == "transposed":  # bshd views of (B, H, S, D) storage
         q, k, v, dout = (t.transpose(1, 2) for t in (q, k, v, dout))
     if requires_grad:
         q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -274,6 +276,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--layout", default="bhsd", choices=("bhsd", "bshd"))
+    p.add_argument("--storage", default="contiguous", choices=("contiguous", "transposed"),
+                   help="bshd inputs: contiguous (B, S, H, D) leaves, or transposed views of (B, H, S, D) storage")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--steps", type=int, default=30, help="profiled steps (gaps)")
     p.add_argument("--rounds", type=int, default=7, help="rounds of GPU-busy host timing (pieces)")

@@ -288,22 +288,40 @@ def test_alternating_shapes_in_one_process_match_reference(causal):
         check_case(case, "triton", device)
 
 
+def _leaves(q, k, v, storage: str, layout: str):
+    """q, k, v (in ``layout``) as leaves stored ``contiguous``, as ``transposed`` views of the other
+    layout's contiguous storage (dense, not contiguous), or ``sliced`` out of a wider head dim (not
+    dense)."""
+    if storage == "transposed":
+        return [t.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    if storage == "sliced":
+        return [torch.cat([t, t], dim=-1)[..., :t.shape[-1]].detach().requires_grad_() for t in (q, k, v)]
+    return [t.detach().requires_grad_() for t in (q, k, v)]
+
+
 @pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("storage", ["contiguous", "transposed", "sliced"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
-def test_gradients_are_contiguous_in_the_inputs_layout(backend, device, layout, deterministic):
-    """dq, dk, dv come back contiguous in the user's layout, as the custom op's fake declares them
-    (torch.compile relies on it) and as AccumulateGrad takes a gradient of contiguous inputs without
-    copying it (a dQ with the (B, H, S, D) accumulator's strides in bshd layout was cloned every step)."""
+def test_gradients_come_back_in_the_inputs_strides(backend, device, layout, storage, deterministic):
+    """dq, dk, dv come back in their inputs' strides where those are dense, else contiguous -- what
+    the custom op's fake declares (torch.compile plans with it) and what AccumulateGrad takes
+    without copying it (a dQ with the (B, H, S, D) accumulator's strides in bshd layout was cloned
+    every step, v41; dK, dV contiguous in the layout were cloned for leaves that are transposed
+    views, v42) -- and the values match the reference's."""
     case = Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=45, head_dim=32, causal=True, layout=layout,
                 deterministic=deterministic, dtype=_dtype(device))
-    q, k, v, dout, _ = make_inputs(case, device)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    q, k, v, dout, dlse = make_inputs(case, device)
+    leaves = _leaves(q, k, v, storage, layout)
     with fusedattn.use_backend(backend):
         out = fusedattn.attention(*leaves, layout=layout, causal=True, deterministic=deterministic)
         grads = torch.autograd.grad(out, leaves, dout)
     for name, grad, leaf in zip(("dq", "dk", "dv"), grads, leaves):
-        assert grad.shape == leaf.shape and grad.is_contiguous(), (name, grad.stride())
+        expected = torch.empty_like(leaf).stride()
+        assert grad.shape == leaf.shape and grad.stride() == expected, (name, grad.stride(), expected)
+        if storage == "sliced":
+            assert grad.is_contiguous(), name
+    check_case(case, backend, device, inputs=(*(t.detach() for t in leaves), dout, dlse))
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])

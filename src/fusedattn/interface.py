@@ -133,6 +133,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
     sinks = sinks if sinks_grad else None
     if backend == "torch":
         dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
+        dq, dk, dv = (_in_strides_of(x, grad) for x, grad in ((q, dq), (k, dk), (v, dv)))
         dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
     else:
         configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], bhsd_shape(k, layout)[2],
@@ -140,6 +141,12 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
         dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
                                                        bias_grad, sinks=sinks)
     return dq, dk, dv, dbias, dsinks
+
+
+def _in_strides_of(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with the strides ``torch.empty_like(x)`` gives (the fake's, the Triton backend's)."""
+    like = torch.empty_like(x)
+    return grad if grad.stride() == like.stride() else like.copy_(grad)
 
 
 @torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
@@ -161,9 +168,9 @@ def _backward_op(
 @_backward_op.register_fake
 def _backward_fake(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
                    *options):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format), \
+    # dq, dk, dv in their inputs' strides where those are dense, else contiguous (``empty_like``),
+    # as both backends return them
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
         torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0), \
         q.new_empty(sinks.shape if sinks_grad else (0,), dtype=torch.float32)
 

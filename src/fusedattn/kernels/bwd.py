@@ -669,12 +669,14 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     total_q = seqlen_q
     if packing is not None:
         batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # Gradients in their inputs' strides where those are dense (``empty_like``), else contiguous:
+    # what AccumulateGrad keeps without a copy, and what the custom op's fake declares.
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
     if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
         dbias = torch.zeros_like(bias) if bias_grad else None
         dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), dk.zero_(), dv.zero_(), dbias, dsinks
+        return torch.zeros_like(q), dk.zero_(), dv.zero_(), dbias, dsinks
     dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
                                        skips_tiles=mask is not None)
     plan = backward_plan(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
@@ -703,7 +705,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     if atomic_dq:
         dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if dq_tma else dq_buffer
     else:
-        dq_buffer = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dq_buffer = torch.empty_like(q)
         dq_target = dq_buffer
     block_d, block_dv = padded_dims(head_dim, head_dim_v)
     # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass, unless the Gluon pass ran it),
@@ -769,11 +771,11 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
 
 
 def _dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tensor:
-    """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums, contiguous in the user's layout
-    like dK and dV: the strides the custom op's fake declares, and those AccumulateGrad keeps
-    without a copy (a conversion that kept the sums' (B, H, S, D) strides was cloned every step in
-    bshd layout)."""
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums, in q's strides like dK and dV
+    (``attention_backward``): the strides the custom op's fake declares, and those AccumulateGrad
+    keeps without a copy (a dQ with the sums' (B, H, S, D) strides was cloned every step where q's
+    differ: bshd layout, v41)."""
+    dq = torch.empty_like(q)
     dq.copy_(from_bhsd(sums[..., :q.shape[-1]], layout))
     return dq
 
