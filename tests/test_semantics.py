@@ -226,7 +226,8 @@ def _with_loads(configs, tma_loads: bool):
 @pytest.mark.parametrize("schedule", SCHEDULE_PARAMS, ids=list(SCHEDULES))
 @pytest.mark.parametrize("case", [
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=93, head_dim=40, causal=True, lse_grad=True),
-    Case(batch=1, heads_q=3, heads_kv=1, seqlen_q=129, seqlen_k=65, head_dim=64, window=(20, 7), softcap=8.0),
+    Case(batch=1, heads_q=3, heads_kv=1, seqlen_q=129, seqlen_k=65, head_dim=64, window=(20, 7), softcap=8.0,
+         layout="bhsd"),
 ], ids=lambda c: c.id)
 def test_every_backward_schedule_matches_reference(schedule, loads, case):
     """The heuristic picks one dQ schedule and one way of loading tiles per head dim; each must

@@ -42,13 +42,13 @@ import triton
 import triton.language as tl
 
 from ..block_mask import EMPTY, BlockMask
-from ..spec import AttentionSpec, Packing, bhsd_shape, from_bhsd, to_bhsd
+from ..spec import AttentionSpec, Packing, bhsd_shape, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
                   mask_args, mask_descriptor, padded_dim, padded_dims, row_list_args, score_constants, sequence_args)
-from .launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, per_problem_dict
+from .launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, per_problem, per_problem_dict
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
@@ -774,10 +774,43 @@ def _dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Ten
     """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums, in q's strides like dK and dV
     (``attention_backward``): the strides the custom op's fake declares, and those AccumulateGrad
     keeps without a copy (a dQ with the sums' (B, H, S, D) strides was cloned every step where q's
-    differ: bshd layout, v41)."""
+    differ: bshd layout, v41). By ``_convert_dq_kernel``: torch's copy into bshd strides took 104
+    us against 69 into bhsd (D=128 S=1k B=16 H=16, H100, NOTES.md v42)."""
     dq = torch.empty_like(q)
-    dq.copy_(from_bhsd(sums[..., :q.shape[-1]], layout))
+    dq_bhsd = to_bhsd(dq, layout)
+    _dq_conversion(tuple(sums.shape), dq_bhsd.stride(), q.shape[-1], q.device.index)(sums, dq_bhsd)
     return dq
+
+
+@per_problem
+def _dq_conversion(sums_shape: tuple, dq_strides: tuple, head_dim: int, device_index) -> Launcher:
+    """``_convert_dq_kernel``'s launch for one problem: each call passes the sums and dQ's (B, H, S,
+    D) view."""
+    batch, heads, seqlen, sums_cols = sums_shape
+    assert dq_strides[3] == 1
+    return Launcher(_convert_dq_kernel, (cdiv(seqlen, DQ_CONVERT_ROWS), batch * heads),
+                    (SLOT, SLOT, seqlen, heads, sums_cols, *dq_strides[:3]), HEAD_DIM=head_dim,
+                    BLOCK_D=padded_dim(head_dim), BLOCK_M=DQ_CONVERT_ROWS, num_warps=4)
+
+
+DQ_CONVERT_ROWS = 32  # rows of a conversion program: a (32, 128) fp32 tile, 16 KB in flight
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "stride_b", "stride_h", "stride_s"])
+def _convert_dq_kernel(Sums, DQ, seqlen_q, heads_q, sums_cols, stride_b, stride_h, stride_s,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dQ rows [BLOCK_M * pid0, + BLOCK_M) of head row pid1 (= batch * Hq + head) in DQ's dtype and
+    (batch, head, row) strides, unit stride along D, from the contiguous fp32 (B * Hq, Sq, sums_cols)
+    sums: one read of the sums and one write of dQ, in either layout."""
+    head_row = tl.program_id(1)
+    batch = head_row // heads_q
+    head = head_row - batch * heads_q
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    inside = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
+    sums = tl.load(Sums + (head_row.to(tl.int64) * seqlen_q + rows[:, None]) * sums_cols + cols[None, :], mask=inside)
+    out = DQ + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_s
+    tl.store(out + cols[None, :], sums.to(DQ.dtype.element_ty), mask=inside)
 
 
 def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
