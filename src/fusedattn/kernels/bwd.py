@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..block_mask import EMPTY, BlockMask
-from ..spec import AttentionSpec, Packing, bhsd_shape, to_bhsd
+from ..spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, to_bhsd
 from ..tuning.configs import AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
@@ -777,8 +777,7 @@ def _dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Ten
     differ: bshd layout, v41). By ``_convert_dq_kernel``: torch's copy into bshd strides took 104
     us against 69 into bhsd (D=128 S=1k B=16 H=16, H100, NOTES.md v42)."""
     dq = torch.empty_like(q)
-    dq_bhsd = to_bhsd(dq, layout)
-    _dq_conversion(tuple(sums.shape), dq_bhsd.stride(), q.shape[-1], q.device.index)(sums, dq_bhsd)
+    _dq_conversion(tuple(sums.shape), bhsd_stride(dq, layout), q.shape[-1], q.device.index)(sums, dq)
     return dq
 
 

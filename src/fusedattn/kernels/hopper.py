@@ -64,11 +64,11 @@ def smem_layout(block_shape: tuple, torch_dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_TYPES[torch_dtype])
 
 
-def descriptor(t_bhsd: torch.Tensor, rows: int):
-    """A 4-D TMA descriptor over a (B, H, S, D) view of any layout, block (1, 1, rows, D): rows past
-    a head's length are zero-filled on load and clipped on store. None where TMA cannot address the
-    tensor (base or a stride not a multiple of 16 bytes)."""
-    return Descriptor.if_addressable(t_bhsd, (1, 1, rows, t_bhsd.shape[-1]))
+def descriptor(t: torch.Tensor, rows: int, layout: str = "bhsd"):
+    """A 4-D TMA descriptor over ``t`` in (B, H, S, D) order (``layout``: its user layout; no view
+    is made), block (1, 1, rows, D): rows past a head's length are zero-filled on load and clipped
+    on store. None where TMA cannot address the tensor (base or a stride not a multiple of 16 bytes)."""
+    return Descriptor.if_addressable(t, (1, 1, rows, t.shape[-1]), layout)
 
 
 def row_stats_descriptor(stats: torch.Tensor, rows: int):

@@ -55,7 +55,6 @@ v29). dQ is then not bitwise reproducible (the order of the adds).
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -779,16 +778,16 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     sequences, the row statistics (sequences * Hq, padded rows) (``_packed_dkdv``)."""
     if packing is not None:
         return _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec, config, dq_accum, group_sum, packing)
-    q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
-    batch, heads_q, seqlen_q, head_dim = q4.shape
-    heads_kv, seqlen_k = k4.shape[1], k4.shape[2]
-    assert config.hopper_split in (2, 3) and lse2.shape[1] % config.block_m == 0
-    assert dq_accum is None or computes_dq(head_dim, config)
-    outputs = () if group_sum else (dk4, dv4)
-    descs = [descriptor(q4, config.block_m), descriptor(do4, config.block_m),
-             *(descriptor(t, KEYS_PER_WG) for t in (k4, v4, *outputs))]
+    layout = spec.layout
+    outputs = () if group_sum else (dk, dv)
+    descs = [descriptor(q, config.block_m, layout), descriptor(dout, config.block_m, layout),
+             *(descriptor(t, KEYS_PER_WG, layout) for t in (k, v, *outputs))]
     if any(d is None for d in descs):
         return False
+    batch, heads_q, seqlen_q, head_dim = descs[0].shape  # (B, H, S, D) order: no views made
+    heads_kv, seqlen_k = descs[2].shape[1:3]
+    assert config.hopper_split in (2, 3) and lse2.shape[1] % config.block_m == 0
+    assert dq_accum is None or computes_dq(head_dim, config)
     if group_sum:  # dK (scaled), dV summed over each group here, in fp32
         sums = torch.zeros((2, batch, heads_kv, seqlen_k, head_dim), dtype=torch.float32, device=q.device)
         descs += [Descriptor(t, (1, 1, KEYS_PER_WG, head_dim)) for t in sums]
@@ -805,13 +804,13 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     else:
         bias_descs = (dq_desc, dq_desc)
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
-    launcher = _dkdv_launcher(q4.shape, heads_kv, seqlen_k, spec, config, dq_accum is not None, tuple(lists[1:]),
+    launcher = _dkdv_launcher(tuple(descs[0].shape), heads_kv, seqlen_k, spec, config, dq_accum is not None, tuple(lists[1:]),
                               tile_lists is not None, group_sum, bias_slices, dbias is not None, q.device.index,
                               hopper.CHUNK_HEADS)
     launcher(*descs, dq_desc, lists[0], *bias_descs)
     if group_sum:
-        dk4.copy_(sums[0])
-        dv4.copy_(sums[1])
+        to_bhsd(dk, layout).copy_(sums[0])
+        to_bhsd(dv, layout).copy_(sums[1])
     return True
 
 

@@ -40,7 +40,6 @@ kernel (``hopper.supports``). Softcap (SOFTCAP) caps the scores before the mask 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -790,19 +789,20 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     out are (1, total, H, D) views of packed sequences and lse (Hq, total_q) (``_packed_forward``)."""
     if packing is not None:
         return _packed_forward(q, k, v, out, lse, spec, config, packing)
-    q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
+    layout = spec.layout
     q_rows = WG_ROWS if config.hopper_split else BLOCK_M
-    descs = [descriptor(q4, q_rows), descriptor(k4, config.block_n), descriptor(v4, config.block_n),
-             descriptor(to_bhsd(out, spec.layout), q_rows)]
+    descs = [descriptor(q, q_rows, layout), descriptor(k, config.block_n, layout),
+             descriptor(v, config.block_n, layout), descriptor(out, q_rows, layout)]
     if any(d is None for d in descs):
         return False
+    q_shape, k_shape = descs[0].shape, descs[1].shape  # (B, H, S, D)
     lists = tile_lists if tile_lists is not None else (lse, 0, 0, 0, 1)
     if bias is not None:
         assert config.hopper_split == 2 and config.num_stages == 2, "the bias ring fits beside 2 x 2 tiles"
-        bias_desc, bias_slices = Descriptor(bias, (1, 1, WG_ROWS, config.block_n)), bias_slice_args(bias, q4.shape[1])
+        bias_desc, bias_slices = Descriptor(bias, (1, 1, WG_ROWS, config.block_n)), bias_slice_args(bias, q_shape[1])
     else:
         bias_desc, bias_slices = descs[0], None
-    launcher = _forward_launcher(q4.shape, k4.shape[1], k4.shape[2], spec, config, tuple(lists[1:]),
+    launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, tuple(lists[1:]),
                                  tile_lists is not None, bias_slices, q.device.index, (hopper.CHUNK_HEADS, PROGRAMS))
     per_call = (*descs, lse, lists[0], bias_desc, lse)  # the last: the packed forward's O pointer (unused)
     launcher(*per_call[:len(launcher.slots)])  # the 8-warp kernel takes no lists or bias

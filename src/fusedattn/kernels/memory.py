@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..spec import to_bhsd
-
 
 @triton.jit
 def head_base(ptr, batch, head, stride_b, stride_h):
@@ -112,21 +110,26 @@ class Descriptor:
     __slots__ = ("base", "shape", "strides", "block_shape", "padding", "key", "geometry")
 
     def __init__(self, base: torch.Tensor, block_shape: tuple, address: int | None = None,
-                 strides: tuple | None = None):
-        self.base, self.shape = base, base.shape
+                 strides: tuple | None = None, shape: tuple | None = None):
+        self.base, self.shape = base, base.shape if shape is None else shape
         self.strides = base.stride() if strides is None else strides
         self.block_shape, self.padding = block_shape, "zero"
         self.key = (type(self), block_shape, base.dtype)
         self.geometry = (base.data_ptr() if address is None else address, self.shape, self.strides)
 
     @classmethod
-    def if_addressable(cls, base: torch.Tensor, block_shape: tuple):
+    def if_addressable(cls, base: torch.Tensor, block_shape: tuple, layout: str = "bhsd"):
         """The descriptor, or None where TMA cannot address ``base`` (``tma_addressable``): the
-        address and strides read once for both (a short step makes ~15 descriptors)."""
+        address and strides read once for both (a short step makes ~15 descriptors). ``layout``
+        "bshd": over the 4-D ``base`` in (B, H, S, D) order, as over ``spec.to_bhsd(base, "bshd")``
+        but without making that view (~3-5 us of host time each, NOTES.md v42)."""
         address, strides = base.data_ptr(), base.stride()
         if not _addressable(address, strides, base.element_size()):
             return None
-        return cls(base, block_shape, address, strides)
+        shape = base.shape
+        if layout == "bshd":
+            shape, strides = (shape[0], shape[2], shape[1], shape[3]), (strides[0], strides[2], strides[1], strides[3])
+        return cls(base, block_shape, address, strides, shape)
 
     def for_triton(self):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -134,10 +137,10 @@ class Descriptor:
         return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape))
 
 
-def block_descriptor(t_bhsd: torch.Tensor, block_rows: int, block_cols: int):
-    """A TMA descriptor over a (B, H, S, D) view with block (1, 1, block_rows, block_cols), or None
-    where the copy engine cannot address it."""
-    return Descriptor.if_addressable(t_bhsd, (1, 1, block_rows, block_cols))
+def block_descriptor(t: torch.Tensor, block_rows: int, block_cols: int, layout: str = "bhsd"):
+    """A TMA descriptor over ``t`` in (B, H, S, D) order (``layout``: its user layout) with block
+    (1, 1, block_rows, block_cols), or None where the copy engine cannot address it."""
+    return Descriptor.if_addressable(t, (1, 1, block_rows, block_cols), layout)
 
 
 def loop_descriptors(pairs, layout: str, block_rows: int, use: bool):
@@ -145,7 +148,7 @@ def loop_descriptors(pairs, layout: str, block_rows: int, use: bool):
     when ``use`` is off or any of them cannot go through TMA (then every load uses pointers)."""
     if not use:
         return None
-    descs = [block_descriptor(to_bhsd(t, layout), block_rows, cols) for t, cols in pairs]
+    descs = [block_descriptor(t, block_rows, cols, layout) for t, cols in pairs]
     return None if any(d is None for d in descs) else descs
 
 
