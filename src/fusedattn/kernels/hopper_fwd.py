@@ -449,29 +449,40 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_ba
     """The program's tile (``own_tile``, ``_ws_tile`` of its id), or with PERSISTENT each of its tiles
     in turn (``_snake_tile``)."""
     if PERSISTENT:
+        # Rounds in pairs, Q of even rounds in buffer 0 and of odd ones in buffer 1 -- static indices:
+        # a buffer index computed from the round made the Q K^T wgmma read out of bounds (v34).
         total_tiles = sched[0] * sched[1]
         loaded = 0  # key blocks loaded so far, over every tile
-        for r in range(gl.cdiv(total_tiles, gl.num_programs(0))):
+        for r in range(0, gl.cdiv(total_tiles, gl.num_programs(0)), 2):
             t = _snake_tile(r, total_tiles)
             if t < total_tiles:
                 tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
                 loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty,
                                           k_ready, v_ready, k_empty, v_empty, bias_state, bias_slices, tile, r,
                                           loaded, ROWS, NQ, BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS,
-                                          BIAS)
+                                          BIAS, 0)
+            t = _snake_tile(r + 1, total_tiles)
+            if t < total_tiles:
+                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
+                loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty,
+                                          k_ready, v_ready, k_empty, v_empty, bias_state, bias_slices, tile, r + 1,
+                                          loaded, ROWS, NQ, BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS,
+                                          BIAS, 1)
     else:
         _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
                          k_empty, v_empty, bias_state, bias_slices, own_tile, 0, 0, ROWS, NQ, BLOCK_N, NUM_STAGES,
-                         PERSISTENT, CAUSAL, LEFT, LISTS, BIAS)
+                         PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, 0)
 
 
 @gluon.jit
 def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
                      k_empty, v_empty, bias_state, bias_slices, tile, r, loaded, ROWS: gl.constexpr,
                      NQ: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-                     CAUSAL: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr):
-    """``tile`` (``_ws_tile``), the program's ``r``-th: Q once the consumers handed its buffer back
-    (they stage the previous tile's output in it), then per key block K, each consumer's bias tile (BIAS:
+                     CAUSAL: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
+                     QBUF: gl.constexpr):
+    """``tile`` (``_ws_tile``), the program's ``r``-th: Q into Q buffer QBUF (with PERSISTENT, round r's
+    parity; buffer 0 where there is one) once the consumers handed it back (they stage the output of the tile two rounds before
+    in it), then per key block K, each consumer's bias tile (BIAS:
     ``bias_state`` = its ring and barriers; ``bias_slices`` = (bias_batches, bias_head_div)) and V,
     in the order the consumers use them. The ring's slots and phases count key blocks over all of
     the program's tiles (``loaded`` before this one; returned after it), so the next tile's first
@@ -479,12 +490,14 @@ def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, 
     _, batch, head, head_kv, m0, tiles, seq = tile
     q_row0 = seq[2] + m0  # rows and keys of packed sequences (VARLEN) are offset by their sequence's first
     k_start = seq[3]
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // NQ
     for w in gl.static_range(NQ):
-        if PERSISTENT:  # a fresh mbarrier counts as phase 1 complete: r = 0 passes
-            mbarrier.wait(q_empty.index(w), (r & 1) ^ 1)
-        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, q_row0 + w * ROWS, 0], q_bars.index(w),
-                                        q_smem.index(w))
+        b = (QBUF % Q_BUFFERS) * NQ + w
+        if PERSISTENT:  # the buffer's (r // Q_BUFFERS)-th use; a fresh mbarrier counts as phase 1 complete
+            mbarrier.wait(q_empty.index(b), ((r // Q_BUFFERS) & 1) ^ 1)
+        mbarrier.expect(q_bars.index(b), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, q_row0 + w * ROWS, 0], q_bars.index(b),
+                                        q_smem.index(b))
     bias_at = (batch * bias_slices[0], head // bias_slices[1])
     for j in range(tiles[1]):
         n = loaded + j
@@ -556,21 +569,28 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                  PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
                  PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr, VARLEN: gl.constexpr):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
-    if PERSISTENT:
+    if PERSISTENT:  # rounds in pairs, as the producer: Q buffer 0 for even rounds, 1 for odd ones
         total_tiles = sched[0] * sched[1]
         done = 0  # key blocks consumed so far, over every tile: the ring's slot and phase counter
-        for r in range(gl.cdiv(total_tiles, gl.num_programs(0))):
+        for r in range(0, gl.cdiv(total_tiles, gl.num_programs(0)), 2):
             t = _snake_tile(r, total_tiles)
             if t < total_tiles:
                 tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
                 done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
                                         v_empty, turn_bars, bias_state, Lse, sched, qk_scale, softcap_log2, tile, r,
                                         done, WG, ROWS, NQ, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT,
-                                        SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN)
+                                        SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN, 0)
+            t = _snake_tile(r + 1, total_tiles)
+            if t < total_tiles:
+                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
+                done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
+                                        v_empty, turn_bars, bias_state, Lse, sched, qk_scale, softcap_log2, tile,
+                                        r + 1, done, WG, ROWS, NQ, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL,
+                                        LEFT, SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN, 1)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ, BLOCK_N,
-                         HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN)
+                         HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN, 0)
 
 
 @gluon.jit
@@ -579,8 +599,9 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                     VARLEN: gl.constexpr):
-    """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th), on one
+                     VARLEN: gl.constexpr, QBUF: gl.constexpr):
+    """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th; its Q in
+    buffer QBUF), on one
     warpgroup: every one of the tile's key blocks (the producer loads each once for all), with the mask on
     those not interior to this warpgroup's rows. With LISTS the host's list says which: its full
     blocks first (no mask), then the partial ones (the keep rule; the Gluon kernels take only masks
@@ -614,8 +635,10 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
-    q_buf = q_smem.index(WG)
-    mbarrier.wait(q_bars.index(WG), r & 1)
+    Q_BUFFERS: gl.constexpr = q_smem.shape[0] // NQ
+    q_index: gl.constexpr = (QBUF % Q_BUFFERS) * NQ + WG
+    q_buf = q_smem.index(q_index)
+    mbarrier.wait(q_bars.index(q_index), (r // Q_BUFFERS) & 1)
     q = q_buf.reshape([ROWS, HEAD_D])
     if LEFT and not LISTS:
         for j in range(0, n_lead):
@@ -636,7 +659,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     _epilogue(acc, m_i, l_i, rows, Lse, seq[4], seq_q, q, q_buf, o_desc, batch, head, mw, row_o,
               (sched[14], sched[15], sched[16], seq[2]), o_layout, VARLEN)
     if PERSISTENT:
-        mbarrier.arrive(q_empty.index(WG), count=1)
+        mbarrier.arrive(q_empty.index(q_index), count=1)
     return done + n_blocks
 
 
@@ -656,9 +679,10 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
     (``_snake_tile``), the producer loading the next tile's first key blocks while the consumers
-    finish one; its Q waits for the consumers' output store (staged in Q's buffer). A second Q
-    buffer chosen by round made the Q K^T wgmma read shared memory out of bounds (compute-sanitizer,
-    Triton 3.6; benchmarks/NOTES.md v34), so there is none. LISTS: a tile's key blocks come from the
+    finish one; Q has two buffers per warpgroup there, taken by the round's parity with static
+    indices (rounds run in pairs), since the consumers stage a tile's output in its Q buffer (a
+    buffer index computed from the round made the Q K^T wgmma read shared memory out of bounds,
+    compute-sanitizer, Triton 3.6; benchmarks/NOTES.md v34, v42). LISTS: a tile's key blocks come from the
     host's tile list (a mask; tile_lists.py: [full count, partial count, full..., partial...]),
     else from the block range of block_range.py. BIAS: a 16-bit bias by elements over queries and
     keys (``bias_desc``, block (1, 1, 64, BLOCK_N) over its own (B|1, H|1, Sq, Sk) shape; its batch
@@ -683,19 +707,24 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     # consumers fewer registers than found in each partition)
     own_tile = _ws_tile(gl.program_id(0), sched, SPLIT * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
 
-    q_smem = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    # PERSISTENT: two Q buffers per warpgroup, so that the next tile's Q loads while this one's
+    # output (staged in its Q buffer) is stored -- where shared memory holds them (two warpgroups,
+    # no bias ring: the launches the heuristic makes persistent, hopper_fwd.runs_persistent)
+    Q_BUFFERS: gl.constexpr = 2 if PERSISTENT and SPLIT == 2 and not BIAS else 1
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * SPLIT, 1, 1, ROWS, HEAD_D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * SPLIT, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * SPLIT, 1], mbarrier.MBarrierLayout())
     turn_bars = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(SPLIT):
+    for i in gl.static_range(Q_BUFFERS * SPLIT):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
+    for i in gl.static_range(SPLIT):
         mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
