@@ -783,8 +783,8 @@ def _dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Ten
 
 @per_problem
 def _dq_conversion(sums_shape: tuple, dq_strides: tuple, head_dim: int, device_index) -> Launcher:
-    """``_convert_dq_kernel``'s launch for one problem: each call passes the sums and dQ's (B, H, S,
-    D) view."""
+    """``_convert_dq_kernel``'s launch for one problem (``dq_strides``: dQ's in (B, H, S, D) order);
+    each call passes the sums and dQ."""
     batch, heads, seqlen, sums_cols = sums_shape
     assert dq_strides[3] == 1
     return Launcher(_convert_dq_kernel, (cdiv(seqlen, DQ_CONVERT_ROWS), batch * heads),

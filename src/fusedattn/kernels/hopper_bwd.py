@@ -804,9 +804,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     else:
         bias_descs = (dq_desc, dq_desc)
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
-    launcher = _dkdv_launcher(tuple(descs[0].shape), heads_kv, seqlen_k, spec, config, dq_accum is not None, tuple(lists[1:]),
-                              tile_lists is not None, group_sum, bias_slices, dbias is not None, q.device.index,
-                              hopper.CHUNK_HEADS)
+    launcher = _dkdv_launcher(tuple(descs[0].shape), heads_kv, seqlen_k, spec, config, dq_accum is not None,
+                              tuple(lists[1:]), tile_lists is not None, group_sum, bias_slices, dbias is not None,
+                              q.device.index, hopper.CHUNK_HEADS)
     launcher(*descs, dq_desc, lists[0], *bias_descs)
     if group_sum:
         to_bhsd(dk, layout).copy_(sums[0])

@@ -481,8 +481,8 @@ def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, 
                      CAUSAL: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                      QBUF: gl.constexpr):
     """``tile`` (``_ws_tile``), the program's ``r``-th: Q into Q buffer QBUF (with PERSISTENT, round r's
-    parity; buffer 0 where there is one) once the consumers handed it back (they stage the output of the tile two rounds before
-    in it), then per key block K, each consumer's bias tile (BIAS:
+    parity; buffer 0 where there is one) once the consumers handed it back (they stage in it the
+    output of the tile that used it before), then per key block K, each consumer's bias tile (BIAS:
     ``bias_state`` = its ring and barriers; ``bias_slices`` = (bias_batches, bias_head_div)) and V,
     in the order the consumers use them. The ring's slots and phases count key blocks over all of
     the program's tiles (``loaded`` before this one; returned after it), so the next tile's first
@@ -600,9 +600,8 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                      VARLEN: gl.constexpr, QBUF: gl.constexpr):
-    """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th; its Q in
-    buffer QBUF), on one
-    warpgroup: every one of the tile's key blocks (the producer loads each once for all), with the mask on
+    """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th, its Q in
+    buffer QBUF where there are two), on one warpgroup: every one of the tile's key blocks (the producer loads each once for all), with the mask on
     those not interior to this warpgroup's rows. With LISTS the host's list says which: its full
     blocks first (no mask), then the partial ones (the keep rule; the Gluon kernels take only masks
     whose tiles are all empty or full, so the mask itself is never read). ``done``: key blocks the
