@@ -364,3 +364,36 @@ def test_dkdv_program_order_changes_no_result(block_major, monkeypatch):
             return forward_backward(lambda *t: fusedattn.attention(*t, causal=True, return_lse=True), *inputs)[2:]
 
     assert all(torch.equal(a, b) for a, b in zip(grads(block_major), grads(not block_major)))
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """``torch.empty`` and ``torch.empty_like`` filled with NaN (floating dtypes) or -1: a result read
+    from memory nothing wrote -- an accumulator nobody zeroed, rows of a gradient no program stored --
+    is NaN, not a stale right answer an earlier call left in the same block of the allocator."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+
+
+POISON_CASES = [  # every buffer the passes allocate uninitialised: dQ's fp32 sums (atomics), the row
+    # statistics' padding rows, dK/dV of keys no query sees, the bias gradient's unvisited tiles
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=45, head_dim=40, causal=True, lse_grad=True),
+    Case(batch=1, heads_q=2, heads_kv=1, seqlen_q=45, seqlen_k=77, head_dim=64, window=(9, 3), bias="full",
+         deterministic=True, layout="bhsd"),
+    Case(batch=2, heads_q=2, heads_kv=2, seqlen_q=33, seqlen_k=47, head_dim=32, sinks=True, softcap=5.0,
+         mask="keys"),
+]
+
+
+@pytest.mark.parametrize("case", POISON_CASES, ids=lambda c: c.id)
+def test_no_result_reads_memory_nothing_wrote(case, poisoned_allocations):
+    device = "cuda" if ON_GPU else "cpu"
+    case = replace(case, dtype=_dtype(device))
+    if ON_GPU:  # the shapes the Gluon kernels take on Hopper: D=128, several tiles a head
+        case = replace(case, head_dim=128, seqlen_q=case.seqlen_q * 5, seqlen_k=case.seqlen_k * 5)
+    check_case(case, "triton", device)
