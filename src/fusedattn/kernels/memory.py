@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..spec import bhsd_shape, bhsd_stride
+
 
 @triton.jit
 def head_base(ptr, batch, head, stride_b, stride_h):
@@ -124,12 +126,11 @@ class Descriptor:
         "bshd": over the 4-D ``base`` in (B, H, S, D) order, as over ``spec.to_bhsd(base, "bshd")``
         but without making that view (~3-5 us of host time each, NOTES.md v42)."""
         address, strides = base.data_ptr(), base.stride()
-        if not _addressable(address, strides, base.element_size()):
+        if not _addressable(address, strides, base.element_size()):  # the same in either order
             return None
-        shape = base.shape
         if layout == "bshd":
-            shape, strides = (shape[0], shape[2], shape[1], shape[3]), (strides[0], strides[2], strides[1], strides[3])
-        return cls(base, block_shape, address, strides, shape)
+            return cls(base, block_shape, address, bhsd_stride(base, layout), bhsd_shape(base, layout))
+        return cls(base, block_shape, address, strides)
 
     def for_triton(self):
         from triton.tools.tensor_descriptor import TensorDescriptor
