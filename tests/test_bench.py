@@ -1,5 +1,6 @@
 """The benchmark's shapes and its grouped-query path (CPU: fusedattn's PyTorch path vs SDPA math)."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def test_grouped_query_rows_use_fewer_key_value_heads_and_agree_with_sdpa():
     assert our_row["Hkv"] == 2 and "fwd_ms" in our_row, our_row
     assert peer_row["output_agrees"] and peer_row["max_diff_vs_fusedattn"] < 1e-4, peer_row
     printed = table([our_row, peer_row]).splitlines()
-    assert printed[2].startswith(shape.name) and "sdpa-math" in printed[2] and printed[2].endswith("x")
+    assert printed[2].startswith(shape.name) and "sdpa-math" in printed[2]
+    assert re.search(r"\d\.\d\dx", printed[2])  # ours over the peer (a clock column follows on a GPU)
 
 
 def _row(**times):
@@ -87,3 +89,23 @@ def test_packed_rows_documents_fill_the_batch():
     assert len(lengths) == packed.DOCS and sum(lengths) == packed.TOTAL and min(lengths) >= 1
     assert lengths == packed.document_lengths()
     assert packed.causal_flops([1, 3]) == 4.0 * packed.H * packed.D * (1 + 6)
+
+
+def test_gpu_state_reads_clock_power_and_what_limits_the_clock():
+    from fusedattn.bench import gpu_state
+
+    capped = gpu_state.parse("1575, 1980, 690.14, 700.00, 65, 0x0000000000000004")
+    assert capped == dict(sm_clock_mhz=1575.0, max_sm_clock_mhz=1980.0, power_w=690.14, power_limit_w=700.0,
+                          temperature_c=65.0, clock_limited_by=["power-cap"])
+    boost = gpu_state.parse("1980, 1980, 118.30, 700.00, 37, 0x0000000000000000")
+    assert boost["clock_limited_by"] == [] and boost["sm_clock_mhz"] == 1980.0
+    assert gpu_state.parse("1410, [N/A], 80.5, 400.00, 40, 0x21")["clock_limited_by"] == ["idle", "sw-thermal"]
+    assert "max_sm_clock_mhz" not in gpu_state.parse("1410, [N/A], 80.5, 400.00, 40, 0x21")
+    assert gpu_state.parse("No devices were found") == {}
+    assert gpu_state.summary([boost, capped, capped]) == "1575*" and gpu_state.summary([boost]) == "1980"
+    assert gpu_state.summary([{}]) == ""
+    # a merged row keeps every round's state and the table shows the middle clock
+    rounds = [_row(fwd_ms=1.0, fwdbwd_ms=4.0, gpu_state=s) for s in (boost, capped, boost)]
+    merged = merge_rounds(rounds)
+    assert merged["gpu_state_rounds"] == [boost, capped, boost]
+    assert table([merged]).splitlines()[1].endswith("1980*")

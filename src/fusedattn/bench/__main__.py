@@ -33,6 +33,7 @@ import torch
 
 import fusedattn
 
+from . import gpu_state
 from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, failure_note
 
 TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
@@ -145,6 +146,8 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
 
         fwdbwd_ms = _median_ms(step, grad_to_none=leaves)
         if torch.cuda.is_available():
+            # the clock the sustained fwd+bwd timing ended at, and what limited it (gpu_state.py)
+            row["gpu_state"] = gpu_state.query(torch.cuda.current_device())
             try:
                 with torch.no_grad():
                     row["graph_fwd_ms"] = _graph_ms(lambda: fn(q, k, v))
@@ -199,6 +202,8 @@ def merge_rounds(measured: list[dict]) -> dict:
     if failed:
         return failed[0]
     row = dict(measured[0], rounds=len(measured))
+    if any("gpu_state" in r for r in measured):
+        row["gpu_state_rounds"] = [r.get("gpu_state", {}) for r in measured]
     for key in TIME_KEYS:
         times = sorted(r[key] for r in measured if key in r)
         if times:
@@ -244,11 +249,12 @@ def run(shapes, systems, device, on_row=None, rounds: int = 1) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """Eager times and rates, the CUDA graph's fwd+bwd time, and fusedattn's speed over each peer's
-    (> 1: ours is faster) from both."""
+    """Eager times and rates, the CUDA graph's fwd+bwd time, fusedattn's speed over each peer's
+    (> 1: ours is faster) from both, and the SM clock the fwd+bwd timings ended at (MHz, the
+    rounds' middle one; '*': the board's power cap was limiting it, ``gpu_state.py``)."""
     ours = {r["case"]: r for r in rows if r["system"] == "fusedattn" and "fwd_ms" in r}
     lines = [f"{'case':<28}{'system':<24}{'fwd ms':>9}{'fwd TF/s':>10}{'f+b ms':>9}{'f+b TF/s':>10}"
-             f"{'bwd TF/s':>10}{'graph f+b':>11}{'ours/peer f+b':>15}{'(graph)':>9}"]
+             f"{'bwd TF/s':>10}{'graph f+b':>11}{'ours/peer f+b':>15}{'(graph)':>9}{'MHz':>7}"]
     for r in rows:
         if "fwd_ms" not in r:
             lines.append(f"{r['case']:<28}{r['system']:<24}  {r.get('note', '')}")
@@ -260,9 +266,10 @@ def table(rows: list[dict]) -> str:
             if "graph_fwdbwd_ms" in r and "graph_fwdbwd_ms" in mine:
                 graph_ratio = f"{r['graph_fwdbwd_ms'] / mine['graph_fwdbwd_ms']:.2f}x"
         graph = f"{r['graph_fwdbwd_ms']:.3f}" if "graph_fwdbwd_ms" in r else "-"
+        clock = gpu_state.summary(r.get("gpu_state_rounds") or [r.get("gpu_state", {})])
         lines.append(f"{r['case']:<28}{r['system']:<24}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}"
                      f"{r['fwdbwd_ms']:>9.3f}{r['fwdbwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}{graph:>11}"
-                     f"{ratio:>15}{graph_ratio:>9}".rstrip())
+                     f"{ratio:>15}{graph_ratio:>9}{clock:>7}".rstrip())
     return "\n".join(lines)
 
 

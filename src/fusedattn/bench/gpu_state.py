@@ -1,0 +1,65 @@
+"""The GPU's clock and power state, read with ``nvidia-smi`` next to the bench's timings.
+
+Why: under a sustained load an H100 runs at its board power limit (700 W), and its SM clock then
+falls from 1980 MHz to 1550-1800 MHz depending on how much power the running kernels draw
+(benchmarks/NOTES.md v43). Two kernels with the same SM cycles can then take different times, and
+a ratio measured in a short burst (boost clock) differs from one measured at the cap by a few %.
+Each bench row records the state right after its fwd+bwd timing, so a reader sees which regime a
+ratio was measured in. Nothing here changes a clock or a limit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+# nvidia-smi's "clocks_event_reasons.active" bits (earlier drivers: clocks_throttle_reasons)
+REASONS = {0x1: "idle", 0x2: "app-clocks", 0x4: "power-cap", 0x8: "hw-slowdown", 0x20: "sw-thermal",
+           0x40: "hw-thermal", 0x80: "hw-power-brake", 0x100: "display-clocks"}
+
+FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu",
+          "clocks_throttle_reasons.active")
+
+
+def parse(line: str) -> dict:
+    """One ``nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits`` line as numbers and the
+    names of the active clock-limiting reasons; fields it cannot read are left out."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != len(FIELDS):
+        return {}
+    state = {}
+    for key, text in zip(("sm_clock_mhz", "max_sm_clock_mhz", "power_w", "power_limit_w", "temperature_c"), parts):
+        try:
+            state[key] = float(text)
+        except ValueError:
+            pass
+    try:
+        bits = int(parts[-1], 16)
+    except ValueError:
+        return state
+    state["clock_limited_by"] = [name for bit, name in REASONS.items() if bits & bit]
+    return state
+
+
+def query(device_index: int = 0) -> dict:
+    """The state of GPU ``device_index`` now, or {} where nvidia-smi is missing or fails."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        done = subprocess.run([smi, f"--id={device_index}", f"--query-gpu={','.join(FIELDS)}",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    lines = done.stdout.strip().splitlines()
+    return parse(lines[0]) if done.returncode == 0 and lines else {}
+
+
+def summary(states: list[dict]) -> str:
+    """A table cell: the middle SM clock of ``states`` (MHz), '*' when the power cap limited any of
+    them; empty without a reading (a CPU run)."""
+    clocks = sorted(s["sm_clock_mhz"] for s in states if "sm_clock_mhz" in s)
+    if not clocks:
+        return ""
+    capped = any("power-cap" in s.get("clock_limited_by", ()) for s in states)
+    return f"{clocks[len(clocks) // 2]:.0f}{'*' if capped else ''}"
