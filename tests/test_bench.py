@@ -109,3 +109,14 @@ def test_gpu_state_reads_clock_power_and_what_limits_the_clock():
     merged = merge_rounds(rounds)
     assert merged["gpu_state_rounds"] == [boost, capped, boost]
     assert table([merged]).splitlines()[1].endswith("1980*")
+
+
+def test_variant_rows_show_the_clock_their_timing_ended_at():
+    from fusedattn.bench import variants
+
+    ours = dict(variant="window", system="fusedattn", fwd_ms=0.3, fwdbwd_ms=1.2, fwdbwd_tflops=300.0, step_peak_gb=0.1,
+                gpu_state=dict(sm_clock_mhz=1800.0, clock_limited_by=["power-cap"]))
+    flex = dict(ours, system="flex", fwdbwd_ms=1.5, gpu_state=dict(sm_clock_mhz=1980.0, clock_limited_by=[]))
+    lines = variants.table([ours, flex]).splitlines()
+    assert lines[0].endswith("MHz") and lines[1].endswith("1800*")
+    assert lines[2].endswith("1.25x   1980")

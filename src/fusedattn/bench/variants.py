@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import fusedattn
 
+from . import gpu_state
 from .systems import Unavailable, failure_note
 
 B, H, S, D = 4, 16, 4096, 128
@@ -264,7 +265,8 @@ def measure(variant: Variant, system: str) -> dict:
     kept = 1.0 if plain and not variant.causal else (_causal_fraction() if plain else variant.kept_fraction())
     flops = 4 * B * H * S * S * D * kept
     row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, fwd_tflops=flops / fwd_ms * 1e-9,
-               fwdbwd_tflops=3.5 * flops / fwdbwd_ms * 1e-9, step_peak_gb=peak_gb)
+               fwdbwd_tflops=3.5 * flops / fwdbwd_ms * 1e-9, step_peak_gb=peak_gb,
+               gpu_state=gpu_state.query(torch.cuda.current_device()))  # the clock the timing ended at
     return row
 
 
@@ -282,10 +284,10 @@ def run(on_row=None, only: list[str] | None = None) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """Times, TFLOP/s, peak memory, and fusedattn's time ratio to its plain kernel and to each peer
-    (>1: fusedattn is faster)."""
+    """Times, TFLOP/s, peak memory, fusedattn's time ratio to its plain kernel and to each peer
+    (>1: fusedattn is faster), and the SM clock the fwd+bwd timing ended at ('*': power-capped)."""
     lines = [f"{'variant':<30}{'system':<18}{'fwd ms':>9}{'f+b ms':>9}{'f+b TF/s':>10}{'peak GB':>9}"
-             f"{'ours vs this':>14}"]
+             f"{'ours vs this':>14}{'MHz':>7}"]
     ours = {r["variant"]: r for r in rows if r["system"] == "fusedattn" and "fwdbwd_ms" in r}
     for r in rows:
         if "fwdbwd_ms" not in r:
@@ -296,5 +298,6 @@ def table(rows: list[dict]) -> str:
         if mine is not None and r["system"] != "fusedattn":
             ratio = f"{r['fwdbwd_ms'] / mine['fwdbwd_ms']:.2f}x"
         lines.append(f"{r['variant']:<30}{r['system']:<18}{r['fwd_ms']:>9.3f}{r['fwdbwd_ms']:>9.3f}"
-                     f"{r['fwdbwd_tflops']:>10.1f}{r['step_peak_gb']:>9.2f}{ratio:>14}")
+                     f"{r['fwdbwd_tflops']:>10.1f}{r['step_peak_gb']:>9.2f}{ratio:>14}"
+                     f"{gpu_state.summary([r.get('gpu_state', {})]):>7}".rstrip())
     return "\n".join(lines)
