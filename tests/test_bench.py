@@ -91,7 +91,7 @@ def test_packed_rows_documents_fill_the_batch():
     assert packed.causal_flops([1, 3]) == 4.0 * packed.H * packed.D * (1 + 6)
 
 
-def test_gpu_state_reads_clock_power_and_what_limits_the_clock():
+def test_gpu_state_reads_clock_power_and_what_limits_the_clock(monkeypatch):
     from fusedattn.bench import gpu_state
 
     capped = gpu_state.parse("1575, 1980, 690.14, 700.00, 65, 0x0000000000000004")
@@ -104,11 +104,14 @@ def test_gpu_state_reads_clock_power_and_what_limits_the_clock():
     assert gpu_state.parse("No devices were found") == {}
     assert gpu_state.summary([boost, capped, capped]) == "1575*" and gpu_state.summary([boost]) == "1980"
     assert gpu_state.summary([{}]) == ""
+    assert gpu_state._smi_ids(0)[-1] == "0"  # nvidia-smi's index last, after the UUID where CUDA gives one
     # a merged row keeps every round's state and the table shows the middle clock
     rounds = [_row(fwd_ms=1.0, fwdbwd_ms=4.0, gpu_state=s) for s in (boost, capped, boost)]
     merged = merge_rounds(rounds)
     assert merged["gpu_state_rounds"] == [boost, capped, boost]
     assert table([merged]).splitlines()[1].endswith("1980*")
+    monkeypatch.setattr(gpu_state.shutil, "which", lambda name: None)
+    assert gpu_state.query(0) == {}  # no nvidia-smi: no state, and no failure
 
 
 def test_variant_rows_show_the_clock_their_timing_ended_at():

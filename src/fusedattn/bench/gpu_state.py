@@ -41,18 +41,36 @@ def parse(line: str) -> dict:
     return state
 
 
+def _smi_ids(device_index: int) -> list[str]:
+    """How nvidia-smi names torch's device ``device_index``: by its UUID first (nvidia-smi's own
+    indices ignore CUDA_VISIBLE_DEVICES), then by the index."""
+    ids = []
+    try:
+        import torch
+
+        uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
+        if uuid:
+            ids.append(f"GPU-{uuid}")
+    except Exception:  # noqa: BLE001  no CUDA, or properties without a UUID: the index alone
+        pass
+    return ids + [str(device_index)]
+
+
 def query(device_index: int = 0) -> dict:
-    """The state of GPU ``device_index`` now, or {} where nvidia-smi is missing or fails."""
+    """The state of torch's GPU ``device_index`` now, or {} where nvidia-smi is missing or fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {}
-    try:
-        done = subprocess.run([smi, f"--id={device_index}", f"--query-gpu={','.join(FIELDS)}",
-                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    lines = done.stdout.strip().splitlines()
-    return parse(lines[0]) if done.returncode == 0 and lines else {}
+    for smi_id in _smi_ids(device_index):
+        try:
+            done = subprocess.run([smi, f"--id={smi_id}", f"--query-gpu={','.join(FIELDS)}",
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return {}
+        lines = done.stdout.strip().splitlines()
+        if done.returncode == 0 and lines:
+            return parse(lines[0])
+    return {}
 
 
 def summary(states: list[dict]) -> str:
