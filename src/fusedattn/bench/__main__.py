@@ -147,7 +147,7 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
         fwdbwd_ms = _median_ms(step, grad_to_none=leaves)
         if torch.cuda.is_available():
             # the clock the sustained fwd+bwd timing ended at, and what limited it (gpu_state.py)
-            row["gpu_state"] = gpu_state.query(torch.cuda.current_device())
+            row["gpu_state"] = gpu_state.query()
             try:
                 with torch.no_grad():
                     row["graph_fwd_ms"] = _graph_ms(lambda: fn(q, k, v))
@@ -266,10 +266,9 @@ def table(rows: list[dict]) -> str:
             if "graph_fwdbwd_ms" in r and "graph_fwdbwd_ms" in mine:
                 graph_ratio = f"{r['graph_fwdbwd_ms'] / mine['graph_fwdbwd_ms']:.2f}x"
         graph = f"{r['graph_fwdbwd_ms']:.3f}" if "graph_fwdbwd_ms" in r else "-"
-        clock = gpu_state.summary(r.get("gpu_state_rounds") or [r.get("gpu_state", {})])
         lines.append(f"{r['case']:<28}{r['system']:<24}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}"
                      f"{r['fwdbwd_ms']:>9.3f}{r['fwdbwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}{graph:>11}"
-                     f"{ratio:>15}{graph_ratio:>9}{clock:>7}".rstrip())
+                     f"{ratio:>15}{graph_ratio:>9}{gpu_state.cell(r):>7}".rstrip())
     return "\n".join(lines)
 
 

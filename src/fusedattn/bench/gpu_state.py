@@ -56,11 +56,16 @@ def _smi_ids(device_index: int) -> list[str]:
     return ids + [str(device_index)]
 
 
-def query(device_index: int = 0) -> dict:
-    """The state of torch's GPU ``device_index`` now, or {} where nvidia-smi is missing or fails."""
+def query(device_index: int | None = None) -> dict:
+    """The state of torch's GPU ``device_index`` (default: the current one) now, or {} where
+    nvidia-smi is missing or fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {}
+    if device_index is None:
+        import torch
+
+        device_index = torch.cuda.current_device()
     for smi_id in _smi_ids(device_index):
         try:
             done = subprocess.run([smi, f"--id={smi_id}", f"--query-gpu={','.join(FIELDS)}",
@@ -81,3 +86,8 @@ def summary(states: list[dict]) -> str:
         return ""
     capped = any("power-cap" in s.get("clock_limited_by", ()) for s in states)
     return f"{clocks[len(clocks) // 2]:.0f}{'*' if capped else ''}"
+
+
+def cell(row: dict) -> str:
+    """``summary`` of a bench row's states: each round's (``gpu_state_rounds``) or its one."""
+    return summary(row.get("gpu_state_rounds") or [row.get("gpu_state", {})])

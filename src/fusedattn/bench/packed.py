@@ -141,7 +141,7 @@ def measure(name: str, data: Packed) -> dict:
     flops = causal_flops(data.lengths)
     row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, fwd_tflops=flops / fwd_ms * 1e-9,
                fwdbwd_tflops=3.5 * flops / fwdbwd_ms * 1e-9, step_peak_gb=peak_gb, fwdbwd_gpu_ms=gpu_ms,
-               gpu_state=gpu_state.query(torch.cuda.current_device()))  # the clock the timings ended at
+               gpu_state=gpu_state.query())  # the clock the timings ended at
     return row
 
 

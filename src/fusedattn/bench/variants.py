@@ -266,7 +266,7 @@ def measure(variant: Variant, system: str) -> dict:
     flops = 4 * B * H * S * S * D * kept
     row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, fwd_tflops=flops / fwd_ms * 1e-9,
                fwdbwd_tflops=3.5 * flops / fwdbwd_ms * 1e-9, step_peak_gb=peak_gb,
-               gpu_state=gpu_state.query(torch.cuda.current_device()))  # the clock the timing ended at
+               gpu_state=gpu_state.query())  # the clock the timing ended at
     return row
 
 
@@ -299,5 +299,5 @@ def table(rows: list[dict]) -> str:
             ratio = f"{r['fwdbwd_ms'] / mine['fwdbwd_ms']:.2f}x"
         lines.append(f"{r['variant']:<30}{r['system']:<18}{r['fwd_ms']:>9.3f}{r['fwdbwd_ms']:>9.3f}"
                      f"{r['fwdbwd_tflops']:>10.1f}{r['step_peak_gb']:>9.2f}{ratio:>14}"
-                     f"{gpu_state.summary([r.get('gpu_state', {})]):>7}".rstrip())
+                     f"{gpu_state.cell(r):>7}".rstrip())
     return "\n".join(lines)
