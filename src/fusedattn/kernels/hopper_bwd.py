@@ -291,18 +291,19 @@ def _skip(t, ready, empty, turn_bars, WG: gl.constexpr, NUM_STAGES: gl.constexpr
 
 
 @gluon.jit
-def _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr,
-             BLOCK_M: gl.constexpr, BIAS: gl.constexpr):
-    """DQ: this warpgroup's share of the step's dQ = scale * dS K, staged for the drain.
+def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BIAS: gl.constexpr):
+    """DQ: this warpgroup's dS^T of step t into shared memory for the dQ wgmmas of ``_dq_tile``,
+    fenced for the async proxy and, with dQ split by columns, announced to the other warpgroups.
+    ``_step`` calls it while this warpgroup's dV and dK wgmmas run.
 
-    Split by columns (``dq_cols`` < D: D=128, two warpgroups): dS^T into the step's shared dS
-    buffer; once every warpgroup's is there, dQ[:, 64 WG : 64 WG + 64] over all the program's keys.
-    dS is double-buffered by step parity: a warpgroup rewrites buffer t % 2 at step t + 2 only after
-    passing ds_bar at t + 1, which the others arrive on only after their dQ wgmmas of step t.
+    Split by columns (``dq_cols`` < D: D=128, two warpgroups): a slice of the step's shared dS
+    buffer per warpgroup, then an arrive on ds_bar. dS is double-buffered by step parity: a
+    warpgroup rewrites buffer t % 2 at step t + 2 only after passing ds_bar at t + 1, which the
+    others arrive on only after their dQ wgmmas of step t.
     Split by keys (``dq_cols`` = D: D=64, whose 128-byte K rows are one swizzle atom and cannot be
-    split by columns): dQ over this warpgroup's own 64 keys, all columns, from its own dS^T buffer
-    (rewritten a step later, after this step's wgmma has finished); the drain adds every
-    warpgroup's tile. No barrier between warpgroups.
+    split by columns): this warpgroup's own dS^T buffer (rewritten a step later, after this step's
+    dQ wgmma has finished); no barrier between warpgroups.
     BIAS (columns split only): dS is staged query-major instead -- a (queries x keys) tile, this
     warpgroup's keys a column slice, written transposed -- so that the drain can store it as the
     bias gradient (TMA cannot transpose); dQ's wgmma then reads it K-major."""
@@ -311,22 +312,40 @@ def _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT:
     HEAD_D: gl.constexpr = k_smem.shape[4]
     COLS: gl.constexpr = dq_s.shape[4]
     if COLS == HEAD_D:
-        ds_own = ds_s.index(WG)
-        ds_own.store(ds16)
+        ds_s.index(WG).store(ds16)
     elif BIAS:
         ds_buf = ds_s.index(t % 2).reshape([BLOCK_M, SPLIT * KEYS])
         ds_buf.slice(WG * KEYS, KEYS, dim=1).store(ds16.permute((1, 0)))
     else:
-        ds_buf = ds_s.index(t % 2)
-        ds_buf.slice(WG * KEYS, KEYS, dim=0).store(ds16)
+        ds_s.index(t % 2).slice(WG * KEYS, KEYS, dim=0).store(ds16)
     fence_async_shared()
     gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
+    if COLS != HEAD_D:
+        mbarrier.arrive(ds_bar.index(t % 2), count=1)
+
+
+@gluon.jit
+def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+             BIAS: gl.constexpr):
+    """DQ: this warpgroup's share of the step's dQ = scale * dS K from the dS^T ``_stage_ds`` staged,
+    staged in turn for the drain: with dQ split by columns, once every warpgroup's dS^T is there
+    (ds_bar), dQ[:, 64 WG : 64 WG + 64] over all the program's keys; split by keys, all columns over
+    this warpgroup's own 64 keys (the drain adds every warpgroup's tile). The chained wgmmas are
+    retired by one wait."""
+    ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
+    KEYS: gl.constexpr = k_smem.shape[3]
+    HEAD_D: gl.constexpr = k_smem.shape[4]
+    COLS: gl.constexpr = dq_s.shape[4]
     if COLS == HEAD_D:
+        ds_own = ds_s.index(WG)
         dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
                            use_acc=False)
     else:
-        mbarrier.arrive(ds_bar.index(t % 2), count=1)
         mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
+        if BIAS:
+            ds_buf = ds_s.index(t % 2).reshape([BLOCK_M, SPLIT * KEYS])
+        else:
+            ds_buf = ds_s.index(t % 2)
         dq = dq_zero
         for c in gl.static_range(SPLIT):
             k_cols = k_smem.index(c).reshape([KEYS, HEAD_D]).slice(WG * COLS, COLS, dim=1)
@@ -334,7 +353,8 @@ def _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT:
                 ds_keys = ds_buf.slice(c * KEYS, KEYS, dim=1)
             else:
                 ds_keys = ds_buf.slice(c * KEYS, KEYS, dim=0).permute((1, 0))
-            dq = warpgroup_mma(ds_keys, k_cols, dq, use_acc=c > 0)
+            dq = warpgroup_mma(ds_keys, k_cols, dq, use_acc=c > 0, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)  # the drain has reduced the previous step's
     dq_s.index(WG).reshape([BLOCK_M, COLS]).store(dq * scale)
     fence_async_shared()
@@ -405,12 +425,24 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
         dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
     ds16 = (p * dp).to(k_s.dtype)
+    # With DQ, dV and dK are issued together and retired by one wait, this step's dS^T staged for
+    # dQ under them: one wgmma round trip a step less, and the hand-off's store, fence and barrier
+    # off the critical path (D=128 dK/dV+dQ pass -4 to -7%, NOTES.md v44). Without DQ the pair
+    # gains one round trip only, and issued together they ran D=64 causal 6% slower: each waited.
+    ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
-        dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
-    dk = warpgroup_mma(gl.convert_layout(ds16, a_layout), q, dk)
+        p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
+        dv = warpgroup_mma(p_a, do, dv, is_async=DQ)
+    dk = warpgroup_mma(ds_a, q, dk, is_async=DQ)
+    if DQ:
+        _stage_ds(t, ds16, k_smem, dq_state, WG, SPLIT, BLOCK_M, BIAS)
+        if SOFTCAP:
+            dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
+        else:
+            dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p_a, ds_a])
     mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
     if DQ:
-        _dq_tile(t, ds16, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M, BIAS)
+        _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M, BIAS)
     return dk, dv
 
 

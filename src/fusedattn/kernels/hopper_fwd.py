@@ -454,20 +454,14 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_ba
         total_tiles = sched[0] * sched[1]
         loaded = 0  # key blocks loaded so far, over every tile
         for r in range(0, gl.cdiv(total_tiles, gl.num_programs(0)), 2):
-            t = _snake_tile(r, total_tiles)
-            if t < total_tiles:
-                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
-                loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty,
-                                          k_ready, v_ready, k_empty, v_empty, bias_state, bias_slices, tile, r,
-                                          loaded, ROWS, NQ, BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS,
-                                          BIAS, 0)
-            t = _snake_tile(r + 1, total_tiles)
-            if t < total_tiles:
-                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
-                loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty,
-                                          k_ready, v_ready, k_empty, v_empty, bias_state, bias_slices, tile, r + 1,
-                                          loaded, ROWS, NQ, BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS,
-                                          BIAS, 1)
+            for qbuf in gl.static_range(2):
+                t = _snake_tile(r + qbuf, total_tiles)
+                if t < total_tiles:
+                    tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
+                    loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars,
+                                              q_empty, k_ready, v_ready, k_empty, v_empty, bias_state, bias_slices,
+                                              tile, r + qbuf, loaded, ROWS, NQ, BLOCK_N, NUM_STAGES, PERSISTENT,
+                                              CAUSAL, LEFT, LISTS, BIAS, qbuf)
     else:
         _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
                          k_empty, v_empty, bias_state, bias_slices, own_tile, 0, 0, ROWS, NQ, BLOCK_N, NUM_STAGES,
@@ -573,20 +567,15 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
         total_tiles = sched[0] * sched[1]
         done = 0  # key blocks consumed so far, over every tile: the ring's slot and phase counter
         for r in range(0, gl.cdiv(total_tiles, gl.num_programs(0)), 2):
-            t = _snake_tile(r, total_tiles)
-            if t < total_tiles:
-                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
-                done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
-                                        v_empty, turn_bars, bias_state, Lse, sched, qk_scale, softcap_log2, tile, r,
-                                        done, WG, ROWS, NQ, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT,
-                                        SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN, 0)
-            t = _snake_tile(r + 1, total_tiles)
-            if t < total_tiles:
-                tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
-                done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
-                                        v_empty, turn_bars, bias_state, Lse, sched, qk_scale, softcap_log2, tile,
-                                        r + 1, done, WG, ROWS, NQ, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL,
-                                        LEFT, SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN, 1)
+            for qbuf in gl.static_range(2):
+                t = _snake_tile(r + qbuf, total_tiles)
+                if t < total_tiles:
+                    tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
+                    done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
+                                            k_empty, v_empty, turn_bars, bias_state, Lse, sched, qk_scale,
+                                            softcap_log2, tile, r + qbuf, done, WG, ROWS, NQ, BLOCK_N, HEAD_D,
+                                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
+                                            VARLEN, qbuf)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ, BLOCK_N,
