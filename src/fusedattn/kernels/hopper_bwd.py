@@ -428,7 +428,8 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     # With DQ, dV and dK are issued together and retired by one wait, this step's dS^T staged for
     # dQ under them: one wgmma round trip a step less, and the hand-off's store, fence and barrier
     # off the critical path (D=128 dK/dV+dQ pass -4 to -7%, NOTES.md v44). Without DQ the pair
-    # gains one round trip only, and issued together they ran D=64 causal 6% slower: each waited.
+    # saves the round trip only: D=128 0 to -4%, but D=64 causal +6%, and a mask's tile-list walk
+    # at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
     ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
         p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
