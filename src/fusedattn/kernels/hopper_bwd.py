@@ -253,7 +253,7 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
     (D=128), or all columns over its own keys (D=64, ``_dq_tile``). DBIAS: also the step's dS
-    (queries x the program's keys, staged query-major by ``_dq_tile``) stored as the bias gradient,
+    (queries x the program's keys, staged query-major by ``_stage_ds``) stored as the bias gradient,
     one program per entry (a bias of the full (B, Hq, Sq, Sk) shape), rows past Sq and keys past Sk
     clipped. Without DQ: nothing. With VARLEN the rows past Sq are the next sequence's: their dS is
     0 (lse2 = +inf in the statistics' padding), so their reduce-adds add zeros."""
@@ -681,7 +681,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         if DQ_COLS == HEAD_D:  # each warpgroup's own dS^T (its wgmmas finish before it writes again)
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [SPLIT, KEYS, BLOCK_M], ds_layout)
-        elif BIAS:  # query-major, laid out as the bias gradient's TMA tiles (``_dq_tile``)
+        elif BIAS:  # query-major, laid out as the bias gradient's TMA tiles (``_stage_ds``)
             ds_s = gl.allocate_shared_memory(dtype, [2, 1, 1, BLOCK_M, BLOCK_N], bias_desc.layout)
         else:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
