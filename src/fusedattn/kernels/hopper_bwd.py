@@ -291,8 +291,17 @@ def _skip(t, ready, empty, turn_bars, WG: gl.constexpr, NUM_STAGES: gl.constexpr
 
 
 @gluon.jit
-def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BIAS: gl.constexpr):
+def _ds_buffer(ds_s, t, BIAS: gl.constexpr):
+    """DQ split by columns: step t's shared dS buffer (double-buffered by parity) as ``_stage_ds``
+    writes it and ``_dq_tile`` reads it -- (keys x queries), or with BIAS (queries x keys)."""
+    buf = ds_s.index(t % 2)
+    if BIAS:
+        buf = buf.reshape([ds_s.shape[3], ds_s.shape[4]])
+    return buf
+
+
+@gluon.jit
+def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
     """DQ: this warpgroup's dS^T of step t into shared memory for the dQ wgmmas of ``_dq_tile``,
     fenced for the async proxy and, with dQ split by columns, announced to the other warpgroups.
     ``_step`` calls it while this warpgroup's dV and dK wgmmas run.
@@ -314,10 +323,9 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, SPLIT: gl.constexpr, 
     if COLS == HEAD_D:
         ds_s.index(WG).store(ds16)
     elif BIAS:
-        ds_buf = ds_s.index(t % 2).reshape([BLOCK_M, SPLIT * KEYS])
-        ds_buf.slice(WG * KEYS, KEYS, dim=1).store(ds16.permute((1, 0)))
+        _ds_buffer(ds_s, t, BIAS).slice(WG * KEYS, KEYS, dim=1).store(ds16.permute((1, 0)))
     else:
-        ds_s.index(t % 2).slice(WG * KEYS, KEYS, dim=0).store(ds16)
+        _ds_buffer(ds_s, t, BIAS).slice(WG * KEYS, KEYS, dim=0).store(ds16)
     fence_async_shared()
     gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
     if COLS != HEAD_D:
@@ -342,10 +350,7 @@ def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.co
                            use_acc=False)
     else:
         mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
-        if BIAS:
-            ds_buf = ds_s.index(t % 2).reshape([BLOCK_M, SPLIT * KEYS])
-        else:
-            ds_buf = ds_s.index(t % 2)
+        ds_buf = _ds_buffer(ds_s, t, BIAS)
         dq = dq_zero
         for c in gl.static_range(SPLIT):
             k_cols = k_smem.index(c).reshape([KEYS, HEAD_D]).slice(WG * COLS, COLS, dim=1)
@@ -436,7 +441,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         dv = warpgroup_mma(p_a, do, dv, is_async=DQ)
     dk = warpgroup_mma(ds_a, q, dk, is_async=DQ)
     if DQ:
-        _stage_ds(t, ds16, k_smem, dq_state, WG, SPLIT, BLOCK_M, BIAS)
+        _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
         if SOFTCAP:
             dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
         else:
