@@ -172,6 +172,11 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
             problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
                                             flags["HAS_SOFTCAP"], flags["HAS_LEFT"], flags["HAS_MASK"],
                                             varlen=flags["VARLEN"])
+    gluon_dq = configs.gluon_dq
+    if (gluon_dq is not None and tma_loads and gluon_runs and not flags["HAS_SOFTCAP"] and not flags["HAS_MASK"]
+            and not flags["VARLEN"]):  # where dQ has a pass of its own (deterministic mode), the Gluon one
+        problems += _report_hopper_forward(head_dim, dtype, gluon_dq, flags["HAS_RIGHT"], left=flags["HAS_LEFT"],
+                                           grad_q=True)
     gluon_dkdv_bias = (flags["HAS_BIAS"] and flags["BIAS_TMA"] and not flags["HAS_SOFTCAP"] and not flags["HAS_SINKS"]
                        and flags["DBIAS"] == bwd.DBIAS_STORE and configs.atomic_dq and head_dim == 128)
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_dkdv_bias:  # the 5-matmul form only
@@ -200,11 +205,12 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
 
 def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
-                           lists: bool = False, bias: bool = False, persistent: bool = False, varlen: bool = False):
+                           lists: bool = False, bias: bool = False, persistent: bool = False, varlen: bool = False,
+                           grad_q: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
     ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype,
     ``persistent``: the tile loop of a launch of fewer programs than tiles, ``varlen``: packed
-    sequences (warp-specialised kernel)."""
+    sequences (warp-specialised kernel); ``grad_q``: the same kernel as the backward's dQ pass."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, cols: int = head_dim) -> str:
@@ -217,11 +223,12 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
                           PERSISTENT=persistent, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                          CONSUMER_REGS=consumer_regs, num_warps=num_warps)
+                          CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, num_warps=num_warps)
         list_args = dict(head_rows="i32", tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
                          list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),
-                         bias_batches="i32", bias_head_div="i32", lse_head_stride="i32", Out=f"*{dtype}",
-                         stride_out_row="i32", stride_out_head="i32")
+                         bias_batches="i32", bias_head_div="i32", lse_head_stride="i32",
+                         Out="*fp32" if grad_q else f"*{dtype}", stride_out_row="i32", stride_out_head="i32",
+                         do_desc=desc(rows))
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
@@ -242,17 +249,17 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
                            lists: bool = False, bias: bool = False, persistent: bool = False,
-                           varlen: bool = False) -> int:
+                           varlen: bool = False, grad_q: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
-    shown = (f"forward (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}"
+    shown = (f"{'dQ pass' if grad_q else 'forward'} (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}"
              f"{', persistent' if persistent else ''}{', packed' if varlen else ''}) {rows}x{cfg.block_n} "
              f"s{cfg.num_stages}")
     try:
-        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias, persistent, varlen)
+        r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias, persistent, varlen, grad_q)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1

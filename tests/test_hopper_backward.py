@@ -308,9 +308,13 @@ def test_biases_the_gluon_pass_does_not_take_run_the_triton_passes(case, bias_la
 
 def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
     """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not); at
-    D=128 outside deterministic mode it sums dQ too (no Triton launch), else the dQ pass runs."""
+    D=128 outside deterministic mode it sums dQ too (no Triton launch); in deterministic mode the
+    Gluon dQ pass (hopper_fwd.dq_pass) runs; at D=64 the Triton dQ pass."""
+    from fusedattn.kernels import hopper_fwd
+
     triton_launches = launcher_constexprs(monkeypatch, bwd._backward_kernel,
                                           lambda constexprs: (constexprs["RUN_DKDV"], constexprs["RUN_DQ"]))
+    gluon_dq_launches = record_launches(monkeypatch, hopper_fwd, "dq_pass")
     for head_dim, causal, deterministic in [(64, False, False), (128, True, False), (128, False, True)]:
         configs = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim)
         assert configs.dkdv.hopper_overlap is not None and configs.dkdv.hopper_split in (2, 3)
@@ -318,4 +322,5 @@ def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
         check_case(Case(1, 2, 2, 250, 250, head_dim, causal=causal, deterministic=deterministic,
                         dtype=torch.bfloat16), "triton", "cuda")
     assert gluon_launches == [True, True, True]
-    assert triton_launches == [(False, True)] * 2  # the dQ pass alone, at D=64 and in deterministic mode
+    assert triton_launches == [(False, True)]  # the dQ pass alone, at D=64
+    assert gluon_dq_launches == [True]  # deterministic mode at D=128

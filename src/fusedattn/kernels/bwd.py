@@ -699,6 +699,10 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
                                   dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias, packing)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return _dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
+    if gluon_dkdv and not atomic_dq:  # dQ by the Gluon dQ pass, where it takes the problem
+        dq = gluon_dq_pass(q, k, v, dout, lse2, delta, spec, configs, mask, bias, packing)
+        if dq is not None:
+            return dq, dk, dv, dbias, dsinks
     if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
         dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
     dq_tma = atomic_dq and configs.dq_tma and packing is None
@@ -970,7 +974,8 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     padded_d = cdiv(head_dim, 4) * 4 if atomic_dq else 0
     pre_block_m = configs.preprocess_block_m
-    row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, 16)
+    gluon_dq_rows = configs.gluon_dq.hopper_split * 64 if configs.gluon_dq is not None else 0
+    row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, gluon_dq_rows, 16)
     padded_rows = cdiv(seqlen_q, row_multiple) * row_multiple
     zero_dq = atomic_dq
     preprocess = Launcher(
@@ -1039,6 +1044,22 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbia
         seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right, lse2.shape[1],
         *score_constants(spec), bias_batches, bias_heads, q_tiles, k_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **sums, **flags, num_warps=cfg.num_warps, num_stages=1)
+
+
+def gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
+                  packing: Packing | None) -> torch.Tensor | None:
+    """dQ by the warp-specialised forward's kernel run as the dQ pass (``hopper_fwd.dq_pass``:
+    same arithmetic as the Triton dQ programs, each row summed in a fixed order) where the configs
+    name one (``gluon_dq``) and it takes the problem; else None, nothing launched."""
+    config = configs.gluon_dq
+    if config is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias):
+        return None
+    from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
+
+    if not hopper_fwd.takes_dq_pass(config, spec, mask, bias, packing):
+        return None
+    dq = torch.empty_like(q)
+    return dq if hopper_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config) else None
 
 
 def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:

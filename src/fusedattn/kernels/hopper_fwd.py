@@ -87,6 +87,25 @@ def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STA
 
 
 @gluon.jit
+def _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                 CAUSAL: gl.constexpr, LEFT: gl.constexpr):
+    """Scores s (rows x keys [key_start, + BLOCK_N)) with the pairs SPEC 3.2 drops set to -inf, for
+    the windows these kernels take: causal or not on the right, any left; keys past Sk dropped.
+    ``rule`` = (Sk - Sq, left window)."""
+    diag, window_left = rule
+    cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    cols2 = gl.expand_dims(cols, 0)
+    if LEFT:
+        first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
+        keep = in_window(cols2, gl.expand_dims(first, 1), gl.expand_dims(last, 1))
+    else:
+        keep = cols2 < seq_k
+        if CAUSAL:
+            keep = keep & (cols2 <= gl.expand_dims(rows, 1) + diag)
+    return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
 def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias, BLOCK_N: gl.constexpr,
                     s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
                     SOFTCAP: gl.constexpr, BIAS: gl.constexpr):
@@ -105,18 +124,8 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
     if BIAS:
         s = s * qk_scale + bias * 1.4426950408889634  # log2(e)
         qk_scale = 1.0
-    if MASK:  # SPEC 3.2 for the windows these kernels take: causal or not on the right, any left
-        diag, window_left = rule
-        cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        cols2 = gl.expand_dims(cols, 0)
-        if LEFT:
-            first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
-            keep = in_window(cols2, gl.expand_dims(first, 1), gl.expand_dims(last, 1))
-        else:
-            keep = cols2 < seq_k
-            if CAUSAL:
-                keep = keep & (cols2 <= gl.expand_dims(rows, 1) + diag)
-        s = gl.where(keep, s, -float("inf"))
+    if MASK:
+        s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if MASK or BIAS:
         # A row with no visible key so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -158,6 +167,17 @@ def _epilogue(acc, m_i, l_i, rows, Lse, lse_base, seq_q, q, q_buf, o_desc, batch
         gl.thread_barrier()  # in a warp-specialised partition: a named barrier over its own warps
         tma.async_copy_shared_to_global(o_desc, [batch, head, m0, 0], q_buf)
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dq_epilogue(acc, qk_scale, q, q_buf, dq_desc, batch, head, m0):
+    """The dQ pass's output: dQ = scale * sum dS K (scale = qk_scale / log2 e) in q's dtype, out
+    through the (retired) Q buffer by TMA, which clips rows past the head's length."""
+    q.store((acc * (qk_scale * 0.6931471805599453)).to(q.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(dq_desc, [batch, head, m0, 0], q_buf)
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -443,9 +463,10 @@ def _ws_tile(t, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.
 
 @gluon.jit
 def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty,
-                 v_empty, bias_state, bias_slices, sched, own_tile, ROWS: gl.constexpr, NQ: gl.constexpr,
+                 v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS: gl.constexpr, NQ: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr,
-                 LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr, VARLEN: gl.constexpr):
+                 LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr, VARLEN: gl.constexpr,
+                 GRAD_Q: gl.constexpr):
     """The program's tile (``own_tile``, ``_ws_tile`` of its id), or with PERSISTENT each of its tiles
     in turn (``_snake_tile``)."""
     if PERSISTENT:
@@ -460,27 +481,28 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_ba
                     tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
                     loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars,
                                               q_empty, k_ready, v_ready, k_empty, v_empty, bias_state, bias_slices,
-                                              tile, r + qbuf, loaded, ROWS, NQ, BLOCK_N, NUM_STAGES, PERSISTENT,
-                                              CAUSAL, LEFT, LISTS, BIAS, qbuf)
+                                              grad_in, tile, r + qbuf, loaded, ROWS, NQ, BLOCK_N, NUM_STAGES,
+                                              PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, qbuf, GRAD_Q)
     else:
         _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, bias_state, bias_slices, own_tile, 0, 0, ROWS, NQ, BLOCK_N, NUM_STAGES,
-                         PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, 0)
+                         k_empty, v_empty, bias_state, bias_slices, grad_in, own_tile, 0, 0, ROWS, NQ, BLOCK_N,
+                         NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, 0, GRAD_Q)
 
 
 @gluon.jit
 def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, bias_state, bias_slices, tile, r, loaded, ROWS: gl.constexpr,
+                     k_empty, v_empty, bias_state, bias_slices, grad_in, tile, r, loaded, ROWS: gl.constexpr,
                      NQ: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
                      CAUSAL: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                     QBUF: gl.constexpr):
+                     QBUF: gl.constexpr, GRAD_Q: gl.constexpr):
     """``tile`` (``_ws_tile``), the program's ``r``-th: Q into Q buffer QBUF (with PERSISTENT, round r's
     parity; buffer 0 where there is one) once the consumers handed it back (they stage in it the
     output of the tile that used it before), then per key block K, each consumer's bias tile (BIAS:
     ``bias_state`` = its ring and barriers; ``bias_slices`` = (bias_batches, bias_head_div)) and V,
     in the order the consumers use them. The ring's slots and phases count key blocks over all of
     the program's tiles (``loaded`` before this one; returned after it), so the next tile's first
-    blocks load while the consumers finish this one."""
+    blocks load while the consumers finish this one. GRAD_Q (the dQ pass): dO too, ``grad_in`` =
+    (its descriptor, its buffers)."""
     _, batch, head, head_kv, m0, tiles, seq = tile
     q_row0 = seq[2] + m0  # rows and keys of packed sequences (VARLEN) are offset by their sequence's first
     k_start = seq[3]
@@ -489,7 +511,13 @@ def _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, 
         b = (QBUF % Q_BUFFERS) * NQ + w
         if PERSISTENT:  # the buffer's (r // Q_BUFFERS)-th use; a fresh mbarrier counts as phase 1 complete
             mbarrier.wait(q_empty.index(b), ((r // Q_BUFFERS) & 1) ^ 1)
-        mbarrier.expect(q_bars.index(b), q_desc.block_type.nbytes)
+        if GRAD_Q:  # the dQ pass: dO's rows beside Q's, on the same barrier
+            do_desc, do_smem = grad_in
+            mbarrier.expect(q_bars.index(b), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [batch, head, q_row0 + w * ROWS, 0], q_bars.index(b),
+                                            do_smem.index(b))
+        else:
+            mbarrier.expect(q_bars.index(b), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, head, q_row0 + w * ROWS, 0], q_bars.index(b),
                                         q_smem.index(b))
     bias_at = (batch * bias_slices[0], head // bias_slices[1])
@@ -531,11 +559,47 @@ def _bias_tile(bias_state, j, WG: gl.constexpr, NUM_STAGES: gl.constexpr, s_layo
 
 
 @gluon.jit
+def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, lse2, delta, s_zero, j,
+                key_start, rows, seq_k, rule, qk_scale, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
+                LEFT: gl.constexpr, MASK: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """The dQ pass's step (GRAD_Q): S = Q K^T and dP = dO V^T issued together (the turn covers both),
+    P = exp2(S * qk_scale - lse2) from the pre-pass's row statistics (lse2 = +inf on a row with no
+    visible key: P = 0), dS = P (dP - delta), dQ += dS K with dS a register operand -- the Triton dQ
+    pass's arithmetic (``bwd._dq_tiles``). V's slot goes back once dP is done, K's after dS K."""
+    slot = j % NUM_STAGES
+    k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
+    v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
+    turn_wait(turn_bars, j, WG, PINGPONG)
+    s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    turn_pass(turn_bars, WG, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+    if MASK:
+        s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
+    mbarrier.arrive(v_empty.index(slot), count=1)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    ds = gl.convert_layout(ds.to(k.dtype), p_layout)
+    acc = warpgroup_mma(ds, k, acc)
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    return acc
+
+
+@gluon.jit
 def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc, m_i, l_i, s_zero, j,
              key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
              CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr, BIAS: gl.constexpr):
+             PINGPONG: gl.constexpr, BIAS: gl.constexpr, do, GRAD_Q: gl.constexpr):
+    """Key block j of a tile on one warpgroup: the forward's online-softmax step, or with GRAD_Q the
+    dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only)."""
+    if GRAD_Q:
+        acc = _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
+                          s_zero, j, key_start, rows, seq_k, rule, qk_scale, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
+                          p_layout, CAUSAL, LEFT, MASK, WG, PINGPONG)
+        return acc, m_i, l_i
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     turn_wait(turn_bars, j, WG, PINGPONG)
     s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -558,10 +622,11 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
 
 @gluon.jit
 def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                 bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, WG: gl.constexpr, ROWS: gl.constexpr,
-                 NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                 PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr, VARLEN: gl.constexpr):
+                 bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, WG: gl.constexpr,
+                 ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                 SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
+                 VARLEN: gl.constexpr, GRAD_Q: gl.constexpr):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
     if PERSISTENT:  # rounds in pairs, as the producer: Q buffer 0 for even rounds, 1 for odd ones
         total_tiles = sched[0] * sched[1]
@@ -572,30 +637,34 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                 if t < total_tiles:
                     tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
                     done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
-                                            k_empty, v_empty, turn_bars, bias_state, Lse, sched, qk_scale,
+                                            k_empty, v_empty, turn_bars, bias_state, grad_in, Lse, sched, qk_scale,
                                             softcap_log2, tile, r + qbuf, done, WG, ROWS, NQ, BLOCK_N, HEAD_D,
                                             NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                                            VARLEN, qbuf)
+                                            VARLEN, qbuf, GRAD_Q)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                         bias_state, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ, BLOCK_N,
-                         HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS, VARLEN, 0)
+                         bias_state, grad_in, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ,
+                         BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
+                         VARLEN, 0, GRAD_Q)
 
 
 @gluon.jit
 def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                     bias_state, Lse, sched, qk_scale, softcap_log2, tile, r, done, WG: gl.constexpr,
+                     bias_state, grad_in, Lse, sched, qk_scale, softcap_log2, tile, r, done, WG: gl.constexpr,
                      ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                     VARLEN: gl.constexpr, QBUF: gl.constexpr):
+                     VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th, its Q in
     buffer QBUF where there are two), on one warpgroup: every one of the tile's key blocks (the producer loads each once for all), with the mask on
     those not interior to this warpgroup's rows. With LISTS the host's list says which: its full
     blocks first (no mask), then the partial ones (the keep rule; the Gluon kernels take only masks
     whose tiles are all empty or full, so the mask itself is never read). ``done``: key blocks the
     program consumed before this tile (the ring's slot and phase count; returned after it). The Q
-    buffer goes back to the producer once the tile's output, staged in it, is stored."""
+    buffer goes back to the producer once the tile's output, staged in it, is stored.
+    GRAD_Q (the dQ pass): ``grad_in`` = (dO's descriptor, its buffers); the row state is the
+    pre-pass's (lse2, delta) rows (``Lse``, and ``sched``'s O pointer and lse head stride: the
+    statistics' row stride), and the output dQ (``o_desc``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -620,32 +689,41 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
         n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
-    m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
+    if GRAD_Q:  # the row state: lse2 and delta, rows padded past Sq (lse2 = +inf there)
+        stats = pid_bh.to(gl.int64) * sched[13] + rows
+        m_i = gl.load(Lse + stats)
+        l_i = gl.load(sched[14] + stats)
+    else:
+        m_i = gl.full([ROWS], -float("inf"), gl.float32, layout=row_s)
+        l_i = gl.zeros([ROWS], gl.float32, layout=row_s)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, layout=o_layout)
     Q_BUFFERS: gl.constexpr = q_smem.shape[0] // NQ
     q_index: gl.constexpr = (QBUF % Q_BUFFERS) * NQ + WG
     q_buf = q_smem.index(q_index)
     mbarrier.wait(q_bars.index(q_index), (r // Q_BUFFERS) & 1)
     q = q_buf.reshape([ROWS, HEAD_D])
+    do = grad_in[1].index(q_index).reshape([ROWS, HEAD_D])  # GRAD_Q: dO's rows (else Q's, never read)
     if LEFT and not LISTS:
         for j in range(0, n_lead):
             acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
                                      bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                     o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS)
+                                     o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
                                  BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
-                                 SOFTCAP, WG, PINGPONG, BIAS)
+                                 SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
     for j in range(n_inner, n_blocks):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                 o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS)
-    _epilogue(acc, m_i, l_i, rows, Lse, seq[4], seq_q, q, q_buf, o_desc, batch, head, mw, row_o,
-              (sched[14], sched[15], sched[16], seq[2]), o_layout, VARLEN)
+                                 o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
+    if GRAD_Q:
+        _dq_epilogue(acc, qk_scale, q, q_buf, o_desc, batch, head, mw)
+    else:
+        _epilogue(acc, m_i, l_i, rows, Lse, seq[4], seq_q, q, q_buf, o_desc, batch, head, mw, row_o,
+                  (sched[14], sched[15], sched[16], seq[2]), o_layout, VARLEN)
     if PERSISTENT:
         mbarrier.arrive(q_empty.index(q_index), count=1)
     return done + n_blocks
@@ -658,11 +736,12 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
                         softcap_log2, query_blocks, chunk_heads, head_rows, tile_lists, list_stride_b, list_stride_h,
                         list_stride_r, list_head_div, bias_desc, bias_batches, bias_head_div, lse_head_stride, Out,
-                        stride_out_row, stride_out_head,
+                        stride_out_row, stride_out_head, do_desc,
                         BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                         SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
                         LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                        GRAD_Q: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        num_warps: gl.constexpr):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
@@ -679,8 +758,16 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     (varlen_attention): ``tile_lists`` is the host's map of the launch's ``query_blocks`` (sequence,
     query block) entries (packed_tiles.py), every head taking each in turn; the descriptors view
     the packed (1, H, total rows, D) tensors, each tile offset by its sequence's first row; lse is
-    (Hq, ``lse_head_stride``) and O (``Out``) is stored by pointers (``_epilogue``)."""
+    (Hq, ``lse_head_stride``) and O (``Out``) is stored by pointers (``_epilogue``).
+
+    GRAD_Q: the backward's dQ pass on the same tiles, walk and schedule (``dq_pass``): the producer
+    loads dO (``do_desc``) beside Q, each key block's step is ``_ws_dq_step`` (S, dP, dS, dQ += dS K)
+    and the output is dQ (``o_desc``); ``Lse`` and ``Out`` are the pre-pass's lse2 and delta,
+    ``lse_head_stride`` their row stride. Each dQ row is summed by one warpgroup in a fixed order:
+    bitwise reproducible (deterministic mode's dQ)."""
     gl.static_assert(not (VARLEN and (LISTS or BIAS or PERSISTENT)), "packed sequences: no mask, bias, persistence")
+    gl.static_assert(not (GRAD_Q and (VARLEN or LISTS or BIAS or PERSISTENT or SOFTCAP)),
+                     "the dQ pass: no packed sequences, mask, bias, persistence or softcap")
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
@@ -730,40 +817,44 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
         bias_state = (bias_ring, b_ready, b_empty)
     else:
         bias_state = (k_ready, k_ready, k_ready)  # never read
+    if GRAD_Q:  # dO's rows, one buffer per Q buffer
+        grad_in = (do_desc, gl.allocate_shared_memory(dtype, [Q_BUFFERS * SPLIT, 1, 1, ROWS, HEAD_D], do_desc.layout))
+    else:
+        grad_in = (q_desc, q_smem)  # never read
     fence_async_shared()
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
     if SPLIT == 2:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                            VARLEN)),
+                            turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
+                            SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS, VARLEN, GRAD_Q)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                            VARLEN)),
+                            turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
+                            SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS, VARLEN, GRAD_Q)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
-                            v_ready, k_empty, v_empty, bias_state, bias_slices, sched, own_tile, ROWS, SPLIT, BLOCK_N,
-                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN)),
+                            v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
+                            BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                            VARLEN)),
+                            turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
+                            SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS, VARLEN, GRAD_Q)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                            VARLEN)),
+                            turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
+                            SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS, VARLEN, GRAD_Q)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
-                            turn_bars, bias_state, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS, SPLIT,
-                            BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                            VARLEN)),
+                            turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS,
+                            SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
+                            BIAS, VARLEN, GRAD_Q)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
-                            v_ready, k_empty, v_empty, bias_state, bias_slices, sched, own_tile, ROWS, SPLIT, BLOCK_N,
-                            NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN)),
+                            v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
+                            BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -821,7 +912,8 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
         bias_desc, bias_slices = descs[0], None
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, tuple(lists[1:]),
                                  tile_lists is not None, bias_slices, q.device.index, (hopper.CHUNK_HEADS, PROGRAMS))
-    per_call = (*descs, lse, lists[0], bias_desc, lse)  # the last: the packed forward's O pointer (unused)
+    # then the packed forward's O pointer and the dQ pass's dO descriptor (unused here)
+    per_call = (*descs, lse, lists[0], bias_desc, lse, descs[0])
     launcher(*per_call[:len(launcher.slots)])  # the 8-warp kernel takes no lists or bias
     return True
 
@@ -854,10 +946,10 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     return Launcher(
         _attn_fwd_ws_kernel, grid, (*args, batch * heads_q, SLOT, *list_strides, SLOT, *(bias_slices or (0, 1)),
-                                    0, SLOT, 0, 0),
+                                    0, SLOT, 0, 0, SLOT),
         BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
         NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
-        BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, PRODUCER_REGS=producer_regs,
+        BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=False, PRODUCER_REGS=producer_regs,
         CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
 
 
@@ -880,7 +972,7 @@ def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig
     launcher = _packed_forward_launcher(q4.shape, k4.shape[1], out_rows.stride()[1:3], spec, config,
                                         q.device.index, hopper.CHUNK_HEADS)
     # Q's descriptor stands in the O and bias descriptor slots (never read with VARLEN)
-    launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, grid=(entries * q4.shape[1],))
+    launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, descs[0], grid=(entries * q4.shape[1],))
     return True
 
 
@@ -889,15 +981,64 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
                              config: KernelConfig, device_index: int, chunk_knob) -> Launcher:
     """The packed forward's launch for one problem (shapes, not lengths); each call passes the Q, K,
     V, O descriptors, lse, the map's entry count, the map, the bias descriptor and O, with its grid
-    (entries x heads)."""
+    (entries x heads) and a placeholder for the dQ pass's dO descriptor."""
     heads_q, total_q, head_dim = q_shape[1], q_shape[2], q_shape[3]
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = (SLOT, SLOT, SLOT, SLOT, SLOT, 0, 0, heads_q, heads_q // heads_kv, spec.window_left,
             *score_constants(spec), SLOT, hopper.packed_chunk_heads(heads_q), heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
-            total_q, SLOT, out_strides[1], out_strides[0])
+            total_q, SLOT, out_strides[1], out_strides[0], SLOT)
     return Launcher(_attn_fwd_ws_kernel, None, args, BLOCK_N=config.block_n, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
-                    LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True, PRODUCER_REGS=producer_regs,
+                    LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True, GRAD_Q=False, PRODUCER_REGS=producer_regs,
                     CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
 
+
+
+def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelConfig) -> bool:
+    """The backward's dQ pass on the warp-specialised forward's skeleton (``GRAD_Q``): dQ (q's
+    layout, dtype and strides) from the pre-pass's lse2 and delta ((B * Hq, padded rows) fp32, rows
+    padded to a multiple of the tile height, lse2 = +inf past Sq). ``config``: a warp-specialised
+    forward config (``hopper_split`` warpgroups of 64 query rows, ``block_n`` keys a step). False,
+    nothing launched, where a tensor cannot go through TMA (the caller runs the Triton dQ pass).
+    The caller checks the problem: no mask, bias, softcap or packed sequences (``takes_dq_pass``)."""
+    layout = spec.layout
+    descs = [descriptor(q, WG_ROWS, layout), descriptor(k, config.block_n, layout),
+             descriptor(v, config.block_n, layout), descriptor(dq, WG_ROWS, layout), descriptor(dout, WG_ROWS, layout)]
+    if any(d is None for d in descs):
+        return False
+    q_shape, k_shape = descs[0].shape, descs[1].shape  # (B, H, S, D)
+    launcher = _dq_launcher(tuple(q_shape), k_shape[1], k_shape[2], lse2.stride(0), spec, config, q.device.index,
+                            hopper.CHUNK_HEADS)
+    q_desc, k_desc, v_desc, dq_desc, do_desc = descs
+    launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc)  # no tile lists or bias
+    return True
+
+
+def takes_dq_pass(config: KernelConfig, spec: AttentionSpec, mask, bias, packing) -> bool:
+    """Whether the dQ pass of ``dq_pass`` runs a problem the Gluon kernels take (``hopper_supports``):
+    a warp-specialised config, no mask, bias, softcap or packed sequences."""
+    return (config.hopper_split in (2, 3) and mask is None and bias is None and packing is None
+            and not spec.has_softcap)
+
+
+@per_problem
+def _dq_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, stats_stride: int, spec: AttentionSpec,
+                 config: KernelConfig, device_index: int, chunk_knob) -> Launcher:
+    """The dQ pass's launch for one problem: one program per tile, heaviest first in chunks of heads
+    as the forward; each call passes the Q, K, V, dQ descriptors, lse2, a placeholder, delta and
+    the dO descriptor (with placeholders for the tile lists and the bias descriptor)."""
+    batch, heads_q, seqlen_q, head_dim = q_shape
+    device = torch.device("cuda", device_index)
+    causal = spec.window_right == 0
+    query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split)
+    chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, device)
+    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
+    args = (SLOT, SLOT, SLOT, SLOT, SLOT, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left,
+            *score_constants(spec), query_blocks, chunk, batch * heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
+            stats_stride, SLOT, 0, 0, SLOT)
+    return Launcher(_attn_fwd_ws_kernel, (batch * heads_q * query_blocks,), args, BLOCK_N=config.block_n,
+                    HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=False,
+                    NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
+                    LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=False, GRAD_Q=True,
+                    PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)

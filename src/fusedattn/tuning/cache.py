@@ -61,6 +61,8 @@ def configs_to_dict(configs: AttentionConfigs) -> dict:
 
 def configs_from_dict(data: dict) -> AttentionConfigs:
     kernels = {name: KernelConfig(**data[name]) for name in ("forward", "dkdv", "dq")}
+    if data.get("gluon_dq") is not None:
+        kernels["gluon_dq"] = KernelConfig(**data["gluon_dq"])
     return AttentionConfigs(**{**data, **kernels})
 
 

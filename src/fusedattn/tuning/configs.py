@@ -52,6 +52,9 @@ class AttentionConfigs:
     # (5 matmuls per tile instead of 7); on Hopper those atomics can be TMA bulk reduce-adds.
     atomic_dq: bool = False
     dq_tma: bool = False
+    # The dQ pass on the warp-specialised Gluon forward's skeleton (kernels/hopper_fwd.py, GRAD_Q)
+    # where it takes the problem (``hopper_fwd.takes_dq_pass``); else ``dq`` (Triton).
+    gluon_dq: KernelConfig | None = None
 
 
 _pinned: AttentionConfigs | None = None
@@ -142,8 +145,14 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         # reduce-adds (NOTES.md v19/v20): the whole backward -10 to -14% vs the dQ pass. That only
         # applies with deterministic=False; deterministic calls keep the dQ pass above (bwd.py).
         dq_by_atomics = head_dim == 128
+        # Where dQ has a pass of its own at D=128 (deterministic mode): the forward's warp-specialised
+        # kernel as the dQ pass, 2 warpgroups of 64 rows taking turns over S and dP, 64-key steps:
+        # -10 to -21% of the Triton dQ pass's time (H200, NOTES.md v45). At D=64 (the dQ pass in
+        # every mode) the Triton pass stays: the Gluon one was 2-9% slower a step in every schedule.
+        gluon_dq = (KernelConfig(128, 64, 4, 3, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=1)
+                    if head_dim == 128 else None)
         return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64,
-                                atomic_dq=dq_by_atomics, dq_tma=dq_by_atomics)
+                                atomic_dq=dq_by_atomics, dq_tma=dq_by_atomics, gluon_dq=gluon_dq)
     return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
 
 
