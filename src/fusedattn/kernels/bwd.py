@@ -13,9 +13,11 @@ dQ is summed one of two ways, as the launch config says (tuning/configs.py):
   enters only here: d lse / d s = p, so ds = p * (dp - delta).
 - on Hopper, where the dK/dV config names it and the problem allows (``fwd.hopper_supports``: a
   mask only if none of its 128x128 tiles is partial): the warp-specialised Gluon pass of
-  ``hopper_bwd.py``: dK/dV, then the dQ programs below alone; or, with dQ by atomics at D=128, the
-  whole backward in that pass (dQ by TMA reduce-adds), a 16-bit bias read and its gradient stored
-  there too (``gluon_dkdv_takes_bias``);
+  ``hopper_bwd.py``: dK/dV, then dQ by a pass of its own -- the warp-specialised Gluon forward's
+  kernel in its dQ mode where the configs name one (``gluon_dq``: D=128) and the problem has no
+  mask, bias, softcap or packing (``gluon_dq_pass``), else the dQ programs below alone; or, with
+  dQ by atomics at D=128, the whole backward in that pass (dQ by TMA reduce-adds), a 16-bit bias
+  read and its gradient stored there too (``gluon_dkdv_takes_bias``);
 - ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
   - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
     registers and walks the query blocks of every query head of its KV group (one flat

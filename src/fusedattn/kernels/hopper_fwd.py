@@ -35,6 +35,11 @@ ones do no mask math, those on the left window's edge, the causal diagonal and a
 apply it. Other right windows, head dims other than 64/128 and 32-bit inputs take the Triton
 kernel (``hopper.supports``). Softcap (SOFTCAP) caps the scores before the mask and the row max
 (``hopper.log2_scores``).
+
+The warp-specialised kernel is also the backward's dQ pass (GRAD_Q, ``dq_pass``): the same tiles,
+walk, masks, producer ring and turns, with dO loaded beside Q, a step of S = Q K^T and dP = dO V^T
+issued together, dS = P (dP - delta) from the pre-pass's row statistics, and dQ += dS K in place
+of the online softmax and P V (benchmarks/NOTES.md v45).
 """
 
 from __future__ import annotations
