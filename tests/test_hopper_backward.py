@@ -73,8 +73,10 @@ def group_sum_launches(monkeypatch):
 
 
 def pinned_dkdv(case: Case, config: KernelConfig, **options):
+    """The heuristic's configs with this dK/dV pass; dQ's own pass, where one runs, the Triton one
+    (the Gluon dQ pass, and the short causal GQA form that uses it, are tests/test_hopper_dq.py's)."""
     base = select_configs(torch.device("cuda"), case.dtype, case.head_dim, case.dv)
-    return pinned_configs(replace(base, dkdv=config, **options))
+    return pinned_configs(replace(base, dkdv=config, **{"gluon_dq": None, **options}))
 
 
 def fits(case: Case, config: KernelConfig) -> bool:

@@ -120,3 +120,32 @@ def test_without_a_gluon_dq_config_the_triton_dq_pass_runs(dq_launches, monkeypa
     with pinned_dq(case, None):
         check_case(case, "triton", "cuda")
     assert not dq_launches and triton_dq == [True]
+
+
+@pytest.fixture
+def group_sum_launches(monkeypatch):
+    """GROUP_SUM of every Gluon dK/dV launch (True: one program per query head, fp32 group sums)."""
+    from fusedattn.kernels import hopper_bwd
+
+    return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel, lambda constexprs: constexprs["GROUP_SUM"])
+
+
+def test_short_causal_gqa_takes_the_deterministic_form_by_default(dq_launches, group_sum_launches):
+    """Causal GQA with keys up to SHORT_KEYS at D=128, default mode: one dK/dV program walks each KV
+    head's whole group and the Gluon dQ pass sums dQ (bwd.walks_group_with_dq_pass) -- correct, and
+    every gradient the same bits twice; longer keys keep the 5-matmul pass with group sums."""
+    short = Case(2, 6, 2, 333, 517, 128, causal=True, dtype=torch.bfloat16)
+    check_case(short, "triton", "cuda")
+    assert dq_launches == [True] and group_sum_launches == [False]
+    q, k, v, dout, _ = make_inputs(short, "cuda")
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fusedattn.attention(*leaves, causal=True).backward(dout)
+        return [t.grad for t in leaves]
+
+    first, second = grads(), grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    long = Case(1, 4, 2, 600, 2100, 128, causal=True, dtype=torch.bfloat16)
+    check_case(long, "triton", "cuda")
+    assert dq_launches == [True] * 3 and group_sum_launches[-1] is True

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ..block_mask import EMPTY, BlockMask
 from ..spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, to_bhsd
-from ..tuning.configs import AttentionConfigs, KernelConfig
+from ..tuning.configs import SHORT_KEYS, AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
@@ -698,7 +698,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
     gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
-                                  dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias, packing)
+                                  dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias, packing,
+                                  group_sums=not plan.group_walk)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return _dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
     if gluon_dkdv and not atomic_dq:  # dQ by the Gluon dQ pass, where it takes the problem
@@ -923,6 +924,9 @@ class BackwardPlan:
 
     dkdv: KernelConfig
     atomic_dq: bool
+    # Short causal GQA: the whole group walked by one program and dQ by the Gluon dQ pass, the
+    # deterministic form, in every mode (``walks_group_with_dq_pass``).
+    group_walk: bool
     bias_in_gluon: bool
     block_major: bool
     padded_d: int
@@ -968,7 +972,8 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     atomic_dq_config = configs.atomic_dq
     if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
         dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
-    atomic_dq = atomic_dq_config and not spec.deterministic
+    group_walk = walks_group_with_dq_pass(q, k, spec, configs, mask, bias, packing)
+    atomic_dq = atomic_dq_config and not spec.deterministic and not group_walk
     # The Gluon pass reads a bias (and stores its gradient) in its 5-matmul form only.
     bias_in_gluon = atomic_dq and gluon_dkdv_takes_bias(q, spec, bias, dbias_mode)
     if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias,
@@ -987,8 +992,8 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
         HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dims(head_dim, head_dim_v)[1], BLOCK_M=pre_block_m,
         HAS_DLSE=dlse is not None, ZERO_DQ=zero_dq, BLOCK_DQ=padded_dim(padded_d) if zero_dq else 16,
         VARLEN=packing is not None)
-    return BackwardPlan(dkdv_cfg, atomic_dq, bias_in_gluon, dkdv_block_major(spec, heads_q // heads_kv), padded_d,
-                        padded_rows, zero_dq, preprocess)
+    return BackwardPlan(dkdv_cfg, atomic_dq, group_walk, bias_in_gluon, dkdv_block_major(spec, heads_q // heads_kv),
+                        padded_d, padded_rows, zero_dq, preprocess)
 
 
 def column_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, cfg: KernelConfig,
@@ -1048,6 +1053,21 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbia
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **sums, **flags, num_warps=cfg.num_warps, num_stages=1)
 
 
+def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
+                             packing: Packing | None) -> bool:
+    """Causal GQA with short keys (<= SHORT_KEYS) where the Gluon dQ pass takes the problem: the
+    deterministic form -- one dK/dV program per KV head's whole group, dQ by the Gluon dQ pass --
+    runs in the default mode too. GQA 16/2 causal, GPU time a step (H200, benchmarks/NOTES.md
+    v45): S=1k -12 to -14% against the 5-matmul pass with group sums, 2k -4%, 4k +2.5% (so longer
+    keys keep the 5-matmul form). Its gradients are then bitwise reproducible as well."""
+    if configs.gluon_dq is None or mask is not None or bias is not None or packing is not None:
+        return False
+    heads_q = bhsd_shape(q, spec.layout)[1]
+    heads_kv, seqlen_k = bhsd_shape(k, spec.layout)[1:3]
+    return (heads_q > heads_kv and spec.window_right == 0 and not spec.has_window_left
+            and seqlen_k <= SHORT_KEYS and not spec.has_softcap)
+
+
 def gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
                   packing: Packing | None) -> torch.Tensor | None:
     """dQ by the warp-specialised forward's kernel run as the dQ pass (``hopper_fwd.dq_pass``:
@@ -1097,13 +1117,15 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
 
 def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
                      dq_accum: torch.Tensor | None = None, mask=None, bias=None,
-                     reads_bias: bool = False, dbias: torch.Tensor | None = None, packing=None) -> bool:
+                     reads_bias: bool = False, dbias: torch.Tensor | None = None, packing=None,
+                     group_sums: bool = True) -> bool:
     """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
     takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
     nothing launched, where not (or where TMA cannot address a tensor). With a mask the pass walks
     its column lists at the config's tiles (``fwd.gluon_mask_dkdv``). ``reads_bias``
     (``gluon_dkdv_takes_bias``, with ``dq_accum``): it reads ``bias`` and stores ``dbias``, its
-    gradient, when one is given. ``packing``: packed sequences (``fwd.attention_forward``)."""
+    gradient, when one is given. ``packing``: packed sequences (``fwd.attention_forward``).
+    ``group_sums``: False keeps one program per KV head's whole group (``walks_group_with_dq_pass``)."""
     reads_bias = reads_bias and dq_accum is not None
     if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias,
                                                             reads_bias=reads_bias):
@@ -1117,7 +1139,7 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, co
     lists = None
     if mask is not None:
         lists = column_list_args(mask, spec, seqlen_q, seqlen_k, config, heads_q, heads_kv, lse2)
-    group_sum = hopper_bwd.sums_over_group(spec, heads_q, heads_kv, config, lists is not None)
+    group_sum = group_sums and hopper_bwd.sums_over_group(spec, heads_q, heads_kv, config, lists is not None)
     return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, dq_accum, lists,
                                 group_sum, bias, dbias, packing)
 
