@@ -1060,12 +1060,19 @@ def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfig
     runs in the default mode too. GQA 16/2 causal, GPU time a step (H200, benchmarks/NOTES.md
     v45): S=1k -12 to -14% against the 5-matmul pass with group sums, 2k -4%, 4k +2.5% (so longer
     keys keep the 5-matmul form). Its gradients are then bitwise reproducible as well."""
-    if configs.gluon_dq is None or mask is not None or bias is not None or packing is not None:
+    if not takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing):
         return False
     heads_q = bhsd_shape(q, spec.layout)[1]
     heads_kv, seqlen_k = bhsd_shape(k, spec.layout)[1:3]
-    return (heads_q > heads_kv and spec.window_right == 0 and not spec.has_window_left
-            and seqlen_k <= SHORT_KEYS and not spec.has_softcap)
+    return heads_q > heads_kv and spec.window_right == 0 and not spec.has_window_left and seqlen_k <= SHORT_KEYS
+
+
+def takes_gluon_dq(config: KernelConfig | None, spec: AttentionSpec, mask, bias, packing: Packing | None) -> bool:
+    """Whether ``config`` names a Gluon dQ pass (a warp-specialised forward config) for a problem
+    of the kind it runs: no mask, bias, softcap or packed sequences (the tensors are checked at
+    launch, ``hopper_fwd.dq_pass``)."""
+    return (config is not None and config.hopper_split in (2, 3) and mask is None and bias is None
+            and packing is None and not spec.has_softcap)
 
 
 def gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
@@ -1074,12 +1081,10 @@ def gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, configs: Atte
     same arithmetic as the Triton dQ programs, each row summed in a fixed order) where the configs
     name one (``gluon_dq``) and it takes the problem; else None, nothing launched."""
     config = configs.gluon_dq
-    if config is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias):
+    if not takes_gluon_dq(config, spec, mask, bias, packing) or not hopper_supports(q, k, v, spec):
         return None
     from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
-    if not hopper_fwd.takes_dq_pass(config, spec, mask, bias, packing):
-        return None
     dq = torch.empty_like(q)
     return dq if hopper_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config) else None
 

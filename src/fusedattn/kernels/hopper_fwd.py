@@ -1006,7 +1006,7 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
     padded to a multiple of the tile height, lse2 = +inf past Sq). ``config``: a warp-specialised
     forward config (``hopper_split`` warpgroups of 64 query rows, ``block_n`` keys a step). False,
     nothing launched, where a tensor cannot go through TMA (the caller runs the Triton dQ pass).
-    The caller checks the problem: no mask, bias, softcap or packed sequences (``takes_dq_pass``)."""
+    The caller checks the problem: no mask, bias, softcap or packed sequences (``bwd.takes_gluon_dq``)."""
     layout = spec.layout
     descs = [descriptor(q, WG_ROWS, layout), descriptor(k, config.block_n, layout),
              descriptor(v, config.block_n, layout), descriptor(dq, WG_ROWS, layout), descriptor(dout, WG_ROWS, layout)]
@@ -1018,13 +1018,6 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
     q_desc, k_desc, v_desc, dq_desc, do_desc = descs
     launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc)  # no tile lists or bias
     return True
-
-
-def takes_dq_pass(config: KernelConfig, spec: AttentionSpec, mask, bias, packing) -> bool:
-    """Whether the dQ pass of ``dq_pass`` runs a problem the Gluon kernels take (``hopper_supports``):
-    a warp-specialised config, no mask, bias, softcap or packed sequences."""
-    return (config.hopper_split in (2, 3) and mask is None and bias is None and packing is None
-            and not spec.has_softcap)
 
 
 @per_problem

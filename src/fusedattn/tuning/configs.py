@@ -53,7 +53,7 @@ class AttentionConfigs:
     atomic_dq: bool = False
     dq_tma: bool = False
     # The dQ pass on the warp-specialised Gluon forward's skeleton (kernels/hopper_fwd.py, GRAD_Q)
-    # where it takes the problem (``hopper_fwd.takes_dq_pass``); else ``dq`` (Triton).
+    # where it takes the problem (``bwd.takes_gluon_dq``); else ``dq`` (Triton).
     gluon_dq: KernelConfig | None = None
 
 
