@@ -1057,9 +1057,9 @@ def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfig
                              packing: Packing | None) -> bool:
     """Causal GQA with short keys (<= SHORT_KEYS) where the Gluon dQ pass takes the problem: the
     deterministic form -- one dK/dV program per KV head's whole group, dQ by the Gluon dQ pass --
-    runs in the default mode too. GQA 16/2 causal, GPU time a step (H200, benchmarks/NOTES.md
-    v45): S=1k -12 to -14% against the 5-matmul pass with group sums, 2k -4%, 4k +2.5% (so longer
-    keys keep the 5-matmul form). Its gradients are then bitwise reproducible as well."""
+    runs in the default mode too. GQA 16/2 causal, GPU time a step (benchmarks/NOTES.md v45):
+    S=1k -18% (H100; H200 -14%) against the 5-matmul pass with group sums, 2k -6.5% (-4%), 4k +2.5%
+    (H200; so longer keys keep the 5-matmul form). Its gradients are then bitwise reproducible too."""
     if not takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing):
         return False
     heads_q = bhsd_shape(q, spec.layout)[1]
