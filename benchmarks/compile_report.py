@@ -173,10 +173,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
                                             flags["HAS_SOFTCAP"], flags["HAS_LEFT"], flags["HAS_MASK"],
                                             varlen=flags["VARLEN"])
     gluon_dq = configs.gluon_dq
-    if (gluon_dq is not None and tma_loads and gluon_runs and not flags["HAS_SOFTCAP"] and not flags["HAS_MASK"]
-            and not flags["VARLEN"]):  # where dQ has a pass of its own (deterministic mode), the Gluon one
-        problems += _report_hopper_forward(head_dim, dtype, gluon_dq, flags["HAS_RIGHT"], left=flags["HAS_LEFT"],
-                                           grad_q=True)
+    if gluon_dq is not None and tma_loads and gluon_runs and not flags["HAS_MASK"] and not flags["VARLEN"]:
+        # where dQ has a pass of its own (deterministic mode), the Gluon one
+        problems += _report_hopper_forward(head_dim, dtype, gluon_dq, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+                                           flags["HAS_LEFT"], grad_q=True)
     gluon_dkdv_bias = (flags["HAS_BIAS"] and flags["BIAS_TMA"] and not flags["HAS_SOFTCAP"] and not flags["HAS_SINKS"]
                        and flags["DBIAS"] == bwd.DBIAS_STORE and configs.atomic_dq and head_dim == 128)
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_dkdv_bias:  # the 5-matmul form only

@@ -15,7 +15,7 @@ dQ is summed one of two ways, as the launch config says (tuning/configs.py):
   mask only if none of its 128x128 tiles is partial): the warp-specialised Gluon pass of
   ``hopper_bwd.py``: dK/dV, then dQ by a pass of its own -- the warp-specialised Gluon forward's
   kernel in its dQ mode where the configs name one (``gluon_dq``: D=128) and the problem has no
-  mask, bias, softcap or packing (``gluon_dq_pass``), else the dQ programs below alone; or, with
+  mask, bias or packing (``gluon_dq_pass``), else the dQ programs below alone; or, with
   dQ by atomics at D=128, the whole backward in that pass (dQ by TMA reduce-adds), a 16-bit bias
   read and its gradient stored there too (``gluon_dkdv_takes_bias``);
 - ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
@@ -1064,15 +1064,16 @@ def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfig
         return False
     heads_q = bhsd_shape(q, spec.layout)[1]
     heads_kv, seqlen_k = bhsd_shape(k, spec.layout)[1:3]
-    return heads_q > heads_kv and spec.window_right == 0 and not spec.has_window_left and seqlen_k <= SHORT_KEYS
+    return (heads_q > heads_kv and spec.window_right == 0 and not spec.has_window_left and not spec.has_softcap
+            and seqlen_k <= SHORT_KEYS)
 
 
 def takes_gluon_dq(config: KernelConfig | None, spec: AttentionSpec, mask, bias, packing: Packing | None) -> bool:
     """Whether ``config`` names a Gluon dQ pass (a warp-specialised forward config) for a problem
-    of the kind it runs: no mask, bias, softcap or packed sequences (the tensors are checked at
-    launch, ``hopper_fwd.dq_pass``)."""
+    of the kind it runs: no mask, bias or packed sequences (the tensors are checked at launch,
+    ``hopper_fwd.dq_pass``)."""
     return (config is not None and config.hopper_split in (2, 3) and mask is None and bias is None
-            and packing is None and not spec.has_softcap)
+            and packing is None)
 
 
 def gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,

@@ -175,10 +175,15 @@ def _epilogue(acc, m_i, l_i, rows, Lse, lse_base, seq_q, q, q_buf, o_desc, batch
 
 
 @gluon.jit
-def _dq_epilogue(acc, qk_scale, q, q_buf, dq_desc, batch, head, m0):
-    """The dQ pass's output: dQ = scale * sum dS K (scale = qk_scale / log2 e) in q's dtype, out
-    through the (retired) Q buffer by TMA, which clips rows past the head's length."""
-    q.store((acc * (qk_scale * 0.6931471805599453)).to(q.dtype))
+def _dq_epilogue(acc, qk_scale, softcap_log2, q, q_buf, dq_desc, batch, head, m0, SOFTCAP: gl.constexpr):
+    """The dQ pass's output: dQ = scale * sum dS K in q's dtype, out through the (retired) Q buffer
+    by TMA, which clips rows past the head's length. The scale from ``fwd.score_constants``: qk_scale
+    / log2 e, or with SOFTCAP qk_scale * softcap (= qk_scale * softcap_log2 / log2 e)."""
+    if SOFTCAP:
+        scale = qk_scale * softcap_log2 * 0.6931471805599453
+    else:
+        scale = qk_scale * 0.6931471805599453
+    q.store((acc * scale).to(q.dtype))
     fence_async_shared()
     gl.thread_barrier()
     tma.async_copy_shared_to_global(dq_desc, [batch, head, m0, 0], q_buf)
@@ -565,13 +570,16 @@ def _bias_tile(bias_state, j, WG: gl.constexpr, NUM_STAGES: gl.constexpr, s_layo
 
 @gluon.jit
 def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, lse2, delta, s_zero, j,
-                key_start, rows, seq_k, rule, qk_scale, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
-                LEFT: gl.constexpr, MASK: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+                LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
+                PINGPONG: gl.constexpr):
     """The dQ pass's step (GRAD_Q): S = Q K^T and dP = dO V^T issued together (the turn covers both),
     P = exp2(S * qk_scale - lse2) from the pre-pass's row statistics (lse2 = +inf on a row with no
     visible key: P = 0), dS = P (dP - delta), dQ += dS K with dS a register operand -- the Triton dQ
-    pass's arithmetic (``bwd._dq_tiles``). V's slot goes back once dP is done, K's after dS K."""
+    pass's arithmetic (``bwd._dq_tiles``). SOFTCAP: the scores capped first (log2 units), and dS
+    takes the cap's derivative 1 - tanh^2, as in the dK/dV pass. V's slot goes back once dP is done,
+    K's after dS K."""
     slot = j % NUM_STAGES
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -580,12 +588,17 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
     dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     turn_pass(turn_bars, WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+    if SOFTCAP:  # log2 units now (the cap is not linear)
+        s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True)
+        qk_scale = 1.0
     if MASK:
         s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
     mbarrier.arrive(v_empty.index(slot), count=1)
     ds = p * (dp - gl.expand_dims(delta, 1))
+    if SOFTCAP:
+        ds = ds * (1.0 - tanh_s * tanh_s)
     ds = gl.convert_layout(ds.to(k.dtype), p_layout)
     acc = warpgroup_mma(ds, k, acc)
     mbarrier.arrive(k_empty.index(slot), count=1)
@@ -602,8 +615,8 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
     dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only)."""
     if GRAD_Q:
         acc = _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                          s_zero, j, key_start, rows, seq_k, rule, qk_scale, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                          p_layout, CAUSAL, LEFT, MASK, WG, PINGPONG)
+                          s_zero, j, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D,
+                          NUM_STAGES, s_layout, p_layout, CAUSAL, LEFT, MASK, SOFTCAP, WG, PINGPONG)
         return acc, m_i, l_i
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     turn_wait(turn_bars, j, WG, PINGPONG)
@@ -725,7 +738,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
     if GRAD_Q:
-        _dq_epilogue(acc, qk_scale, q, q_buf, o_desc, batch, head, mw)
+        _dq_epilogue(acc, qk_scale, softcap_log2, q, q_buf, o_desc, batch, head, mw, SOFTCAP)
     else:
         _epilogue(acc, m_i, l_i, rows, Lse, seq[4], seq_q, q, q_buf, o_desc, batch, head, mw, row_o,
                   (sched[14], sched[15], sched[16], seq[2]), o_layout, VARLEN)
@@ -771,8 +784,8 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     ``lse_head_stride`` their row stride. Each dQ row is summed by one warpgroup in a fixed order:
     bitwise reproducible (deterministic mode's dQ)."""
     gl.static_assert(not (VARLEN and (LISTS or BIAS or PERSISTENT)), "packed sequences: no mask, bias, persistence")
-    gl.static_assert(not (GRAD_Q and (VARLEN or LISTS or BIAS or PERSISTENT or SOFTCAP)),
-                     "the dQ pass: no packed sequences, mask, bias, persistence or softcap")
+    gl.static_assert(not (GRAD_Q and (VARLEN or LISTS or BIAS or PERSISTENT)),
+                     "the dQ pass: no packed sequences, mask, bias or persistence")
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
@@ -1006,7 +1019,7 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
     padded to a multiple of the tile height, lse2 = +inf past Sq). ``config``: a warp-specialised
     forward config (``hopper_split`` warpgroups of 64 query rows, ``block_n`` keys a step). False,
     nothing launched, where a tensor cannot go through TMA (the caller runs the Triton dQ pass).
-    The caller checks the problem: no mask, bias, softcap or packed sequences (``bwd.takes_gluon_dq``)."""
+    The caller checks the problem: no mask, bias or packed sequences (``bwd.takes_gluon_dq``)."""
     layout = spec.layout
     descs = [descriptor(q, WG_ROWS, layout), descriptor(k, config.block_n, layout),
              descriptor(v, config.block_n, layout), descriptor(dq, WG_ROWS, layout), descriptor(dout, WG_ROWS, layout)]
@@ -1036,7 +1049,7 @@ def _dq_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, stats_stride: int
             *score_constants(spec), query_blocks, chunk, batch * heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
             stats_stride, SLOT, 0, 0, SLOT)
     return Launcher(_attn_fwd_ws_kernel, (batch * heads_q * query_blocks,), args, BLOCK_N=config.block_n,
-                    HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=False,
+                    HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=False, GRAD_Q=True,
                     PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
