@@ -939,10 +939,14 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
 @per_problem
 def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
                       list_strides: tuple, has_lists: bool, bias_slices: tuple | None, device_index: int,
-                      knobs: tuple) -> Launcher:
+                      knobs: tuple, stats_stride: int | None = None) -> Launcher:
     """The forward's launch for one problem (decided once: grid, launch order, persistence,
     registers); each call passes Q, K, V, O descriptors, lse, the tile lists and the bias
-    descriptor. ``knobs``: the experiment switches it reads, so that setting one takes effect."""
+    descriptor. ``knobs``: the experiment switches it reads, so that setting one takes effect.
+    ``stats_stride`` (the row statistics' row stride): the same kernel as the dQ pass (GRAD_Q,
+    ``dq_pass``), one program per tile; each call then passes Q, K, V, dQ descriptors, lse2, a
+    placeholder for the tile lists, one for the bias descriptor, delta and the dO descriptor."""
+    grad_q = stats_stride is not None
     batch, heads_q, seqlen_q, head_dim = q_shape
     device = torch.device("cuda", device_index)
     causal = spec.window_right == 0
@@ -957,17 +961,18 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
         return Launcher(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim,
                         CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                         OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
-    programs = persistent_programs(tiles, config, causal, not has_lists and bias_slices is None, device)
+    programs = 0 if grad_q else persistent_programs(tiles, config, causal, not has_lists and bias_slices is None,
+                                                    device)
     persistent = programs > 0
     if persistent:
         grid = (programs,)
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     return Launcher(
         _attn_fwd_ws_kernel, grid, (*args, batch * heads_q, SLOT, *list_strides, SLOT, *(bias_slices or (0, 1)),
-                                    0, SLOT, 0, 0, SLOT),
+                                    stats_stride or 0, SLOT, 0, 0, SLOT),
         BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
         NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
-        BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=False, PRODUCER_REGS=producer_regs,
+        BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=grad_q, PRODUCER_REGS=producer_regs,
         CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
 
 
@@ -1026,30 +1031,8 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
     if any(d is None for d in descs):
         return False
     q_shape, k_shape = descs[0].shape, descs[1].shape  # (B, H, S, D)
-    launcher = _dq_launcher(tuple(q_shape), k_shape[1], k_shape[2], lse2.stride(0), spec, config, q.device.index,
-                            hopper.CHUNK_HEADS)
+    launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, (0, 0, 0, 1), False, None,
+                                 q.device.index, (hopper.CHUNK_HEADS, PROGRAMS), stats_stride=lse2.stride(0))
     q_desc, k_desc, v_desc, dq_desc, do_desc = descs
     launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc)  # no tile lists or bias
     return True
-
-
-@per_problem
-def _dq_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, stats_stride: int, spec: AttentionSpec,
-                 config: KernelConfig, device_index: int, chunk_knob) -> Launcher:
-    """The dQ pass's launch for one problem: one program per tile, heaviest first in chunks of heads
-    as the forward; each call passes the Q, K, V, dQ descriptors, lse2, a placeholder, delta and
-    the dO descriptor (with placeholders for the tile lists and the bias descriptor)."""
-    batch, heads_q, seqlen_q, head_dim = q_shape
-    device = torch.device("cuda", device_index)
-    causal = spec.window_right == 0
-    query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split)
-    chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, device)
-    maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
-    args = (SLOT, SLOT, SLOT, SLOT, SLOT, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left,
-            *score_constants(spec), query_blocks, chunk, batch * heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
-            stats_stride, SLOT, 0, 0, SLOT)
-    return Launcher(_attn_fwd_ws_kernel, (batch * heads_q * query_blocks,), args, BLOCK_N=config.block_n,
-                    HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
-                    NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
-                    LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=False, GRAD_Q=True,
-                    PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
