@@ -17,9 +17,11 @@ CANDIDATES = dict(forward=[SMALL, TALL], dkdv=[SMALL, WIDE], dq=[TALL, SMALL])
 CHECK_LENGTHS = (37, 53)
 
 
-def scripted_timer(fast: dict[str, KernelConfig], atomic_dq_ms: float = 2.0):
+def scripted_timer(fast: dict[str, KernelConfig], atomic_dq_ms: float = 2.0, gluon_dq_ms: float = 3.0):
     """A model GPU: each kernel takes 1 ms with its 'fast' config, else 2 ms; a backward is the
-    dK/dV pass plus the dQ pass, or plus ``atomic_dq_ms`` when the dK/dV pass sums dQ by atomics."""
+    dK/dV pass plus the dQ pass, or plus ``atomic_dq_ms`` when the dK/dV pass sums dQ by atomics.
+    A Gluon dQ pass, where one is named, replaces the Triton one: 0.5 ms with its 'fast' config, else
+    ``gluon_dq_ms`` (on the CPU the Triton pass really runs in its place)."""
     def cost(configs_, kernel):
         return 1.0 if getattr(configs_, kernel) == fast.get(kernel) else 2.0
 
@@ -27,7 +29,12 @@ def scripted_timer(fast: dict[str, KernelConfig], atomic_dq_ms: float = 2.0):
         fn()  # the launch must work, whatever the script says
         if phase == "forward":
             return cost(candidate_configs, "forward")
-        dq_ms = atomic_dq_ms if candidate_configs.atomic_dq else cost(candidate_configs, "dq")
+        if candidate_configs.atomic_dq:
+            dq_ms = atomic_dq_ms
+        elif candidate_configs.gluon_dq is not None:
+            dq_ms = 0.5 if candidate_configs.gluon_dq == fast.get("gluon_dq") else gluon_dq_ms
+        else:
+            dq_ms = cost(candidate_configs, "dq")
         return cost(candidate_configs, "dkdv") + dq_ms
     return timer
 
@@ -113,3 +120,49 @@ def test_a_gain_inside_timing_noise_keeps_the_current_config():
     result = search.tune(PROBLEM, INTERPRETER_CONFIGS, "cpu", candidates=dict(forward=[TALL], dkdv=[], dq=[]),
                          timer=timer, check_lengths=CHECK_LENGTHS)
     assert result.configs.forward == INTERPRETER_CONFIGS.forward and dict(result.trials["forward"])[TALL] < 2.0
+
+
+GLUON_A = KernelConfig(128, 64, 4, 3, True, 0, 2, 1)
+GLUON_B = KernelConfig(128, 128, 4, 2, True, 0, 2, 1)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("start_gluon, fast, chosen, backward_ms", [
+    (None, GLUON_B, GLUON_B, 2.5),  # a Gluon dQ pass faster than the Triton one is chosen
+    (GLUON_A, None, None, 3.0),  # both Gluon candidates slower: the Triton dQ pass (None) replaces the start's
+    (GLUON_A, GLUON_A, GLUON_A, 2.5),  # the start's is the fastest: kept
+], ids=["gluon-wins", "triton-wins", "start-kept"])
+def test_the_gluon_dq_pass_is_searched_against_the_triton_one(start_gluon, fast, chosen, backward_ms):
+    """The Triton dQ pass is tuned with the Gluon one off (TALL: 1 ms, else 2), then None (the
+    Triton pass) and the Gluon candidates are timed: 0.5 ms for the 'fast' Gluon config, else 3."""
+    from dataclasses import replace
+
+    start = replace(INTERPRETER_CONFIGS, gluon_dq=start_gluon)
+    timer = scripted_timer(dict(dq=TALL, gluon_dq=fast))
+    result = search.tune(PROBLEM, start, "cpu", candidates=dict(CANDIDATES, gluon_dq=[GLUON_A, GLUON_B]),
+                         timer=timer, check_lengths=CHECK_LENGTHS)
+    assert result.configs.dq == TALL  # timed with the Gluon pass off, whatever the start named
+    assert result.configs.gluon_dq == chosen
+    tried = [c for c, _ in result.trials["gluon_dq"]]
+    assert tried == [None, GLUON_A, GLUON_B] and all(isinstance(ms, float) for _, ms in result.trials["gluon_dq"])
+    assert result.after_ms["backward"] == backward_ms  # the dK/dV pass (2 ms) and the chosen dQ pass
+
+
+@requires_interpreter
+def test_a_candidate_fast_only_once_is_not_chosen():
+    """The stage's fastest candidate is timed again against the current config, alternately: one
+    that was fast in its trial (a cold card, say) but not again keeps the current config."""
+    timings = []
+
+    def timer(phase, candidate_configs, fn):
+        fn()
+        if phase == "forward" and candidate_configs.forward == TALL:
+            timings.append(candidate_configs.forward)
+            return 1.0 if len(timings) == 1 else 2.0  # fast in its trial only
+        return 2.0
+
+    result = search.tune(PROBLEM, INTERPRETER_CONFIGS, "cpu", candidates=dict(forward=[TALL], dkdv=[], dq=[]),
+                         timer=timer, check_lengths=CHECK_LENGTHS)
+    assert dict(result.trials["forward"])[TALL] == 1.0
+    assert result.confirmed_ms["forward"] == (2.0, 2.0) and len(timings) == 1 + search.CONFIRM_PAIRS
+    assert result.configs.forward == INTERPRETER_CONFIGS.forward

@@ -35,6 +35,16 @@ def _progress(items, desc):
         return items
 
 
+def _shown(config) -> str:
+    """A chosen or skipped config; None is the Gluon dQ pass's "use the Triton dQ pass"."""
+    if config is None:
+        return "none (the Triton dQ pass)"
+    text = f"block_m={config.block_m} block_n={config.block_n} warps={config.num_warps} stages={config.num_stages}"
+    if config.hopper_overlap is not None:
+        text += f" (Gluon: {config.hopper_split} warpgroups, ping-pong {config.hopper_pingpong})"
+    return text
+
+
 def tune_entry(problem: TuningProblem, device, gpu: str, capability: tuple[int, int], cache: TuningCache,
                start: AttentionConfigs | None = None, **tune_options) -> TuningResult:
     """Tune one cache entry (from the heuristic's configs unless ``start`` is given) and store it
@@ -81,12 +91,14 @@ def main(argv=None) -> int:
                   f"backward {result.before_ms['backward']:.3f} -> {result.after_ms['backward']:.3f} ms "
                   "(heuristic -> tuned, timed alternately)")
             for kernel in KERNELS:
-                chosen = getattr(result.configs, kernel)
-                print(f"  {kernel:<8} block_m={chosen.block_m} block_n={chosen.block_n} "
-                      f"warps={chosen.num_warps} stages={chosen.num_stages}")
+                print(f"  {kernel:<8} {_shown(getattr(result.configs, kernel))}")
+                if kernel in result.confirmed_ms:
+                    kept_ms, contender_ms = result.confirmed_ms[kernel]
+                    print(f"           the stage's fastest, timed again alternately: {contender_ms:.3f} ms against "
+                          f"{kept_ms:.3f}")
                 skipped = [(c, why) for c, why in result.trials[kernel] if isinstance(why, str)]
                 for c, why in skipped:
-                    print(f"           skipped ({c.block_m},{c.block_n},{c.num_warps},{c.num_stages}): {why}")
+                    print(f"           skipped {_shown(c)}: {why}")
             (_, atomics_ms), = result.trials[DQ_SCHEME]
             print(f"  dQ       {'by atomics from the dK/dV pass' if result.configs.atomic_dq else 'its own pass'} "
                   f"outside deterministic mode (atomics: {atomics_ms if isinstance(atomics_ms, str) else f'{atomics_ms:.3f} ms'})")

@@ -1,8 +1,9 @@
 """The opt-in tuning run: time candidate launch configs on this GPU and cache the fastest.
 
 For one cache key (dtype, head dims, window/softcap flags, key-length class) it times the
-forward, then the dK/dV pass, then the dQ pass (each with the winners so far, i.e. a
-coordinate search starting from the heuristic), and stores the result with
+forward, then the dK/dV pass, then the Triton dQ pass, then the Gluon dQ pass against it (each
+with the winners so far, i.e. a coordinate search starting from the heuristic), and stores the
+result with
 ``TuningCache.put``. A candidate is timed only after it passed the SPEC 4 correctness rule on
 a small problem with odd lengths and the same features (a tuned config can never be a wrong
 one); one that does not compile (shared memory, registers) is skipped.
@@ -47,7 +48,14 @@ DKDV_CANDIDATES = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4
                    (64, 192, 4, 2, 0, 3, 0), (64, 192, 4, 2, 0, 3, 1), (64, 192, 4, 2, 0, 3, 2)]
 DQ_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2),
                  (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 2)]
-KERNELS = ("forward", "dkdv", "dq")
+# The Gluon dQ pass (hopper_fwd.dq_pass: the warp-specialised forward's kernel in GRAD_Q mode, where
+# dQ has a pass of its own on Hopper: deterministic mode), as (block_m, block_n, num_warps,
+# num_stages, hopper_overlap, hopper_split, hopper_pingpong): 128-row tiles of 2 warpgroups taking
+# turns (the heuristic's, 64-key steps and 3 stages), 128-key steps, no turns, and 192-row tiles of
+# 3 warpgroups (NOTES.md v45's sweep). None -- the Triton dQ pass -- is always a candidate.
+GLUON_DQ_CANDIDATES = [(128, 64, 4, 3, 0, 2, 1), (128, 64, 4, 2, 0, 2, 1), (128, 128, 4, 2, 0, 2, 1),
+                       (128, 64, 4, 3, 0, 2, 0), (192, 64, 4, 3, 0, 3, 1)]
+KERNELS = ("forward", "dkdv", "dq", "gluon_dq")
 DQ_SCHEME = "dq_scheme"  # the last stage: the tuned reproducible schedule, or dQ by atomics from the dK/dV pass
 
 
@@ -102,6 +110,9 @@ class TuningResult:
     # alternately after the search (medians), so the two are comparable.
     before_ms: dict[str, float] = field(default_factory=dict)
     after_ms: dict[str, float] = field(default_factory=dict)
+    # kernel -> (the current config's, the stage's fastest candidate's) milliseconds, medians of
+    # CONFIRM_PAIRS alternate timings: what decided whether the candidate replaced the current one.
+    confirmed_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def mode_spec(problem: TuningProblem, configs: AttentionConfigs) -> AttentionSpec:
@@ -144,24 +155,34 @@ def default_timer(fn: Callable[[], object]) -> float:
 
 
 MIN_GAIN = 0.02  # a candidate replaces the current config only when this much faster (timing noise ~1-3%)
+# A stage's fastest candidate is timed again against the current config, alternately, before it
+# replaces it: one timing each, taken in sequence between compilations, once picked a schedule 8%
+# "faster" that alternate profiles put level (the Gluon dQ pass's 3 warpgroups, NOTES.md v46).
+CONFIRM_PAIRS = 3
 
 
 def tune(problem: TuningProblem, start: AttentionConfigs, device, *, candidates=None,
          timer: Callable[[str, AttentionConfigs, Callable], float] | None = None,
          progress: Callable = lambda items, desc: items, check_lengths=CHECK_LENGTHS) -> TuningResult:
     """Coordinate search from ``start``'s reproducible schedule (dQ in its own pass): forward, then
-    dK/dV, then dQ; last, whether dQ by atomics from the dK/dV pass (TMA reduce-adds on Hopper) is
-    faster -- that choice only applies outside deterministic mode, deterministic calls keep the
-    tuned dQ pass. ``candidates`` maps a kernel name to KernelConfigs (default: the lists above,
-    with ``start``'s TMA choice); ``timer(phase, configs, fn)`` returns the milliseconds of ``fn``,
-    the forward or the whole backward (phase "forward" / "backward"; default:
+    dK/dV, then the Triton dQ pass (timed with the Gluon one off, so that it is what runs), then the
+    Gluon dQ pass against it (None: the Triton pass; a Gluon config runs where it takes the
+    problem, ``bwd.takes_gluon_dq``); last, whether dQ by atomics from the dK/dV pass (TMA
+    reduce-adds on Hopper) is faster -- that choice only applies outside deterministic mode,
+    deterministic calls keep the tuned dQ pass. A stage's fastest candidate replaces the current
+    config only if it is also faster by MIN_GAIN in CONFIRM_PAIRS alternate timings of the two
+    (medians). ``candidates`` maps a kernel name to KernelConfigs
+    (default: the lists above, with ``start``'s TMA choice; Gluon ones only on Hopper; a kernel it
+    does not name has none); ``timer(phase, configs, fn)`` returns the milliseconds of ``fn``, the
+    forward or the whole backward (phase "forward" / "backward"; default:
     ``triton.testing.do_bench``'s median)."""
     timer = timer or (lambda phase, configs, fn: default_timer(fn))
     tma = start.forward.tma_loads
     hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     candidates = candidates or {
         name: [candidate_config(c, tma) for c in grid if len(c) == 4 or hopper]
-        for name, grid in zip(KERNELS, (FORWARD_CANDIDATES, DKDV_CANDIDATES, DQ_CANDIDATES))}
+        for name, grid in zip(KERNELS, (FORWARD_CANDIDATES, DKDV_CANDIDATES, DQ_CANDIDATES, GLUON_DQ_CANDIDATES))}
+    candidates = dict(candidates, gluon_dq=[None, *candidates.get("gluon_dq", [])])
     q, k, v, dout = problem.inputs(device)
     out, lse = attention_forward(q, k, v, problem.spec, start.forward)
 
@@ -184,15 +205,22 @@ def tune(problem: TuningProblem, start: AttentionConfigs, device, *, candidates=
     result = TuningResult(best)
     for kernel in KERNELS:
         phase = "forward" if kernel == "forward" else "backward"
-        current_ms = timed(phase, best)
+        # the Triton dQ pass is timed where it runs: with the Gluon one off
+        stage = replace(best, gluon_dq=None) if kernel == "dq" else best
+        current_ms = timed(phase, stage)
         trials = result.trials.setdefault(kernel, [])
-        for candidate in progress(candidates[kernel], f"tuning {kernel}"):
-            trials.append((candidate, trial(phase, replace(best, **{kernel: candidate}))))
-        timed_trials = [(ms, c) for c, ms in trials if isinstance(ms, float)]
+        for candidate in progress(candidates.get(kernel, []), f"tuning {kernel}"):
+            trials.append((candidate, trial(phase, replace(stage, **{kernel: candidate}))))
+        timed_trials = [(ms, i) for i, (_, ms) in enumerate(trials) if isinstance(ms, float)]
         if timed_trials:
-            fastest_ms, fastest = min(timed_trials, key=lambda t: t[0])
+            fastest_ms, i = min(timed_trials)
             if fastest_ms < current_ms * (1 - MIN_GAIN):
-                best = replace(best, **{kernel: fastest})
+                contender = replace(stage, **{kernel: trials[i][0]})
+                pairs = [(timed(phase, stage), timed(phase, contender)) for _ in range(CONFIRM_PAIRS)]
+                kept_ms, contender_ms = (sorted(times)[len(times) // 2] for times in zip(*pairs))
+                result.confirmed_ms[kernel] = (kept_ms, contender_ms)
+                if contender_ms < kept_ms * (1 - MIN_GAIN):
+                    best = replace(best, **{kernel: trials[i][0]})
     # TMA reduce-adds where there is TMA; the Gluon dK/dV pass sums dQ itself where it can.
     atomics = replace(best, atomic_dq=True, dq_tma=hopper)
     outcome = trial("backward", atomics)
