@@ -70,8 +70,11 @@ def _inputs(args, requires_grad: bool):
 
 
 def _systems(args):
+    window = None if args.window is None else (args.window, 0 if args.causal else -1)
+
     def ours(q, k, v):
-        return fusedattn.attention(q, k, v, layout=args.layout, causal=args.causal, deterministic=args.deterministic)
+        return fusedattn.attention(q, k, v, layout=args.layout, causal=args.causal, window=window,
+                                   deterministic=args.deterministic)
 
     def cudnn(q, k, v):
         if args.layout == "bshd":
@@ -80,7 +83,7 @@ def _systems(args):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)
         return out.transpose(1, 2) if args.layout == "bshd" else out
 
-    return {"fusedattn": ours, "cudnn": cudnn}
+    return {"fusedattn": ours} if window else {"fusedattn": ours, "cudnn": cudnn}  # cuDNN: no sliding window
 
 
 def gaps(args) -> dict:
@@ -279,6 +282,7 @@ def main() -> None:
     p.add_argument("--storage", default="contiguous", choices=("contiguous", "transposed"),
                    help="bshd inputs: contiguous (B, S, H, D) leaves, or transposed views of (B, H, S, D) storage")
     p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--window", type=int, default=None, help="a left window (fusedattn only; right: causal or none)")
     p.add_argument("--steps", type=int, default=30, help="profiled steps (gaps)")
     p.add_argument("--rounds", type=int, default=7, help="rounds of GPU-busy host timing (pieces)")
     p.add_argument("--round-steps", type=int, default=20)
