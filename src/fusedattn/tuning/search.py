@@ -52,7 +52,7 @@ DQ_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 
 # dQ has a pass of its own on Hopper: deterministic mode), as (block_m, block_n, num_warps,
 # num_stages, hopper_overlap, hopper_split, hopper_pingpong): 128-row tiles of 2 warpgroups taking
 # turns (the heuristic's, 64-key steps and 3 stages), 128-key steps, no turns, and 192-row tiles of
-# 3 warpgroups (NOTES.md v45's sweep). None -- the Triton dQ pass -- is always a candidate.
+# 3 warpgroups (NOTES.md v45, v46). None -- the Triton dQ pass -- is always a candidate.
 GLUON_DQ_CANDIDATES = [(128, 64, 4, 3, 0, 2, 1), (128, 64, 4, 2, 0, 2, 1), (128, 128, 4, 2, 0, 2, 1),
                        (128, 64, 4, 3, 0, 2, 0), (192, 64, 4, 3, 0, 3, 1)]
 KERNELS = ("forward", "dkdv", "dq", "gluon_dq")
