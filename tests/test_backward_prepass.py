@@ -65,3 +65,22 @@ def test_prepass_packed_sequences_zero_every_row_of_the_dq_accumulator():
         torch.testing.assert_close(lse2[rows, :n].double(), lse[:, start:start + n].double() * math.log2(math.e),
                                    rtol=1e-6, atol=1e-6)
         assert torch.all(lse2[rows, n:] == float("inf")) and torch.all(delta[rows, n:] == 0)
+
+
+@pytest.mark.parametrize("gluon_rows", [0, 128, 192], ids=["no-gluon-dq", "gluon-dq-2wg", "gluon-dq-3wg"])
+def test_statistics_rows_are_padded_to_every_tile_height(gluon_rows):
+    """The row statistics are padded to a multiple of every pass's tile height -- the pre-pass's, the
+    dK/dV pass's, the Triton dQ pass's and a Gluon dQ pass's (a tuned one may take 192-row tiles beside
+    the Triton pass's 128) -- since any of them may read them by whole tiles."""
+    from dataclasses import replace
+
+    from fusedattn.spec import resolve_spec
+    from fusedattn.tuning.configs import INTERPRETER_CONFIGS, KernelConfig
+
+    gluon = KernelConfig(gluon_rows, 64, 4, 3, True, 0, gluon_rows // 64, 1) if gluon_rows else None
+    configs = replace(INTERPRETER_CONFIGS, dq=KernelConfig(128, 64, 8, 3), gluon_dq=gluon)
+    q, k, v, out, dout = (torch.randn(1, 2, 100, 16) for _ in range(5))  # one 192-row tile: not 128-divisible
+    spec = resolve_spec(16, layout="bhsd", causal=False, window=None, scale=None, softcap=None, deterministic=True)
+    plan = bwd._decide_backward(q, k, v, out, dout, None, spec, configs, None, None, bwd.DBIAS_OFF, None)
+    heights = [configs.preprocess_block_m, configs.dkdv.block_m, configs.dq.block_m] + [gluon_rows] * bool(gluon_rows)
+    assert plan.padded_rows >= 100 and all(plan.padded_rows % h == 0 for h in heights), (plan.padded_rows, heights)

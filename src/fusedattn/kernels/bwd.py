@@ -37,6 +37,7 @@ tensors' alignment allow (``memory.load_block``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -982,7 +983,8 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     padded_d = cdiv(head_dim, 4) * 4 if atomic_dq else 0
     pre_block_m = configs.preprocess_block_m
     gluon_dq_rows = configs.gluon_dq.hopper_split * 64 if configs.gluon_dq is not None else 0
-    row_multiple = max(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, gluon_dq_rows, 16)
+    # a common multiple, not the largest: a tuned Gluon dQ pass may take 192-row tiles beside 128-row ones
+    row_multiple = math.lcm(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, gluon_dq_rows or 16, 16)
     padded_rows = cdiv(seqlen_q, row_multiple) * row_multiple
     zero_dq = atomic_dq
     preprocess = Launcher(

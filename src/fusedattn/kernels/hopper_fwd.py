@@ -1017,7 +1017,6 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
                     CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
 
 
-
 def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelConfig) -> bool:
     """The backward's dQ pass on the warp-specialised forward's skeleton (``GRAD_Q``): dQ (q's
     layout, dtype and strides) from the pre-pass's lse2 and delta ((B * Hq, padded rows) fp32, rows
