@@ -397,3 +397,23 @@ def test_no_result_reads_memory_nothing_wrote(case, poisoned_allocations):
     if ON_GPU:  # the shapes the Gluon kernels take on Hopper: D=128, several tiles a head
         case = replace(case, head_dim=128, seqlen_q=case.seqlen_q * 5, seqlen_k=case.seqlen_k * 5)
     check_case(case, "triton", device)
+
+
+def test_softcap_tanh_form_follows_dtype_and_device():
+    """The cap's tanh: tanh.approx.f32 for bf16 on the GPU -- the Triton kernels by this flag, the
+    Gluon ones by their inputs' dtype (hopper.log2_scores), so that a call mixing the two kinds
+    recomputes in its backward the scores its forward normalised --, the exact form for fp16
+    (whose rounding is as fine as the approximation's error), fp32 and the CPU interpreter."""
+    from fusedattn.kernels.fwd import softcap_mode
+    from fusedattn.kernels.softmax import TANH_APPROX
+    from fusedattn.spec import resolve_spec
+
+    def spec(softcap):
+        return resolve_spec(64, layout="bshd", causal=True, window=None, scale=None, softcap=softcap,
+                            deterministic=False)
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert softcap_mode(spec(30.0), torch.bfloat16, gpu) == TANH_APPROX
+    assert [softcap_mode(spec(30.0), dtype, gpu) for dtype in (torch.float16, torch.float32)] == [1, 1]
+    assert softcap_mode(spec(30.0), torch.bfloat16, cpu) == 1
+    assert softcap_mode(spec(None), torch.bfloat16, gpu) == 0

@@ -50,7 +50,8 @@ from ..tuning.configs import SHORT_KEYS, AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
-                  mask_args, mask_descriptor, padded_dim, padded_dims, row_list_args, score_constants, sequence_args)
+                  mask_args, mask_descriptor, padded_dim, padded_dims, row_list_args, score_constants, sequence_args,
+                  softcap_mode)
 from .launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, per_problem, per_problem_dict
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
@@ -827,8 +828,8 @@ def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
     block_d, block_dv = padded_dims(head_dim, head_dim_v)
     return dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
-        HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
+        HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
     )
 
 

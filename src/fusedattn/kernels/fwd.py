@@ -24,7 +24,7 @@ from .launch import cdiv, launch, next_power_of_2
 from .masking import ONE_ROW, adjust_scores, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
                      score_tiles_addressable, sequence_pair, store_tile, tile_ptrs)
-from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
+from .softmax import TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 from .tile_lists import row_lists, tiles_whole
 
 
@@ -189,6 +189,16 @@ def padded_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs are computed at fp32 accuracy: no silent tf32 (SPEC 3.6).
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def softcap_mode(spec: AttentionSpec, dtype: torch.dtype, device: torch.device) -> int:
+    """The Triton kernels' HAS_SOFTCAP: 0 none; 1 tanh to a few fp32 ulps; for bf16 on the GPU
+    ``softmax.TANH_APPROX`` (tanh.approx.f32), the form the Gluon kernels take for bf16
+    (``hopper.log2_scores``): a call's passes may mix the two kinds of kernel, and its backward
+    must recompute the scores its forward normalised."""
+    if not spec.has_softcap:
+        return 0
+    return TANH_APPROX if dtype == torch.bfloat16 and device.type == "cuda" else 1
 
 
 def score_constants(spec: AttentionSpec) -> tuple[float, float]:
@@ -374,8 +384,8 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         ),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
-        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right, HAS_SOFTCAP=spec.has_softcap,
-        HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
+        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
+        HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
         HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
         DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,

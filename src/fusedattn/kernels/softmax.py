@@ -27,15 +27,25 @@ def tanh(x):
     return tl.where(x < 0, -magnitude, magnitude)
 
 
+TANH_APPROX = 2  # HAS_SOFTCAP's value for tanh.approx.f32 (``fwd.softcap_mode``)
+SOFTCAP_TANH_APPROX = tl.constexpr(TANH_APPROX)  # the same, as the kernels read it
+
+
 @triton.jit
 def log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr):
     """Scores times log2(e), and tanh of the capped argument (for the softcap gradient).
 
     With softcap: ``qk_scale = scale / softcap`` and ``softcap_log2 = softcap * log2(e)``,
-    so the result is ``log2(e) * softcap * tanh(scale * qk / softcap)`` (SPEC 3.4).
-    Without: ``qk_scale = scale * log2(e)``.
+    so the result is ``log2(e) * softcap * tanh(scale * qk / softcap)`` (SPEC 3.4). HAS_SOFTCAP =
+    SOFTCAP_TANH_APPROX (bf16 on the GPU): tanh by the one-instruction approximation the Gluon
+    kernels take for bf16 (``hopper.log2_scores``), so that every pass of a call computes the same
+    scores. Without: ``qk_scale = scale * log2(e)``.
     """
-    if HAS_SOFTCAP:
+    if HAS_SOFTCAP == SOFTCAP_TANH_APPROX:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [qk * qk_scale], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return t * softcap_log2, t
+    elif HAS_SOFTCAP:
         t = tanh(qk * qk_scale)
         return t * softcap_log2, t
     else:
