@@ -886,17 +886,24 @@ NUM_WARPS = 8
 PROGRAMS: int | None = None  # tests and experiments: the warp-specialised forward's programs (0: one per tile)
 
 
-def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device) -> int:
+PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``persistent_programs``)
+
+
+def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device,
+                        seqlen_k: int = 0) -> int:
     """Programs of a persistent launch of the warp-specialised forward (one per SM, each walking
     its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (H200,
     NOTES.md v34, forward GPU time): persistent -10% at D=128 S=1k causal (two warpgroups: short
     tiles, their fixed cost -- Q and first K/V loads, output store -- half hidden), but with three
     warpgroups ping-ponging it spills and its static rounds balance long causal rows badly (16k
-    causal +35%, window +10%): so two warpgroups, causal, no bias or tile lists (``plain``)."""
+    causal +35%, window +10%): so two warpgroups, causal, no bias or tile lists (``plain``), and
+    keys up to PERSISTENT_MAX_KEYS (fp16 causal softcap at 16k: 3987 us persistent, against 2667
+    for 3 warpgroups taking turns; at 4k 748 against 846, NOTES.md v47)."""
     if PROGRAMS is not None:
         programs = PROGRAMS
     else:
-        programs = sm_count(device) if runs_persistent(config, causal, plain) else 0
+        fits = seqlen_k <= PERSISTENT_MAX_KEYS
+        programs = sm_count(device) if runs_persistent(config, causal, plain) and fits else 0
     return programs if programs < tiles else 0
 
 
@@ -965,7 +972,7 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
                         CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                         OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
     programs = 0 if grad_q else persistent_programs(tiles, config, causal, not has_lists and bias_slices is None,
-                                                    device)
+                                                    device, seqlen_k)
     persistent = programs > 0
     if persistent:
         grid = (programs,)

@@ -124,9 +124,11 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
             fwd = KernelConfig(128, 64 if has_right else 128, 8, 2, tma_loads=True, hopper_overlap=0)
         elif head_dim == 128 and short and has_right:
             fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
-        elif has_softcap and has_right:
-            # Causal softcap at long keys: 2 warpgroups without turns (persistent) ran the forward 10%
-            # faster than 3 taking turns, fwd+bwd -3% (H100, S=4k; NOTES.md v40).
+        elif has_softcap and has_right and dtype == torch.float16:
+            # fp16 causal softcap at long keys (the exact tanh: three MUFU ops a score): 2 warpgroups
+            # without turns (persistent up to 4096 keys) ran the forward 10% faster than 3 taking
+            # turns at S=4k (H100, NOTES.md v40; H200 v47: 748 against 846 us). bf16 (tanh.approx,
+            # two) takes the default below: level at 4k, -40% at 16k (NOTES.md v47).
             fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
         elif has_left:
             # A left window's band of keys: 128-row tiles visit fewer pairs it does not keep (a
