@@ -829,7 +829,8 @@ def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
     return dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
-        HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
 
 

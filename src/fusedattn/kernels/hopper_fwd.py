@@ -890,15 +890,15 @@ PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``persis
 
 
 def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device,
-                        seqlen_k: int = 0) -> int:
+                        seqlen_k: int) -> int:
     """Programs of a persistent launch of the warp-specialised forward (one per SM, each walking
     its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (H200,
     NOTES.md v34, forward GPU time): persistent -10% at D=128 S=1k causal (two warpgroups: short
     tiles, their fixed cost -- Q and first K/V loads, output store -- half hidden), but with three
     warpgroups ping-ponging it spills and its static rounds balance long causal rows badly (16k
     causal +35%, window +10%): so two warpgroups, causal, no bias or tile lists (``plain``), and
-    keys up to PERSISTENT_MAX_KEYS (fp16 causal softcap at 16k: 3987 us persistent, against 2667
-    for 3 warpgroups taking turns; at 4k 748 against 846, NOTES.md v47)."""
+    keys up to PERSISTENT_MAX_KEYS (fp16 causal softcap, 2 warpgroups: 16k 3987 us persistent, 2790
+    one program per tile; 4k 748 persistent, NOTES.md v47)."""
     if PROGRAMS is not None:
         programs = PROGRAMS
     else:

@@ -369,7 +369,8 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
         spec.window_left, spec.window_right, qk_scale, softcap_log2,
     ), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=block_m,
         BLOCK_N=KEY_TILE, HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
-        HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, PAGED=paged, DOT_PRECISION=dot_precision(q.dtype),
+        HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, PAGED=paged,
+        DOT_PRECISION=dot_precision(q.dtype),
         PDL=pdl and num_splits > 1, WAIT_PRIOR=early, num_warps=NUM_WARPS,
         num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1),
         **({"launch_pdl": True} if early else {}))
