@@ -209,7 +209,7 @@ def _tanh_approx(x):
 
 @gluon.jit
 def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr, RCP_ON_FMA: gl.constexpr = False,
-                FAST_TANH: gl.constexpr = False):
+                INPUT_DTYPE: gl.constexpr = None):
     """(scores in log2 units, tanh of the capped argument or None) of raw fp32 scores ``s``.
 
     Softcap: tanh(x) = 1 - 2 / (1 + e^{2x}): ex2 and a reciprocal -- rcp.approx (a MUFU op) or, with
@@ -217,14 +217,14 @@ def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr, RCP_ON_FMA: gl
     (what the score and the backward's 1 - tanh^2 need; the relative error near 0 does not matter
     there). The dK/dV pass takes RCP_ON_FMA (-3% of its time at softcap 30); the forward does not:
     slower with 3 warpgroups (at 128 registers they spilled: 1.67x) and with 2 (1.2-1.4x; NOTES.md v40).
-    FAST_TANH (the callers set it for bf16 inputs, as ``fwd.softcap_mode`` does for the Triton
-    kernels, so that every pass of a call computes the same scores): tanh.approx.f32, one MUFU op
-    instead of two -- the softcap forward was bound by them, three a score (NOTES.md v47). Its 2^-11
+    ``INPUT_DTYPE`` (the kernel's inputs', every caller passes it) bf16: tanh.approx.f32 -- the rule
+    ``fwd.softcap_mode`` gives the Triton kernels, so that every pass of a call computes the same
+    scores --, one MUFU op instead of two -- the softcap forward was bound by them, three a score (NOTES.md v47). Its 2^-11
     relative error is a logit error of at most 0.015 at softcap 30: a quarter of what rounding the
     scores to bf16 costs (2^-9 of scores of 10-30), but as large as fp16 rounding, so fp16 keeps the
     exact form."""
     if SOFTCAP:
-        if FAST_TANH:
+        if INPUT_DTYPE == gl.bfloat16:
             t = _tanh_approx(s * qk_scale)
             return t * softcap_log2, t
         e = gl.exp2(s * (qk_scale * 2.8853900817779268))  # e^{2x} = 2^{2 log2(e) x}

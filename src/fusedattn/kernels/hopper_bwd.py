@@ -397,7 +397,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))
         turn_pass(turn_bars, WG, PINGPONG)
     if SOFTCAP:  # log2 units now (the cap is not linear)
-        s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True, True, k_s.dtype == gl.bfloat16)
+        s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True, True, k_s.dtype)
         qk_scale = 1.0
     if BIAS:
         bias_ring = dq_state[5]

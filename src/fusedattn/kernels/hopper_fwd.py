@@ -113,9 +113,9 @@ def _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N: gl.constexpr, s_layou
 @gluon.jit
 def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias, BLOCK_N: gl.constexpr,
                     s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
-                    SOFTCAP: gl.constexpr, BIAS: gl.constexpr, FAST_TANH: gl.constexpr):
+                    SOFTCAP: gl.constexpr, BIAS: gl.constexpr, INPUT_DTYPE: gl.constexpr):
     """Online-softmax step on raw scores s (fp32, s_layout) of keys [key_start, + BLOCK_N). Returns p
-    (fp32), m, l, alpha. FAST_TANH: the cap's tanh by one MUFU op (bf16 inputs, ``log2_scores``).
+    (fp32), m, l, alpha. INPUT_DTYPE: the kernel's inputs' (it picks the cap's tanh: ``log2_scores``).
 
     m is kept in log2 units of the scaled scores. MASK=False: the block is fully visible
     to every row, no mask math and m_new is finite. Without softcap the scale is applied to the
@@ -124,7 +124,7 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
     after scale and softcap (SPEC 3.3), in log2 units; its -inf entries mask, so every tile then
     guards rows with no visible key, as masked ones do."""
     if SOFTCAP:
-        s, _ = log2_scores(s, qk_scale, softcap_log2, True, False, FAST_TANH)
+        s, _ = log2_scores(s, qk_scale, softcap_log2, True, False, INPUT_DTYPE)
         qk_scale = 1.0
     if BIAS:
         s = s * qk_scale + bias * 1.4426950408889634  # log2(e)
@@ -199,7 +199,7 @@ def _step_simple(q, k_ring, v_ring, k_bars, v_bars, acc, m_i, l_i, s_zero, j, n_
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2] + j * BLOCK_N, rows, seq_k, rule, qk_scale,
                                          softcap_log2, s, BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, False,
-                                         k.dtype == gl.bfloat16)
+                                         k.dtype)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_bars, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -255,7 +255,7 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2] + (j + 1) * BLOCK_N, rows, seq_k, rule, qk_scale,
                                          softcap_log2, s, BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, False,
-                                         k.dtype == gl.bfloat16)
+                                         k.dtype)
     return acc, o_tok, p_op, p, m_i, l_i, alpha
 
 
@@ -345,7 +345,7 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
             s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False)
             p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, kv_at[2], rows, seq_k, rule, qk_scale, softcap_log2, s,
                                                  BLOCK_N, s_layout, CAUSAL, LEFT, True, SOFTCAP, False,
-                                                 k.dtype == gl.bfloat16)
+                                                 k.dtype)
             # Iteration j computes the softmax of block j+1: unmasked for blocks in [n_lead, n_inner).
             # Nothing in flight yet: a retired "PV_{-1}" token on the zero accumulator.
             o_tok = warpgroup_mma_init(acc)
@@ -592,7 +592,7 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
     turn_pass(turn_bars, WG, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     if SOFTCAP:  # log2 units now (the cap is not linear)
-        s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True, False, q.dtype == gl.bfloat16)
+        s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True, False, q.dtype)
         qk_scale = 1.0
     if MASK:
         s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
@@ -632,7 +632,7 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias,
-                                         BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, BIAS, k.dtype == gl.bfloat16)
+                                         BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, BIAS, k.dtype)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
