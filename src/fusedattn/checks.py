@@ -5,7 +5,7 @@ error, an illegal memory access or a silently wrong result."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -16,8 +16,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 
 
-@dataclass(frozen=True)
-class Shapes:
+class Shapes(NamedTuple):  # a tuple: made on every call (a frozen dataclass took 5x the host time)
     batch: int
     heads_q: int
     heads_kv: int
@@ -65,16 +64,25 @@ def check_options(*, layout, causal, window, scale, softcap, deterministic, retu
 
 def check_qkv(q, k, v, layout: str, caller: str = "fusedattn.attention", packed: bool = False) -> Shapes:
     """The shapes of q, k, v checked (SPEC 3.6, 3.7); ``packed``: the (total tokens, heads, head dim)
-    tensors of ``varlen_attention``, checked as one batch."""
-    rank, dims = (3, "(total tokens, heads, head dim)") if packed else (4, _layout_names(layout))
-    check_tensors(caller, (("q", q), ("k", k), ("v", v)), rank, dims + ("" if packed else f" for layout={layout!r}"))
+    tensors of ``varlen_attention``, checked as one batch. The messages are made only on failure:
+    every call runs these checks (a short step's host time, NOTES.md v48)."""
+    rank = 3 if packed else 4
+
+    def dims() -> str:
+        return "(total tokens, heads, head dim)" if packed else _layout_names(layout)
+
+    check_tensors(caller, (("q", q), ("k", k), ("v", v)), rank,
+                  lambda: dims() + ("" if packed else f" for layout={layout!r}"))
 
     def bhsd(t):
         b, x1, x2, d = t.shape if not packed else (1, *t.shape)
         return (b, x2, x1, d) if layout == "bshd" else (b, x1, x2, d)
 
     (bq, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = bhsd(q), bhsd(k), bhsd(v)
-    where = f"(dims {dims})" if packed else f"(layout={layout!r}, dims {dims})"
+    if bq == bk == bv and sk == sv and hk == hv and dk == d and hk and hq % hk == 0 \
+            and MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and MIN_HEAD_DIM <= dv <= MAX_HEAD_DIM:
+        return Shapes(bq, hq, hk, sq, sk, d, dv)  # the common case: every check below passes
+    where = f"(dims {dims()})" if packed else f"(layout={layout!r}, dims {dims()})"
     if not (bq == bk == bv):
         raise ValueError(f"{caller}: batch sizes differ: q {bq}, k {bk}, v {bv} {where}")
     if sk != sv:
@@ -87,9 +95,10 @@ def check_qkv(q, k, v, layout: str, caller: str = "fusedattn.attention", packed:
     return Shapes(bq, hq, hk, sq, sk, d, dv)
 
 
-def check_tensors(caller: str, named: tuple, rank: int, dims: str) -> None:
-    """Each (name, tensor) a ``rank``-D tensor (shaped ``dims``) of a supported dtype on a CUDA or
-    CPU device, all of one dtype and device."""
+def check_tensors(caller: str, named: tuple, rank: int, dims) -> None:
+    """Each (name, tensor) a ``rank``-D tensor (shaped ``dims``: a string, or a function that makes
+    it) of a supported dtype on a CUDA or CPU device, all of one dtype and device."""
+    first = named[0][1]
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{caller}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
@@ -98,14 +107,16 @@ def check_tensors(caller: str, named: tuple, rank: int, dims: str) -> None:
                 f"{caller}: `{name}` has dtype {t.dtype}; expected one of float16, bfloat16, float32"
             )
         if t.dim() != rank:
-            raise ValueError(f"{caller}: `{name}` must be {rank}-D {dims}, got shape {tuple(t.shape)}")
-        if t.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"{caller}: `{name}` must be {rank}-D {dims if isinstance(dims, str) else dims()}, "
+                             f"got shape {tuple(t.shape)}")
+        if not (t.is_cuda or t.is_cpu):
             raise ValueError(f"{caller}: `{name}` is on {t.device}; expected a CUDA or CPU tensor")
-    names = ", ".join(name for name, _ in named)
-    if len({t.dtype for _, t in named}) > 1:
-        raise TypeError(f"{caller}: {names} must share a dtype, got {', '.join(str(t.dtype) for _, t in named)}")
-    if len({t.device for _, t in named}) > 1:
-        raise ValueError(f"{caller}: {names} must be on one device, got {', '.join(str(t.device) for _, t in named)}")
+        if t.dtype != first.dtype:
+            raise TypeError(f"{caller}: {', '.join(n for n, _ in named)} must share a dtype, "
+                            f"got {', '.join(str(x.dtype) for _, x in named)}")
+    if len(named) > 1 and any(t.device != first.device for _, t in named[1:]):
+        raise ValueError(f"{caller}: {', '.join(n for n, _ in named)} must be on one device, "
+                         f"got {', '.join(str(t.device) for _, t in named)}")
 
 
 def check_heads_and_dims(caller: str, heads_q: int, heads_kv: int, head_dim: int, head_dim_v: int, where: str) -> None:

@@ -11,6 +11,7 @@ under ``TRITON_INTERPRET=1``) and ``"torch"`` (the chunked PyTorch path).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -77,20 +78,26 @@ def _mask_args(mask: BlockMask | None) -> tuple:
     return mask.source, mask.states, [*mask.cell, *mask.source_shift]
 
 
-def _block_mask(mask, mask_states, mask_grid, seqlen_q: int, seqlen_k: int) -> BlockMask | None:
+def _block_mask(mask, mask_states, mask_grid, q, k, layout: str) -> BlockMask | None:
     """The BlockMask back from the custom ops' arguments (``_mask_args``). Its element shape: the
     source's, except that a dim of whole blocks (shift > 0) spans the sequence length."""
     if mask is None:
         return None
+    seqlen_q, seqlen_k = bhsd_shape(q, layout)[2], bhsd_shape(k, layout)[2]
     shift_q, shift_k = mask_grid[2:]
     shape = (*mask.shape[:2], seqlen_q if shift_q else mask.shape[2], seqlen_k if shift_k else mask.shape[3])
     return BlockMask(shape, mask_states, tuple(mask_grid[:2]), mask, (shift_q, shift_k))
 
 
+# The spec of the ops' plain option values, made once per set of options: a short step's forward and
+# backward each rebuilt it (host time, NOTES.md v48).
+_spec = functools.lru_cache(maxsize=256)(AttentionSpec)
+
+
 def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
                   softcap, deterministic, backend):
-    spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
-    mask = _block_mask(mask, mask_states, mask_grid, bhsd_shape(q, layout)[2], bhsd_shape(k, layout)[2])
+    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic)
+    mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     if bias is not None:
@@ -126,8 +133,8 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
                    layout, window_left, window_right, scale, softcap, deterministic, backend):
     """(dq, dk, dv, dbias, dsinks); dbias None unless ``bias_grad``, dsinks (float32) None unless
     ``sinks_grad`` (the custom op returns empty tensors in their place: ``_backward_op``)."""
-    spec = AttentionSpec(layout, window_left, window_right, scale, softcap, deterministic)
-    mask = _block_mask(mask, mask_states, mask_grid, bhsd_shape(q, layout)[2], bhsd_shape(k, layout)[2])
+    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic)
+    mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if bias is not None:
         bias = bias.detach()
     sinks = sinks if sinks_grad else None

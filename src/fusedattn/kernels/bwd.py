@@ -699,9 +699,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
 
     # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
     # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
-    gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, dkdv_cfg,
-                                  dq_buffer if atomic_dq else None, mask, bias, plan.bias_in_gluon, dbias, packing,
-                                  group_sums=not plan.group_walk)
+    gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan, dq_buffer if atomic_dq else None,
+                                  mask, bias, dbias, packing)
     if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return _dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
     if gluon_dkdv and not atomic_dq:  # dQ by the Gluon dQ pass, where it takes the problem
@@ -936,6 +935,9 @@ class BackwardPlan:
     padded_rows: int
     zero_dq: bool
     preprocess: Launcher  # (out, dout, lse, dlse, lse2, delta, dQ accumulator, cu_seqlens_q)
+    # The Gluon dK/dV pass takes the problem (``fwd.hopper_supports``: metadata only; the tensors' TMA
+    # addresses are checked at launch).
+    gluon_dkdv: bool
     # The Triton passes' launches of the problem (``_triton_passes``), by the inputs' strides and
     # what the call could run (the Gluon pass, TMA loads); filled by calls without mask, bias or packing.
     triton_passes: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -982,6 +984,9 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias,
                                                                       bias_in_gluon):
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
+    bias_in_gluon = bias_in_gluon and atomic_dq
+    gluon_dkdv = dkdv_cfg.hopper_overlap is not None and hopper_supports(q, k, v, spec, mask=mask, bias=bias,
+                                                                         reads_bias=bias_in_gluon)
     padded_d = cdiv(head_dim, 4) * 4 if atomic_dq else 0
     pre_block_m = configs.preprocess_block_m
     gluon_dq_rows = configs.gluon_dq.hopper_split * 64 if configs.gluon_dq is not None else 0
@@ -997,7 +1002,7 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
         HAS_DLSE=dlse is not None, ZERO_DQ=zero_dq, BLOCK_DQ=padded_dim(padded_d) if zero_dq else 16,
         VARLEN=packing is not None)
     return BackwardPlan(dkdv_cfg, atomic_dq, group_walk, bias_in_gluon, dkdv_block_major(spec, heads_q // heads_kv),
-                        padded_d, padded_rows, zero_dq, preprocess)
+                        padded_d, padded_rows, zero_dq, preprocess, gluon_dkdv)
 
 
 def column_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, cfg: KernelConfig,
@@ -1125,33 +1130,31 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
     return hopper_bwd.computes_dq(q.shape[-1], config)
 
 
-def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
-                     dq_accum: torch.Tensor | None = None, mask=None, bias=None,
-                     reads_bias: bool = False, dbias: torch.Tensor | None = None, packing=None,
-                     group_sums: bool = True) -> bool:
-    """Run the Gluon pass of hopper_bwd.py if ``config`` names one (``hopper_overlap`` set) and it
-    takes the problem: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given; False,
-    nothing launched, where not (or where TMA cannot address a tensor). With a mask the pass walks
-    its column lists at the config's tiles (``fwd.gluon_mask_dkdv``). ``reads_bias``
-    (``gluon_dkdv_takes_bias``, with ``dq_accum``): it reads ``bias`` and stores ``dbias``, its
-    gradient, when one is given. ``packing``: packed sequences (``fwd.attention_forward``).
-    ``group_sums``: False keeps one program per KV head's whole group (``walks_group_with_dq_pass``)."""
-    reads_bias = reads_bias and dq_accum is not None
-    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias,
-                                                            reads_bias=reads_bias):
+def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, plan: BackwardPlan,
+                     dq_accum: torch.Tensor | None = None, mask=None, bias=None, dbias: torch.Tensor | None = None,
+                     packing=None) -> bool:
+    """Run the Gluon pass of hopper_bwd.py where the plan says it takes the problem
+    (``BackwardPlan.gluon_dkdv``): dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given
+    (the plan's ``atomic_dq``); False, nothing launched, where not (or where TMA cannot address a
+    tensor). With a mask the pass walks its column lists at the plan's tiles
+    (``fwd.gluon_mask_dkdv``). With the plan's ``bias_in_gluon`` it reads ``bias`` and stores
+    ``dbias``, its gradient, when one is given. ``packing``: packed sequences
+    (``fwd.attention_forward``). One program per query head with dK/dV summed over each group where
+    ``hopper_bwd.sums_over_group`` says so, unless the plan walks the group (``group_walk``)."""
+    if not plan.gluon_dkdv:
         return False
     from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
-    if dq_accum is not None and not hopper_bwd.computes_dq(q.shape[-1], config):
-        return False
-    batch, heads_q, seqlen_q = bhsd_shape(q, spec.layout)[:3]
-    heads_kv, seqlen_k = bhsd_shape(k, spec.layout)[1:3]
+    heads_q = bhsd_shape(q, spec.layout)[1]
+    heads_kv = bhsd_shape(k, spec.layout)[1]
     lists = None
     if mask is not None:
-        lists = column_list_args(mask, spec, seqlen_q, seqlen_k, config, heads_q, heads_kv, lse2)
-    group_sum = group_sums and hopper_bwd.sums_over_group(spec, heads_q, heads_kv, config, lists is not None)
-    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, config, dq_accum, lists,
-                                group_sum, bias, dbias, packing)
+        seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
+        lists = column_list_args(mask, spec, seqlen_q, seqlen_k, plan.dkdv, heads_q, heads_kv, lse2)
+    group_sum = not plan.group_walk and hopper_bwd.sums_over_group(spec, heads_q, heads_kv, plan.dkdv,
+                                                                   lists is not None)
+    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan.dkdv, dq_accum, lists, group_sum,
+                                bias, dbias, packing)
 
 
 DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order

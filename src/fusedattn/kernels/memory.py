@@ -9,6 +9,8 @@ same (B, H, S, D) view (``load_block`` with ``USE_DESC``): the copy engine does 
 addressing and the zero fill past S and D, so the loop holds no pointer tensors.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -97,7 +99,14 @@ def tma_addressable(t: torch.Tensor) -> bool:
 
 
 def _addressable(address: int, strides: tuple, element_size: int) -> bool:
-    return address % 16 == 0 and strides[-1] == 1 and all(s * element_size % 16 == 0 for s in strides[:-1])
+    return address % 16 == 0 and _strides_addressable(strides, element_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _strides_addressable(strides: tuple, element_size: int) -> bool:
+    """Unit last stride, the others multiples of 16 bytes: kept per strides (a short step checks
+    ~15 tensors, NOTES.md v48)."""
+    return strides[-1] == 1 and all(s * element_size % 16 == 0 for s in strides[:-1])
 
 
 class Descriptor:
@@ -126,11 +135,11 @@ class Descriptor:
         "bshd": over the 4-D ``base`` in (B, H, S, D) order, as over ``spec.to_bhsd(base, "bshd")``
         but without making that view (~3-5 us of host time each, NOTES.md v42)."""
         address, strides = base.data_ptr(), base.stride()
-        if not _addressable(address, strides, base.element_size()):  # the same in either order
+        if address % 16 or not _strides_addressable(strides, base.element_size()):  # the same in either order
             return None
         if layout == "bshd":
             return cls(base, block_shape, address, bhsd_stride(base, layout), bhsd_shape(base, layout))
-        return cls(base, block_shape, address, strides)
+        return cls(base, block_shape, address, strides, base.shape)
 
     def for_triton(self):
         from triton.tools.tensor_descriptor import TensorDescriptor
