@@ -123,3 +123,57 @@ def test_variant_rows_show_the_clock_their_timing_ended_at():
     lines = variants.table([ours, flex]).splitlines()
     assert lines[0].endswith("MHz") and lines[1].endswith("1800*")
     assert lines[2].endswith("1.25x   1980")
+
+
+def test_a_peer_taking_bshd_gets_the_same_values_stored_as_bshd():
+    shape = Shape(2, 4, 24, 16, False, torch.float32, heads_kv=2)
+    as_bhsd, as_bshd = _inputs(shape, "cpu"), _inputs(shape, "cpu", "bshd")
+    for ours, theirs in zip(as_bhsd, as_bshd):
+        assert torch.equal(ours, theirs) and ours.is_contiguous()
+        assert theirs.transpose(1, 2).is_contiguous() and not theirs.is_contiguous()  # no copy when transposed back
+
+
+def test_flash_sparse_attn_imports_past_its_missing_projection_dependency(tmp_path, monkeypatch):
+    """flash-sparse-attn 2.0.6 imports ``triton_kernels.matmul_ogs`` for its projection ops, which no
+    published triton-kernels has: the bench stands in for it (any use raises) and reaches the
+    attention function; a package that fails to import for any other reason is unavailable."""
+    from fusedattn.bench import systems
+
+    package = tmp_path / "flash_sparse_attn"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from triton_kernels.matmul_ogs import matmul_ogs, PrecisionConfig, FlexCtx\n"
+        "from triton_kernels.numerics import InFlexData, OutFlexData\n"
+        "def flash_dense_attn_func(q, k, v, is_causal=False):\n    return ('dense', is_causal)\n"
+        "def project():\n    return matmul_ogs()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("flash_sparse_attn", "triton_kernels", "triton_kernels.matmul_ogs", "triton_kernels.numerics"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        fn = systems.flash_dense_attn_func()
+        assert fn(None, None, None, is_causal=True) == ("dense", True)
+        with pytest.raises(RuntimeError, match="placeholder"):
+            sys.modules["flash_sparse_attn"].project()
+    finally:
+        for name in ("flash_sparse_attn", "triton_kernels", "triton_kernels.matmul_ogs", "triton_kernels.numerics"):
+            sys.modules.pop(name, None)
+
+    (package / "__init__.py").write_text("import a_module_nobody_has\n")
+    with pytest.raises(systems.Unavailable, match="does not import"):
+        systems.flash_dense_attn_func()
+    sys.modules.pop("flash_sparse_attn", None)
+
+
+def test_a_peer_whose_output_differs_is_marked_in_both_tables():
+    from fusedattn.bench import variants
+
+    ours = dict(variant="window", system="fusedattn", fwd_ms=0.3, fwdbwd_ms=1.2, fwdbwd_tflops=300.0, step_peak_gb=0.1)
+    good = dict(ours, system="flex", fwdbwd_ms=1.5, output_agrees=True, max_diff_vs_fusedattn=0.004)
+    wrong = dict(ours, system="other", fwdbwd_ms=0.9, output_agrees=False, max_diff_vs_fusedattn=1.75)
+    lines = variants.table([ours, good, wrong]).splitlines()
+    assert "DIFFERS" not in lines[2] and lines[3].endswith("OUTPUT DIFFERS from fusedattn's (max |diff| 1.75)")
+    mine = dict(_row(fwd_ms=1.0, fwdbwd_ms=4.0), system="fusedattn")
+    peer = dict(_row(fwd_ms=1.0, fwdbwd_ms=2.0), output_agrees=False, max_diff_vs_fusedattn=0.5)
+    printed = table([merge_rounds([mine]), merge_rounds([peer])]).splitlines()
+    assert "DIFFERS" not in printed[1] and "OUTPUT DIFFERS" in printed[2] and "0.5)" in printed[2]

@@ -34,7 +34,7 @@ import torch
 import fusedattn
 
 from . import gpu_state
-from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, failure_note
+from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, disagreement, failure_note
 
 TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
 
@@ -119,13 +119,19 @@ def _graph_ms(step, grad_to_none=None) -> float:
         del graph
 
 
-def _inputs(shape: Shape, device):
+def _inputs(shape: Shape, device, layout: str = "bhsd"):
+    """q, k, v, dout as (B, H, S, D) tensors, the same values for every system; ``layout`` "bshd":
+    stored as (B, S, H, D) (``systems.System.layout``)."""
     gen = torch.Generator(device=device).manual_seed(0)
     q_size = (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
     kv_size = (shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim)
-    q, k, v, dout = (torch.randn(size, device=device, dtype=shape.dtype, generator=gen)
-                     for size in (q_size, kv_size, kv_size, q_size))
-    return q, k, v, dout
+    return tuple(stored_as(torch.randn(size, device=device, dtype=shape.dtype, generator=gen), layout)
+                 for size in (q_size, kv_size, kv_size, q_size))
+
+
+def stored_as(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t`` (B, H, S, D), or with ``layout`` "bshd" a (B, H, S, D) view of a (B, S, H, D) copy."""
+    return t if layout == "bhsd" else t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torch.Tensor | None]:
@@ -135,7 +141,7 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
     out = None
     try:
         fn = system.make(shape)
-        q, k, v, dout = _inputs(shape, device)
+        q, k, v, dout = _inputs(shape, device, system.layout)
         with torch.no_grad():
             out = fn(q, k, v)
             fwd_ms = _median_ms(lambda: fn(q, k, v))
@@ -268,7 +274,7 @@ def table(rows: list[dict]) -> str:
         graph = f"{r['graph_fwdbwd_ms']:.3f}" if "graph_fwdbwd_ms" in r else "-"
         lines.append(f"{r['case']:<28}{r['system']:<24}{r['fwd_ms']:>9.3f}{r['fwd_tflops']:>10.1f}"
                      f"{r['fwdbwd_ms']:>9.3f}{r['fwdbwd_tflops']:>10.1f}{r['bwd_tflops']:>10.1f}{graph:>11}"
-                     f"{ratio:>15}{graph_ratio:>9}{gpu_state.cell(r):>7}".rstrip())
+                     f"{ratio:>15}{graph_ratio:>9}{gpu_state.cell(r):>7}".rstrip() + disagreement(r))
     return "\n".join(lines)
 
 

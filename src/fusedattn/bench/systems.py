@@ -52,6 +52,13 @@ class Unavailable(Exception):
     """The system is not installed or does not support the shape."""
 
 
+def disagreement(row: dict) -> str:
+    """What a table line adds for a peer whose output did not agree with fusedattn's (``output_agrees``)."""
+    if row.get("output_agrees", True):
+        return ""
+    return f"  OUTPUT DIFFERS from fusedattn's (max |diff| {row['max_diff_vs_fusedattn']:.3g})"
+
+
 def failure_note(e: Exception) -> str:
     """A row's note for a system that raised: a peer failing on a shape is a result, not a crash."""
     first_line = str(e).splitlines()[0][:160] if str(e) else ""
@@ -63,6 +70,9 @@ class System:
     name: str
     make: Callable[[Shape], Callable]
     detail: str
+    # How q, k, v and dout are stored: "bhsd", or "bshd" for a peer whose kernels take (B, S, H, D)
+    # (it gets (B, H, S, D) views of such tensors: no copy of its inputs in its timed step).
+    layout: str = "bhsd"
 
 
 def _fusedattn(deterministic: bool):
@@ -126,17 +136,56 @@ def _flaggems(shape: Shape):
     return lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.grouped)
 
 
-def _flash_sparse_dense(shape: Shape):
+# flash-sparse-attn 2.0.6 imports its fused-projection ops at package import, and those import
+# ``triton_kernels.matmul_ogs`` / ``triton_kernels.numerics``, which no published triton-kernels
+# provides (0.1.0 lacks them). The bench never calls those ops: where the import fails for that
+# reason alone, placeholders stand in for the two modules (any use of them raises) so that the
+# package's attention kernels -- Triton, no projection involved -- can be timed.
+_TRITON_KERNELS_NAMES = {"triton_kernels.matmul_ogs": ("matmul_ogs", "PrecisionConfig", "FlexCtx"),
+                         "triton_kernels.numerics": ("InFlexData", "OutFlexData")}
+
+
+def flash_dense_attn_func():
+    """flash-sparse-attn's dense attention (``flash_dense_attn_func``: (B, S, H, D) tensors, fewer
+    key/value heads taken as they are, ``window_sizes`` for a local band), or Unavailable."""
     if importlib.util.find_spec("flash_sparse_attn") is None:
         raise Unavailable("flash_sparse_attn not installed")
     if not torch.cuda.is_available():
         raise Unavailable("needs CUDA")
-    from flash_sparse_attn import flash_dense_attn_func
+    try:
+        from flash_sparse_attn import flash_dense_attn_func as fn
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("triton_kernels"):
+            raise Unavailable(f"flash_sparse_attn does not import: {e}") from e
+        _stand_in_triton_kernels()
+        from flash_sparse_attn import flash_dense_attn_func as fn
+    return fn
 
-    # Its layout is (B, S, H, D): hand it transposed views of the same data (it takes fewer
-    # key/value heads as they are).
-    return lambda q, k, v: flash_dense_attn_func(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=shape.causal).transpose(1, 2)
+
+def _stand_in_triton_kernels() -> None:
+    import sys
+    import types
+
+    def unusable(*args, **kwargs):
+        raise RuntimeError("fusedattn.bench: a placeholder for triton_kernels (flash-sparse-attn's projection ops)")
+
+    if importlib.util.find_spec("triton_kernels") is None:
+        sys.modules["triton_kernels"] = types.ModuleType("triton_kernels")
+    for name, attrs in _TRITON_KERNELS_NAMES.items():
+        module = types.ModuleType(name)
+        for attr in attrs:
+            setattr(module, attr, unusable)
+        sys.modules[name] = module
+    for key in [k for k in sys.modules if k.startswith("flash_sparse_attn")]:  # the failed import's half-made modules
+        del sys.modules[key]
+
+
+def _flash_sparse_dense(shape: Shape):
+    fn = flash_dense_attn_func()
+    # Its layout is (B, S, H, D): the bench hands it q, k, v (and dout) stored that way
+    # (``System.layout``), as (B, H, S, D) views, so these transposes copy nothing.
+    return lambda q, k, v: fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              is_causal=shape.causal).transpose(1, 2)
 
 
 SYSTEMS = [
@@ -147,7 +196,7 @@ SYSTEMS = [
     System("sdpa-efficient", _sdpa("EFFICIENT_ATTENTION"), "torch SDPA, memory-efficient backend, is_causal"),
     System("flex", _flex, "FlexAttention under torch.compile, causal block mask"),
     System("flaggems", _flaggems, "flag_gems.ops.attention.scaled_dot_product_attention"),
-    System("flash-sparse-attn", _flash_sparse_dense, "flash_sparse_attn.flash_dense_attn_func (Triton)"),
+    System("flash-sparse-attn", _flash_sparse_dense, "flash_sparse_attn.flash_dense_attn_func (Triton)", "bshd"),
 ]
 CPU_SYSTEMS = [
     System("fusedattn", _fusedattn(False), "fusedattn.attention on CPU (chunked PyTorch path)"),

@@ -9,7 +9,8 @@ allocates beyond its inputs. Mask structures are built once per input, outside t
 a training step shares them across layers: Flex's block mask, fusedattn's BlockMask (a bool mask
 passed per call is classified per call instead: +1 to +3 ms at this shape, benchmarks/NOTES.md
 v23). TFLOP/s count only the kept fraction of the score matrix (causal,
-window, mask), as BENCHMARKS.md does. Bars (issue 4): a variant keeps >= 0.8x the plain kernel
+window, mask), as BENCHMARKS.md does. Each peer's output is checked against fusedattn's on the
+same inputs (``output_agrees``). Bars (issue 4): a variant keeps >= 0.8x the plain kernel
 and >= 1.5x FlexAttention on the same variant; a trainable (B,H,S,S) bias >= 0.6x plain and
 >= 2x FlexAttention; top-k 1024 with a trainable bias >= 3x the best peer; block-sparse top-k at
 25% density >= 3x faster than the dense plain kernel (its "vs plain" ratio).
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 import fusedattn
 
 from . import gpu_state
-from .systems import Unavailable, failure_note
+from .systems import Unavailable, disagreement, failure_note, flash_dense_attn_func
 
 B, H, S, D = 4, 16, 4096, 128
 WINDOW = 1024  # keys each query sees in the sliding-window row, itself included
@@ -207,25 +208,50 @@ def _sdpa(backend_name: str, variant: Variant):
     return fn
 
 
+def _flash_sparse(variant: Variant):
+    """flash-sparse-attn's dense Triton kernels (``systems.flash_dense_attn_func``): causal, fewer
+    key/value heads, and a causal local band (``window_sizes`` columns: sink tokens, distant band,
+    gap, near band; the near band of WINDOW keys is this row's window). It has no bias, mask, sink
+    logit or softcap; its key lengths (``seqused_k``) reach the forward only, not the backward."""
+    if not variant.name.startswith(("sliding", "GQA")):
+        lacks = "key lengths in the backward (seqused_k reaches its forward only)" if "key-padding" in variant.name \
+            else "bias, mask, sink logit or softcap"
+        raise Unavailable(f"flash-sparse-attn's dense kernels have no {lacks}")
+    fn = flash_dense_attn_func()
+    window = None
+    if variant.name.startswith("sliding"):
+        window = torch.tensor([[0, 0, 0, WINDOW]] * variant.heads_kv, dtype=torch.int32, device="cuda")
+
+    # Its layout is (B, S, H, D): its inputs are stored that way (``INPUT_LAYOUT``).
+    return lambda inp: fn(inp.q.transpose(1, 2), inp.k.transpose(1, 2), inp.v.transpose(1, 2), is_causal=variant.causal,
+                          window_sizes=window).transpose(1, 2)
+
+
 SYSTEMS = {
     "fusedattn": lambda variant: _fused(variant, plain=False),
     "fusedattn-plain": lambda variant: _fused(variant, plain=True),
     "flex": _flex,
     "sdpa-cudnn": lambda variant: _sdpa("CUDNN_ATTENTION", variant),
     "sdpa-efficient": lambda variant: _sdpa("EFFICIENT_ATTENTION", variant),
+    "flash-sparse-attn": _flash_sparse,
 }
+INPUT_LAYOUT = {"flash-sparse-attn": "bshd"}  # how a system's q, k, v, dout are stored (else bhsd)
 
 
-def _inputs(variant: Variant, plain: bool) -> Inputs:
-    """The variant's inputs; for the plain kernel, multi-head q, k, v and no extras."""
+def _inputs(variant: Variant, plain: bool, layout: str = "bhsd") -> Inputs:
+    """The variant's inputs, the same values for every system; for the plain kernel, multi-head q,
+    k, v and no extras. ``layout`` "bshd": q, k, v, dout stored as (B, S, H, D) (``INPUT_LAYOUT``)."""
+    from .__main__ import stored_as
+
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(heads):
-        return torch.randn(B, heads, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        return stored_as(torch.randn(B, heads, S, D, device="cuda", dtype=torch.bfloat16, generator=gen), layout)
 
     heads_kv = H if plain else variant.heads_kv
-    q, k, v = randn(H), randn(heads_kv), randn(heads_kv)
-    return Inputs(q, k, v, torch.randn_like(q), {} if plain else variant.make_extra(gen))
+    q, k, v = (t.requires_grad_() for t in (randn(H), randn(heads_kv), randn(heads_kv)))
+    dout = stored_as(torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=gen), layout)
+    return Inputs(q, k, v, dout, {} if plain else variant.make_extra(gen))
 
 
 def time_step(forward, step) -> tuple[float, float, float]:
@@ -245,39 +271,53 @@ def time_step(forward, step) -> tuple[float, float, float]:
     return fwd_ms, triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"), peak_gb
 
 
-def measure(variant: Variant, system: str) -> dict:
+def measure(variant: Variant, system: str, baseline_out: torch.Tensor | None = None) -> tuple[dict, torch.Tensor | None]:
+    """One system on one variant: (row, its forward output). ``baseline_out``: fusedattn's output on
+    the variant, which the system's must agree with (``output_agrees``, as in the standard rows)."""
     row = dict(variant=variant.name, system=system, B=B, H=H, Hkv=variant.heads_kv, S=S, D=D, causal=variant.causal)
+    out = None
     try:
         fn = SYSTEMS[system](variant)
-        inp = _inputs(variant, plain=system == "fusedattn-plain")
+        inp = _inputs(variant, plain=system == "fusedattn-plain", layout=INPUT_LAYOUT.get(system, "bhsd"))
         leaves = inp.leaves()
+        with torch.no_grad():
+            out = fn(inp)
         fwd_ms, fwdbwd_ms, peak_gb = time_step(lambda: fn(inp), lambda: torch.autograd.grad(fn(inp), leaves,
                                                                                           inp.dout))
     except Unavailable as e:  # the peer has no such feature
         row["note"] = f"skipped: {e}"
-        return row
+        return row, None
     except Exception as e:  # a peer failing on a variant is a result
         row["note"] = failure_note(e)
-        return row
+        return row, None
     finally:
         torch.cuda.empty_cache()
+    if baseline_out is not None:  # never report a time for a wrong answer without saying so
+        diff = (out.float() - baseline_out.float()).abs().max().item()
+        row.update(max_diff_vs_fusedattn=diff, output_agrees=diff <= 0.05)
     plain = system == "fusedattn-plain"
     kept = 1.0 if plain and not variant.causal else (_causal_fraction() if plain else variant.kept_fraction())
     flops = 4 * B * H * S * S * D * kept
     row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms, fwd_tflops=flops / fwd_ms * 1e-9,
                fwdbwd_tflops=3.5 * flops / fwdbwd_ms * 1e-9, step_peak_gb=peak_gb,
                gpu_state=gpu_state.query())  # the clock the timing ended at
-    return row
+    return row, out
 
 
 def run(on_row=None, only: list[str] | None = None) -> list[dict]:
-    """Every variant on every system (``only``: the variants whose name contains one of the words)."""
+    """Every variant on every system (``only``: the variants whose name contains one of the words);
+    each peer's output checked against fusedattn's on the same inputs (the plain kernel's inputs
+    differ: it is not checked)."""
     from .__main__ import _progress
 
     chosen = [v for v in VARIANTS if only is None or any(word in v.name for word in only)]
-    rows = []
+    rows, ours = [], {}
     for variant, system in _progress([(v, s) for v in chosen for s in SYSTEMS], "variants"):
-        rows.append(measure(variant, system))
+        checked = system not in ("fusedattn", "fusedattn-plain")
+        row, out = measure(variant, system, ours.get(variant.name) if checked else None)
+        if system == "fusedattn":
+            ours = {variant.name: out}  # the current variant's only (its systems run one after another)
+        rows.append(row)
         if on_row:
             on_row(rows)
     return rows
@@ -299,5 +339,5 @@ def table(rows: list[dict]) -> str:
             ratio = f"{r['fwdbwd_ms'] / mine['fwdbwd_ms']:.2f}x"
         lines.append(f"{r['variant']:<30}{r['system']:<18}{r['fwd_ms']:>9.3f}{r['fwdbwd_ms']:>9.3f}"
                      f"{r['fwdbwd_tflops']:>10.1f}{r['step_peak_gb']:>9.2f}{ratio:>14}"
-                     f"{gpu_state.cell(r):>7}".rstrip())
+                     f"{gpu_state.cell(r):>7}".rstrip() + disagreement(r))
     return "\n".join(lines)
