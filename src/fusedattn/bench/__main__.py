@@ -34,7 +34,7 @@ import torch
 import fusedattn
 
 from . import gpu_state
-from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, disagreement, failure_note
+from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, disagreement, failure_note, stored_as
 
 TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
 
@@ -127,11 +127,6 @@ def _inputs(shape: Shape, device, layout: str = "bhsd"):
     kv_size = (shape.batch, shape.kv_heads, shape.seqlen, shape.head_dim)
     return tuple(stored_as(torch.randn(size, device=device, dtype=shape.dtype, generator=gen), layout)
                  for size in (q_size, kv_size, kv_size, q_size))
-
-
-def stored_as(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """``t`` (B, H, S, D), or with ``layout`` "bshd" a (B, H, S, D) view of a (B, S, H, D) copy."""
-    return t if layout == "bhsd" else t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torch.Tensor | None]:

@@ -75,6 +75,11 @@ class System:
     layout: str = "bhsd"
 
 
+def stored_as(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t`` (B, H, S, D), or with ``layout`` "bshd" a (B, H, S, D) view of a (B, S, H, D) copy."""
+    return t if layout == "bhsd" else t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _fusedattn(deterministic: bool):
     def make(shape: Shape):
         return lambda q, k, v: fusedattn.attention(q, k, v, layout="bhsd", causal=shape.causal,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import fusedattn
 
 from . import gpu_state
-from .systems import Unavailable, disagreement, failure_note, flash_dense_attn_func
+from .systems import Unavailable, disagreement, failure_note, flash_dense_attn_func, stored_as
 
 B, H, S, D = 4, 16, 4096, 128
 WINDOW = 1024  # keys each query sees in the sliding-window row, itself included
@@ -241,8 +241,6 @@ INPUT_LAYOUT = {"flash-sparse-attn": "bshd"}  # how a system's q, k, v, dout are
 def _inputs(variant: Variant, plain: bool, layout: str = "bhsd") -> Inputs:
     """The variant's inputs, the same values for every system; for the plain kernel, multi-head q,
     k, v and no extras. ``layout`` "bshd": q, k, v, dout stored as (B, S, H, D) (``INPUT_LAYOUT``)."""
-    from .__main__ import stored_as
-
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(heads):
