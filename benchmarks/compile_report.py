@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedattn.kernels import bwd, fwd, hopper, hopper_bwd, hopper_fwd, kvcache, softmax  # noqa: E402
+from fusedattn.kernels import bwd, fwd, hopper, hopper_bwd, hopper_fwd, kvcache  # noqa: E402
 from fusedattn.spec import UNBOUNDED, AttentionSpec  # noqa: E402
 from fusedattn.tuning.configs import KernelConfig, _cuda_configs  # noqa: E402
 
@@ -103,9 +103,9 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     block_d = fwd.padded_dim(head_dim)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d,
                   DOT_PRECISION=fwd.dot_precision(torch_dtype), **flags)
-    # the Triton kernels' softcap form, as fwd.softcap_mode sets it on the GPU (bf16: tanh.approx)
-    common["HAS_SOFTCAP"] = (softmax.TANH_APPROX if flags["HAS_SOFTCAP"] and torch_dtype == torch.bfloat16
-                             else int(flags["HAS_SOFTCAP"]))
+    # the Triton kernels' softcap form as a launch on the GPU gets it (bf16: tanh.approx)
+    softcap_spec = AttentionSpec("bshd", UNBOUNDED, 0, 1.0, 30.0 if flags["HAS_SOFTCAP"] else 0.0, False)
+    common["HAS_SOFTCAP"] = fwd.softcap_mode(softcap_spec, torch_dtype, torch.device("cuda"))
     fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32", Sinks="fp32", Mask="u8", TileLists="i32",
                      ColumnLists="i32", RowLists="i32", CuSeqlensQ="i32", CuSeqlensK="i32",
                      DBias="fp32" if flags["DBIAS"] == bwd.DBIAS_ATOMIC else dtype)

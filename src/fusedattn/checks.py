@@ -79,18 +79,18 @@ def check_qkv(q, k, v, layout: str, caller: str = "fusedattn.attention", packed:
         return (b, x2, x1, d) if layout == "bshd" else (b, x1, x2, d)
 
     (bq, hq, sq, d), (bk, hk, sk, dk), (bv, hv, sv, dv) = bhsd(q), bhsd(k), bhsd(v)
-    if bq == bk == bv and sk == sv and hk == hv and dk == d and hk and hq % hk == 0 \
-            and MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and MIN_HEAD_DIM <= dv <= MAX_HEAD_DIM:
-        return Shapes(bq, hq, hk, sq, sk, d, dv)  # the common case: every check below passes
-    where = f"(dims {dims()})" if packed else f"(layout={layout!r}, dims {dims()})"
+
+    def where() -> str:
+        return f"(dims {dims()})" if packed else f"(layout={layout!r}, dims {dims()})"
+
     if not (bq == bk == bv):
-        raise ValueError(f"{caller}: batch sizes differ: q {bq}, k {bk}, v {bv} {where}")
+        raise ValueError(f"{caller}: batch sizes differ: q {bq}, k {bk}, v {bv} {where()}")
     if sk != sv:
-        raise ValueError(f"{caller}: `k` has {sk} keys but `v` has {sv} {where}")
+        raise ValueError(f"{caller}: `k` has {sk} keys but `v` has {sv} {where()}")
     if hk != hv:
-        raise ValueError(f"{caller}: `k` has {hk} heads but `v` has {hv} {where}")
+        raise ValueError(f"{caller}: `k` has {hk} heads but `v` has {hv} {where()}")
     if dk != d:
-        raise ValueError(f"{caller}: `k` head dim {dk} must equal `q` head dim {d} {where}")
+        raise ValueError(f"{caller}: `k` head dim {dk} must equal `q` head dim {d} {where()}")
     check_heads_and_dims(caller, hq, hk, d, dv, where)
     return Shapes(bq, hq, hk, sq, sk, d, dv)
 
@@ -119,11 +119,13 @@ def check_tensors(caller: str, named: tuple, rank: int, dims) -> None:
                          f"got {', '.join(str(t.device) for _, t in named)}")
 
 
-def check_heads_and_dims(caller: str, heads_q: int, heads_kv: int, head_dim: int, head_dim_v: int, where: str) -> None:
-    """Query heads a multiple of the key/value heads (GQA) and head dims in the supported range."""
+def check_heads_and_dims(caller: str, heads_q: int, heads_kv: int, head_dim: int, head_dim_v: int, where) -> None:
+    """Query heads a multiple of the key/value heads (GQA) and head dims in the supported range.
+    ``where``: the message's context, a string or a function that makes it (on failure only)."""
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(
-            f"{caller}: q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) {where}"
+            f"{caller}: q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) "
+            f"{where if isinstance(where, str) else where()}"
         )
     for name, dim in (("q/k", head_dim), ("v", head_dim_v)):
         if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
