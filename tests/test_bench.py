@@ -177,3 +177,21 @@ def test_a_peer_whose_output_differs_is_marked_in_both_tables():
     peer = dict(_row(fwd_ms=1.0, fwdbwd_ms=2.0), output_agrees=False, max_diff_vs_fusedattn=0.5)
     printed = table([merge_rounds([mine]), merge_rounds([peer])]).splitlines()
     assert "DIFFERS" not in printed[1] and "OUTPUT DIFFERS" in printed[2] and "0.5)" in printed[2]
+
+
+def test_backward_on_caller_is_recorded_in_the_json_and_undone_after_the_run(tmp_path, monkeypatch):
+    import json
+
+    from fusedattn.bench import __main__ as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "cpu_shapes", lambda: [Shape(1, 2, 32, 16, True, torch.float32)])
+    real_run = bench.run
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: seen.append(torch._C._is_multithreading_enabled())
+                        or real_run(*a, **kw))
+    for flag, thread in ((["--backward-on-caller"], "caller"), ([], "engine")):
+        bench.main(["--out", str(tmp_path), *flag])
+        written, = (p for p in tmp_path.glob("*.json") if p.name.endswith("-backward-on-caller.json") == bool(flag))
+        assert json.loads(written.read_text())["environment"]["backward_thread"] == thread
+    assert seen == [False, True]  # the run itself saw the setting
+    assert torch._C._is_multithreading_enabled()  # and it is the default again after the run

@@ -180,7 +180,7 @@ def device_name() -> str:
 
 def environment() -> dict:
     env = dict(device=device_name(), torch=torch.__version__, fusedattn=fusedattn.__version__,
-               date=datetime.date.today().isoformat())
+               date=datetime.date.today().isoformat(), backward_thread=backward_thread())
     try:
         import triton
 
@@ -191,6 +191,12 @@ def environment() -> dict:
         env["cudnn"] = torch.backends.cudnn.version()
         env["cuda"] = torch.version.cuda
     return env
+
+
+def backward_thread() -> str:
+    """Where autograd runs a CUDA backward in this run: "engine" (its device thread, the default) or
+    "caller" (``--backward-on-caller``)."""
+    return "engine" if torch._C._is_multithreading_enabled() else "caller"
 
 
 TIME_KEYS = ("fwd_ms", "fwdbwd_ms", "graph_fwd_ms", "graph_fwdbwd_ms")
@@ -322,10 +328,21 @@ def main(argv=None) -> None:
     parser.add_argument("--packed", action="store_true",
                         help="issue 5's rows: varlen training on 16 packed documents (vs Flex's document mask and "
                              "SDPA on the padded batch)")
+    parser.add_argument("--backward-on-caller", action="store_true",
+                        help="run every system's backward on the calling thread "
+                             "(torch.autograd.set_multithreading_enabled(False)) instead of the autograd engine's "
+                             "device thread: what a short step's host time is without the engine's thread hand-off")
     parser.add_argument("--decode", action="store_true",
                         help="issue 5's rows: decoding over a KV cache, contiguous and paged (bandwidth vs the "
                              "device-to-device copy; vs SDPA and Flex)")
     args = parser.parse_args(argv)
+    # Thread-local: the whole run happens on this thread. A graph's replay runs no Python, so only the
+    # eager times can change (NOTES.md v50).
+    with torch.autograd.set_multithreading_enabled(not args.backward_on_caller):
+        return _main(args, parser)
+
+
+def _main(args, parser) -> None:
     if args.variants:
         return _main_variants(args)
     if args.packed:
@@ -345,10 +362,13 @@ def main(argv=None) -> None:
     ints = lambda text: tuple(int(x) for x in text.split(",")) if text else None  # noqa: E731
     shapes = standard_shapes(args.quick, ints(args.head_dims), ints(args.seqlens)) if on_gpu else cpu_shapes()
     env = environment()
-    print(f"fusedattn benchmark on {env['device']} (torch {env['torch']}, triton {env.get('triton', '-')})")
+    print(f"fusedattn benchmark on {env['device']} (torch {env['torch']}, triton {env.get('triton', '-')}; "
+          f"backward on the {env['backward_thread']} thread)")
     for s in systems:
         print(f"  {s.name:<20}{s.detail}")
     stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
+    if env["backward_thread"] == "caller":
+        stem += "-backward-on-caller"
     out_dir, json_path = Path(args.out), Path(args.out) / f"{stem}.json"
 
     rounds = args.rounds or (3 if on_gpu else 1)
