@@ -1,5 +1,6 @@
 """The benchmark's shapes and its grouped-query path (CPU: fusedattn's PyTorch path vs SDPA math)."""
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -150,9 +151,14 @@ def test_flash_sparse_attn_imports_past_its_missing_projection_dependency(tmp_pa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("flash_sparse_attn", "triton_kernels", "triton_kernels.matmul_ogs", "triton_kernels.numerics"):
         monkeypatch.delitem(sys.modules, name, raising=False)
+    # its autotune winners: the folder kept with the results, unless the caller names another
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / systems.FSA_LAUNCH_CONFIGS).mkdir(parents=True)
+    monkeypatch.delenv("FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR", raising=False)
     try:
         fn = systems.flash_dense_attn_func()
         assert fn(None, None, None, is_causal=True) == ("dense", True)
+        assert os.environ["FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR"] == str(tmp_path / systems.FSA_LAUNCH_CONFIGS)
         with pytest.raises(RuntimeError, match="placeholder"):
             sys.modules["flash_sparse_attn"].project()
     finally:
@@ -160,8 +166,10 @@ def test_flash_sparse_attn_imports_past_its_missing_projection_dependency(tmp_pa
             sys.modules.pop(name, None)
 
     (package / "__init__.py").write_text("import a_module_nobody_has\n")
+    monkeypatch.setenv("FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR", "/elsewhere")
     with pytest.raises(systems.Unavailable, match="does not import"):
         systems.flash_dense_attn_func()
+    assert os.environ["FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR"] == "/elsewhere"  # the caller's folder wins
     sys.modules.pop("flash_sparse_attn", None)
 
 

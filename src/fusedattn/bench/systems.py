@@ -9,7 +9,9 @@ reported with a note instead of a time.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -150,6 +152,15 @@ _TRITON_KERNELS_NAMES = {"triton_kernels.matmul_ogs": ("matmul_ogs", "PrecisionC
                          "triton_kernels.numerics": ("InFlexData", "OutFlexData")}
 
 
+# flash-sparse-attn autotunes each kernel per problem on its first call and keeps the winner in a
+# launch-config folder of its own (one JSON per GPU name), which it reads before autotuning again.
+# Its autotune takes 2-5 minutes a kernel on the GPU machine (NOTES.md v50), longer than a bench
+# run can give every row, so the bench points it at winners kept with the results (it autotunes,
+# and adds to the folder, any problem not in there yet); FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR
+# set by the caller wins.
+FSA_LAUNCH_CONFIGS = Path("benchmarks/fsa_launch_config")
+
+
 def flash_dense_attn_func():
     """flash-sparse-attn's dense attention (``flash_dense_attn_func``: (B, S, H, D) tensors, fewer
     key/value heads taken as they are, ``window_sizes`` for a local band), or Unavailable."""
@@ -157,6 +168,8 @@ def flash_dense_attn_func():
         raise Unavailable("flash_sparse_attn not installed")
     if not torch.cuda.is_available():
         raise Unavailable("needs CUDA")
+    if FSA_LAUNCH_CONFIGS.is_dir():  # read when its launch-config module is imported: set before the import
+        os.environ.setdefault("FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR", str(FSA_LAUNCH_CONFIGS.resolve()))
     try:
         from flash_sparse_attn import flash_dense_attn_func as fn
     except ModuleNotFoundError as e:
