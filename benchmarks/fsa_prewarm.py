@@ -5,8 +5,9 @@ configurations per problem and compiles every one on its first call: ~5 s each, 
 bench row on the GPU machine, past the 10-minute limit of one command there (NOTES.md v49). Triton
 keeps what it compiles in its cache folder; so this script makes the same calls as the bench, in
 ``--workers`` processes that each autotune over a share of the configurations, and the bench's own
-autotune afterwards finds every configuration compiled and only times them (seconds). What the bench
-measures does not change: the same configurations, timed by the same autotuner, in its process. (The
+autotune afterwards finds every configuration compiled and only times them (which itself took up to
+~3 minutes a kernel: NOTES.md v50; a winner is then kept in ``benchmarks/fsa_launch_config``). What
+the bench measures does not change: the same configurations, timed by the same autotuner, in its process. (The
 workers keep their winners out of flash-sparse-attn's launch-config folder, where the bench would find
 one and not autotune; a folder already holding winners from an earlier run is read as it is.)
 

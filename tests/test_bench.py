@@ -203,3 +203,6 @@ def test_backward_on_caller_is_recorded_in_the_json_and_undone_after_the_run(tmp
         assert json.loads(written.read_text())["environment"]["backward_thread"] == thread
     assert seen == [False, True]  # the run itself saw the setting
     assert torch._C._is_multithreading_enabled()  # and it is the default again after the run
+    env = dict(device="NVIDIA H100 80GB", date="2026-11-26", backward_thread="caller")
+    assert bench.result_stem(env, "variants") == "variants-NVIDIA-H100-80GB-2026-11-26-backward-on-caller"
+    assert bench.result_stem(dict(env, backward_thread="engine")) == "NVIDIA-H100-80GB-2026-11-26"

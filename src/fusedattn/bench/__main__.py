@@ -199,6 +199,13 @@ def backward_thread() -> str:
     return "engine" if torch._C._is_multithreading_enabled() else "caller"
 
 
+def result_stem(env: dict, prefix: str = "") -> str:
+    """A result file's name without its suffix: [prefix-]device-date[-backward-on-caller]."""
+    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
+    stem = f"{prefix}-{stem}" if prefix else stem
+    return stem + "-backward-on-caller" if env["backward_thread"] == "caller" else stem
+
+
 TIME_KEYS = ("fwd_ms", "fwdbwd_ms", "graph_fwd_ms", "graph_fwdbwd_ms")
 
 
@@ -366,9 +373,7 @@ def _main(args, parser) -> None:
           f"backward on the {env['backward_thread']} thread)")
     for s in systems:
         print(f"  {s.name:<20}{s.detail}")
-    stem = f"{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
-    if env["backward_thread"] == "caller":
-        stem += "-backward-on-caller"
+    stem = result_stem(env)
     out_dir, json_path = Path(args.out), Path(args.out) / f"{stem}.json"
 
     rounds = args.rounds or (3 if on_gpu else 1)
@@ -414,7 +419,7 @@ def _main_side_rows(args, flag: str, prefix: str, run_rows, table_of, extra: dic
         print(f"fusedattn benchmark {flag}: needs a CUDA device (its peers and shapes are GPU-sized)")
         return
     env = environment()
-    stem = f"{prefix}-{re.sub(r'[^A-Za-z0-9]+', '-', env['device']).strip('-')}-{env['date']}"
+    stem = result_stem(env, prefix)
     json_path = Path(args.out) / f"{stem}.json"
 
     def save(rows):

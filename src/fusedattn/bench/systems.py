@@ -154,10 +154,10 @@ _TRITON_KERNELS_NAMES = {"triton_kernels.matmul_ogs": ("matmul_ogs", "PrecisionC
 
 # flash-sparse-attn autotunes each kernel per problem on its first call and keeps the winner in a
 # launch-config folder of its own (one JSON per GPU name), which it reads before autotuning again.
-# Its autotune takes 2-5 minutes a kernel on the GPU machine (NOTES.md v50), longer than a bench
-# run can give every row, so the bench points it at winners kept with the results (it autotunes,
-# and adds to the folder, any problem not in there yet); FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR
-# set by the caller wins.
+# Its autotune took up to ~3 minutes a kernel on the GPU machine, its configurations compiled
+# beforehand (NOTES.md v50): longer than a bench run can give every row. So the bench points it at
+# winners kept with the results (it autotunes, and adds to the folder, any problem not in there
+# yet); FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR set by the caller wins.
 FSA_LAUNCH_CONFIGS = Path("benchmarks/fsa_launch_config")
 
 
