@@ -6,6 +6,7 @@
     python -m fusedattn.bench --variants      # bias, softcap, window, sinks, GQA, mask, top-k rows (bench/variants.py)
     python -m fusedattn.bench --packed        # varlen training on packed documents (bench/packed.py)
     python -m fusedattn.bench --decode        # decoding over a KV cache, contiguous and paged (bench/decode.py)
+    python -m fusedattn.bench --backward-on-caller   # any of the above, every backward on the calling thread
 
 Writes ``benchmarks/results/<gpu>-<date>.json`` (and a PNG plot when matplotlib is
 there) and prints a table. Times are medians of ``triton.testing.do_bench`` on CUDA,
