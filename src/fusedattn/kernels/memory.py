@@ -135,7 +135,7 @@ class Descriptor:
         "bshd": over the 4-D ``base`` in (B, H, S, D) order, as over ``spec.to_bhsd(base, "bshd")``
         but without making that view (~3-5 us of host time each, NOTES.md v42)."""
         address, strides = base.data_ptr(), base.stride()
-        if address % 16 or not _strides_addressable(strides, base.element_size()):  # the same in either order
+        if not _addressable(address, strides, base.element_size()):  # the same in either order
             return None
         if layout == "bshd":
             return cls(base, block_shape, address, bhsd_stride(base, layout), bhsd_shape(base, layout))
