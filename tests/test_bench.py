@@ -193,6 +193,8 @@ def test_backward_on_caller_is_recorded_in_the_json_and_undone_after_the_run(tmp
     from fusedattn.bench import __main__ as bench
 
     seen = []
+    # the CPU run's one tiny shape, on a GPU machine too (there the bench would take SPEC 5's shapes)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(bench, "cpu_shapes", lambda: [Shape(1, 2, 32, 16, True, torch.float32)])
     real_run = bench.run
     monkeypatch.setattr(bench, "run", lambda *a, **kw: seen.append(torch._C._is_multithreading_enabled())
