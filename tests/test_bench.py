@@ -208,3 +208,51 @@ def test_backward_on_caller_is_recorded_in_the_json_and_undone_after_the_run(tmp
     env = dict(device="NVIDIA H100 80GB", date="2026-11-26", backward_thread="caller")
     assert bench.result_stem(env, "variants") == "variants-NVIDIA-H100-80GB-2026-11-26-backward-on-caller"
     assert bench.result_stem(dict(env, backward_thread="engine")) == "NVIDIA-H100-80GB-2026-11-26"
+
+
+def test_flash_sparse_attn_takes_the_bias_rows_with_the_mask_folded_into_its_bias(tmp_path, monkeypatch):
+    """The bias rows run flash-sparse-attn's kernel with a trainable bias (kept under its
+    ``deprecated`` package): (B, S, H, D) views, the causal flag, and a mask as -inf in the bias;
+    rows with a mask and no bias, sinks or softcap are unavailable to it."""
+    from fusedattn.bench import systems, variants
+
+    package = tmp_path / "flash_sparse_attn"
+    (package / "deprecated").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "deprecated" / "__init__.py").write_text("")
+    (package / "deprecated" / "flash_sparse_attn_triton.py").write_text(
+        "calls = []\n"
+        "def triton_sparse_attn_func(q, k, v, attn_bias=None, is_causal=False, softmax_scale=None):\n"
+        "    calls.append((q, attn_bias, is_causal))\n"
+        "    return q\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR", str(tmp_path))
+    for name in [k for k in sys.modules if k.startswith("flash_sparse_attn")]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        by_name = {v.name: v for v in variants.VARIANTS}
+        topk = by_name[f"top-k {variants.TOPK} + trainable bias"]
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 2, 8, 4, generator=gen)
+        bias = torch.randn(1, 2, 8, 8, generator=gen, requires_grad=True)
+        mask = torch.rand(1, 2, 8, 8, generator=gen) < 0.5
+        fn = variants.SYSTEMS["flash-sparse-attn"](topk)
+        out = fn(variants.Inputs(q, q, q, q, dict(bias=bias, mask=mask)))
+        from flash_sparse_attn.deprecated.flash_sparse_attn_triton import calls
+        (seen_q, seen_bias, causal), = calls
+        assert causal is True and seen_q.shape == (1, 8, 2, 4) and torch.equal(out, q)
+        # its kernel masks negative entries: it gets the bias shifted to >= 0, then the -inf fold
+        shifted = bias.detach() - bias.detach().min()
+        assert torch.equal(seen_bias, shifted.masked_fill(~mask, float("-inf")))
+        assert seen_bias.requires_grad  # the bias's gradient flows through the shift and the fold
+        full_bias = variants.SYSTEMS["flash-sparse-attn"](by_name["bias (B,H,S,S) trainable"])
+        full_bias(variants.Inputs(q, q, q, q, dict(bias=bias)))
+        assert torch.equal(calls[-1][1], shifted) and calls[-1][2] is False
+        for name in ("block-sparse", "random key mask", "sinks", "softcap"):
+            variant = next(v for v in variants.VARIANTS if v.name.startswith(name))
+            with pytest.raises(systems.Unavailable):
+                variants.SYSTEMS["flash-sparse-attn"](variant)
+    finally:
+        for name in [k for k in sys.modules if k.startswith("flash_sparse_attn")]:
+            sys.modules.pop(name, None)

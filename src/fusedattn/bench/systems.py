@@ -164,6 +164,20 @@ FSA_LAUNCH_CONFIGS = Path("benchmarks/fsa_launch_config")
 def flash_dense_attn_func():
     """flash-sparse-attn's dense attention (``flash_dense_attn_func``: (B, S, H, D) tensors, fewer
     key/value heads taken as they are, ``window_sizes`` for a local band), or Unavailable."""
+    return _flash_sparse_attn("flash_sparse_attn", "flash_dense_attn_func")
+
+
+def flash_sparse_bias_attn_func():
+    """flash-sparse-attn's Triton kernel with a trainable bias, or Unavailable:
+    ``triton_sparse_attn_func(q, k, v, attn_bias, is_causal)``, (B, S, H, D) tensors, a (B, H, Sq|1,
+    Sk) bias in their dtype, its gradient returned. 2.0.6 keeps it under ``deprecated`` (the
+    flash-dmattn kernel BENCHMARKS.md names); its dense kernels take no bias."""
+    return _flash_sparse_attn("flash_sparse_attn.deprecated.flash_sparse_attn_triton", "triton_sparse_attn_func")
+
+
+def _flash_sparse_attn(module_name: str, attr: str):
+    """``attr`` of a flash-sparse-attn module, the package imported past its missing projection
+    dependency (``_stand_in_triton_kernels``), or Unavailable."""
     if importlib.util.find_spec("flash_sparse_attn") is None:
         raise Unavailable("flash_sparse_attn not installed")
     if not torch.cuda.is_available():
@@ -171,13 +185,13 @@ def flash_dense_attn_func():
     if FSA_LAUNCH_CONFIGS.is_dir():  # read when its launch-config module is imported: set before the import
         os.environ.setdefault("FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR", str(FSA_LAUNCH_CONFIGS.resolve()))
     try:
-        from flash_sparse_attn import flash_dense_attn_func as fn
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if not (e.name or "").startswith("triton_kernels"):
             raise Unavailable(f"flash_sparse_attn does not import: {e}") from e
         _stand_in_triton_kernels()
-        from flash_sparse_attn import flash_dense_attn_func as fn
-    return fn
+        module = importlib.import_module(module_name)
+    return getattr(module, attr)
 
 
 def _stand_in_triton_kernels() -> None:

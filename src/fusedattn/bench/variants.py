@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import fusedattn
 
 from . import gpu_state
-from .systems import Unavailable, disagreement, failure_note, flash_dense_attn_func, stored_as
+from .systems import (Unavailable, disagreement, failure_note, flash_dense_attn_func, flash_sparse_bias_attn_func,
+                      stored_as)
 
 B, H, S, D = 4, 16, 4096, 128
 WINDOW = 1024  # keys each query sees in the sliding-window row, itself included
@@ -209,14 +210,19 @@ def _sdpa(backend_name: str, variant: Variant):
 
 
 def _flash_sparse(variant: Variant):
-    """flash-sparse-attn's dense Triton kernels (``systems.flash_dense_attn_func``): causal, fewer
-    key/value heads, and a causal local band (``window_sizes`` columns: sink tokens, distant band,
-    gap, near band; the near band of WINDOW keys is this row's window). It has no bias, mask, sink
-    logit or softcap; its key lengths (``seqused_k``) reach the forward only, not the backward."""
+    """flash-sparse-attn's Triton kernels. Its dense ones (``systems.flash_dense_attn_func``): causal,
+    fewer key/value heads, and a causal local band (``window_sizes`` columns: sink tokens, distant
+    band, gap, near band; the near band of WINDOW keys is this row's window). With a trainable bias:
+    its kernel that takes one (``systems.flash_sparse_bias_attn_func``), a mask folded into the bias
+    as -inf, as SDPA gets it (it has no mask input: every tile is visited). It has no sink logit or
+    softcap, and no mask without a bias; its key lengths (``seqused_k``) reach the forward only, not
+    the backward."""
+    if "bias" in variant.name:
+        return _flash_sparse_bias(variant)
     if not variant.name.startswith(("sliding", "GQA")):
         lacks = "key lengths in the backward (seqused_k reaches its forward only)" if "key-padding" in variant.name \
-            else "bias, mask, sink logit or softcap"
-        raise Unavailable(f"flash-sparse-attn's dense kernels have no {lacks}")
+            else "mask without a bias, sink logit or softcap"
+        raise Unavailable(f"flash-sparse-attn's Triton kernels have no {lacks}")
     fn = flash_dense_attn_func()
     window = None
     if variant.name.startswith("sliding"):
@@ -225,6 +231,28 @@ def _flash_sparse(variant: Variant):
     # Its layout is (B, S, H, D): its inputs are stored that way (``INPUT_LAYOUT``).
     return lambda inp: fn(inp.q.transpose(1, 2), inp.k.transpose(1, 2), inp.v.transpose(1, 2), is_causal=variant.causal,
                           window_sizes=window).transpose(1, 2)
+
+
+def _flash_sparse_bias(variant: Variant):
+    """Its bias kernel reads a negative bias entry as masked (``where(b >= 0, b, -inf)``: a dynamic
+    mask's semantics), so it gets the bias shifted by a constant to non-negative values -- the
+    softmax is unchanged, and so is the bias's gradient. The shift (minus the bias's minimum,
+    found once per input outside the timed steps) is one elementwise pass in its step, as is the
+    -inf fold of a mask."""
+    fn = flash_sparse_bias_attn_func()
+    shifts = {}
+
+    def call(inp: Inputs):
+        bias, mask = inp.extra["bias"], inp.extra.get("mask")
+        if id(bias) not in shifts:
+            shifts[id(bias)] = -min(bias.min().item(), 0.0)
+        bias = bias + shifts[id(bias)]
+        if mask is not None:  # in the step: the -inf bias is made from the trainable one every call
+            bias = bias.masked_fill(~mask, float("-inf"))
+        return fn(inp.q.transpose(1, 2), inp.k.transpose(1, 2), inp.v.transpose(1, 2), bias,
+                  is_causal=variant.causal).transpose(1, 2)
+
+    return call
 
 
 SYSTEMS = {
