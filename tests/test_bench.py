@@ -256,3 +256,34 @@ def test_flash_sparse_attn_takes_the_bias_rows_with_the_mask_folded_into_its_bia
     finally:
         for name in [k for k in sys.modules if k.startswith("flash_sparse_attn")]:
             sys.modules.pop(name, None)
+
+
+def test_a_lost_json_is_rebuilt_from_the_printed_tables():
+    """benchmarks/rows_from_log.py: the standard and variant tables a run prints give back its rows'
+    times (3 decimals) and the rates from them; failed and skipped rows keep their notes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from rows_from_log import standard_rows, variant_rows
+
+    from fusedattn.bench import variants
+
+    ours = merge_rounds([dict(_row(fwd_ms=0.2466, fwdbwd_ms=0.9331, graph_fwdbwd_ms=0.9262), system="fusedattn",
+                              case="D64-S1024-causal", B=16, H=32, Hkv=32, Sq=1024, Sk=1024, causal=True)])
+    peer = dict(ours, system="sdpa-cudnn", fwd_ms=0.2071, fwdbwd_ms=0.9402, graph_fwdbwd_ms=0.9391)
+    failed = dict(_row(note="fails: RuntimeError: No available kernel."), system="sdpa-efficient",
+                  case="D128-S4096-gqa16/2-full")
+    printed = ["header"] + table([ours, merge_rounds([peer]), failed]).splitlines()
+    mine, theirs, gone = standard_rows(printed)
+    assert (mine["system"], mine["B"], mine["H"], mine["causal"]) == ("fusedattn", 16, 32, True)
+    assert (mine["fwd_ms"], mine["fwdbwd_ms"], mine["graph_fwdbwd_ms"]) == (0.247, 0.933, 0.926)
+    assert abs(theirs["fwdbwd_tflops"] / merge_rounds([peer])["fwdbwd_tflops"] - 1) < 1e-3
+    assert (gone["H"], gone["Hkv"], gone["note"]) == (16, 2, "fails: RuntimeError: No available kernel.")
+    assert all(r["from_printed_table"] for r in (mine, theirs, gone))
+
+    name = "key-padding mask (B,1,1,S) by length"  # longer than its column: runs into the system's
+    row = dict(variant=name, system="fusedattn-plain", fwd_ms=0.8449, fwdbwd_ms=3.5331, fwdbwd_tflops=544.6,
+               step_peak_gb=0.38)
+    skipped = dict(variant=name, system="flash-sparse-attn", note="skipped: no key lengths")
+    rebuilt, note = variant_rows(variants.table([row, skipped]).splitlines())
+    assert (rebuilt["variant"], rebuilt["system"], rebuilt["fwdbwd_ms"], rebuilt["fwdbwd_tflops"]) == (
+        name, "fusedattn-plain", 3.533, 544.6)
+    assert note["system"] == "flash-sparse-attn" and note["note"] == "skipped: no key lengths"
