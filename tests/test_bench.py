@@ -287,3 +287,30 @@ def test_a_lost_json_is_rebuilt_from_the_printed_tables():
     assert (rebuilt["variant"], rebuilt["system"], rebuilt["fwdbwd_ms"], rebuilt["fwdbwd_tflops"]) == (
         name, "fusedattn-plain", 3.533, 544.6)
     assert note["system"] == "flash-sparse-attn" and note["note"] == "skipped: no key lengths"
+
+
+def test_flaggems_takes_only_the_grouped_query_variant(tmp_path, monkeypatch):
+    """FlagGems' attention backward drops the mask (its gradients with a bias or mask would be
+    wrong): of the variant rows it runs GQA alone, causal, with fewer key/value heads."""
+    from fusedattn.bench import systems, variants
+
+    (tmp_path / "flag_gems" / "ops").mkdir(parents=True)
+    (tmp_path / "flag_gems" / "__init__.py").write_text("")
+    (tmp_path / "flag_gems" / "ops" / "__init__.py").write_text("")
+    (tmp_path / "flag_gems" / "ops" / "attention.py").write_text(
+        "def scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=False):\n"
+        "    return (is_causal, enable_gqa)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [k for k in sys.modules if k.startswith("flag_gems")]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        for variant in variants.VARIANTS:
+            if variant.name.startswith("GQA"):
+                q = torch.zeros(1)
+                assert variants.SYSTEMS["flaggems"](variant)(variants.Inputs(q, q, q, q)) == (True, True)
+            else:
+                with pytest.raises(systems.Unavailable):
+                    variants.SYSTEMS["flaggems"](variant)
+    finally:
+        for name in [k for k in sys.modules if k.startswith("flag_gems")]:
+            sys.modules.pop(name, None)

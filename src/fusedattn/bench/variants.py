@@ -18,6 +18,7 @@ and >= 1.5x FlexAttention on the same variant; a trainable (B,H,S,S) bias >= 0.6
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -255,6 +256,23 @@ def _flash_sparse_bias(variant: Variant):
     return call
 
 
+def _flaggems(variant: Variant):
+    """FlagGems' SDPA (``flag_gems.ops.attention``): causal and fewer key/value heads only. Its
+    forward takes an additive mask, but its backward drops it (``attn_mask=None``): with a bias or
+    a mask its gradients would be wrong and the bias gets none, so those rows are not its; no
+    window, sink logit or softcap either. Last in the rows' order: it has crashed the process with
+    an illegal memory access on some shapes (``systems.FLAGGEMS_CRASHES``), and the rows before it
+    are saved as they are measured."""
+    if importlib.util.find_spec("flag_gems") is None:
+        raise Unavailable("flag_gems not installed")
+    if not variant.name.startswith("GQA"):
+        raise Unavailable("FlagGems' attention backward drops the mask or bias; it has no window, sinks or softcap")
+    from flag_gems.ops.attention import scaled_dot_product_attention
+
+    return lambda inp: scaled_dot_product_attention(inp.q, inp.k, inp.v, is_causal=variant.causal,
+                                                    enable_gqa=variant.heads_kv != H)
+
+
 SYSTEMS = {
     "fusedattn": lambda variant: _fused(variant, plain=False),
     "fusedattn-plain": lambda variant: _fused(variant, plain=True),
@@ -262,6 +280,7 @@ SYSTEMS = {
     "sdpa-cudnn": lambda variant: _sdpa("CUDNN_ATTENTION", variant),
     "sdpa-efficient": lambda variant: _sdpa("EFFICIENT_ATTENTION", variant),
     "flash-sparse-attn": _flash_sparse,
+    "flaggems": _flaggems,
 }
 INPUT_LAYOUT = {"flash-sparse-attn": "bshd"}  # how a system's q, k, v, dout are stored (else bhsd)
 
