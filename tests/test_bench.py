@@ -134,22 +134,32 @@ def test_a_peer_taking_bshd_gets_the_same_values_stored_as_bshd():
         assert theirs.transpose(1, 2).is_contiguous() and not theirs.is_contiguous()  # no copy when transposed back
 
 
+def _fake_package(tmp_path, monkeypatch, files: dict[str, str]) -> Path:
+    """A stand-in for an installed package: ``files`` (paths relative to ``tmp_path`` -> source)
+    written, ``tmp_path`` first on sys.path, any module of that name already imported forgotten."""
+    for relative, text in files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    top = next(iter(files)).split("/")[0]
+    for name in [k for k in sys.modules if k == top or k.startswith(top + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    return tmp_path / top
+
+
 def test_flash_sparse_attn_imports_past_its_missing_projection_dependency(tmp_path, monkeypatch):
     """flash-sparse-attn 2.0.6 imports ``triton_kernels.matmul_ogs`` for its projection ops, which no
     published triton-kernels has: the bench stands in for it (any use raises) and reaches the
     attention function; a package that fails to import for any other reason is unavailable."""
     from fusedattn.bench import systems
 
-    package = tmp_path / "flash_sparse_attn"
-    package.mkdir()
-    (package / "__init__.py").write_text(
+    package = _fake_package(tmp_path, monkeypatch, {"flash_sparse_attn/__init__.py": (
         "from triton_kernels.matmul_ogs import matmul_ogs, PrecisionConfig, FlexCtx\n"
         "from triton_kernels.numerics import InFlexData, OutFlexData\n"
         "def flash_dense_attn_func(q, k, v, is_causal=False):\n    return ('dense', is_causal)\n"
-        "def project():\n    return matmul_ogs()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+        "def project():\n    return matmul_ogs()\n")})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name in ("flash_sparse_attn", "triton_kernels", "triton_kernels.matmul_ogs", "triton_kernels.numerics"):
+    for name in ("triton_kernels", "triton_kernels.matmul_ogs", "triton_kernels.numerics"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     # its autotune winners: the folder kept with the results, unless the caller names another
     monkeypatch.chdir(tmp_path)
@@ -216,20 +226,15 @@ def test_flash_sparse_attn_takes_the_bias_rows_with_the_mask_folded_into_its_bia
     rows with a mask and no bias, sinks or softcap are unavailable to it."""
     from fusedattn.bench import systems, variants
 
-    package = tmp_path / "flash_sparse_attn"
-    (package / "deprecated").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "deprecated" / "__init__.py").write_text("")
-    (package / "deprecated" / "flash_sparse_attn_triton.py").write_text(
-        "calls = []\n"
-        "def triton_sparse_attn_func(q, k, v, attn_bias=None, is_causal=False, softmax_scale=None):\n"
-        "    calls.append((q, attn_bias, is_causal))\n"
-        "    return q\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _fake_package(tmp_path, monkeypatch, {
+        "flash_sparse_attn/__init__.py": "", "flash_sparse_attn/deprecated/__init__.py": "",
+        "flash_sparse_attn/deprecated/flash_sparse_attn_triton.py": (
+            "calls = []\n"
+            "def triton_sparse_attn_func(q, k, v, attn_bias=None, is_causal=False, softmax_scale=None):\n"
+            "    calls.append((q, attn_bias, is_causal))\n"
+            "    return q\n")})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR", str(tmp_path))
-    for name in [k for k in sys.modules if k.startswith("flash_sparse_attn")]:
-        monkeypatch.delitem(sys.modules, name)
     try:
         by_name = {v.name: v for v in variants.VARIANTS}
         topk = by_name[f"top-k {variants.TOPK} + trainable bias"]
@@ -294,15 +299,10 @@ def test_flaggems_takes_only_the_grouped_query_variant(tmp_path, monkeypatch):
     wrong): of the variant rows it runs GQA alone, causal, with fewer key/value heads."""
     from fusedattn.bench import systems, variants
 
-    (tmp_path / "flag_gems" / "ops").mkdir(parents=True)
-    (tmp_path / "flag_gems" / "__init__.py").write_text("")
-    (tmp_path / "flag_gems" / "ops" / "__init__.py").write_text("")
-    (tmp_path / "flag_gems" / "ops" / "attention.py").write_text(
-        "def scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=False):\n"
-        "    return (is_causal, enable_gqa)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [k for k in sys.modules if k.startswith("flag_gems")]:
-        monkeypatch.delitem(sys.modules, name)
+    _fake_package(tmp_path, monkeypatch, {
+        "flag_gems/__init__.py": "", "flag_gems/ops/__init__.py": "",
+        "flag_gems/ops/attention.py": ("def scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=False):\n"
+                                       "    return (is_causal, enable_gqa)\n")})
     try:
         for variant in variants.VARIANTS:
             if variant.name.startswith("GQA"):
