@@ -303,6 +303,7 @@ def test_flaggems_takes_only_the_grouped_query_variant(tmp_path, monkeypatch):
         "flag_gems/__init__.py": "", "flag_gems/ops/__init__.py": "",
         "flag_gems/ops/attention.py": ("def scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=False):\n"
                                        "    return (is_causal, enable_gqa)\n")})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     try:
         for variant in variants.VARIANTS:
             if variant.name.startswith("GQA"):

@@ -121,12 +121,9 @@ def check_tensors(caller: str, named: tuple, rank: int, dims) -> None:
 
 def check_heads_and_dims(caller: str, heads_q: int, heads_kv: int, head_dim: int, head_dim_v: int, where) -> None:
     """Query heads a multiple of the key/value heads (GQA) and head dims in the supported range.
-    ``where``: the message's context, a string or a function that makes it (on failure only)."""
+    ``where()``: the message's context, made on failure only (the checks run on every call)."""
     if heads_kv == 0 or heads_q % heads_kv != 0:
-        raise ValueError(
-            f"{caller}: q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) "
-            f"{where if isinstance(where, str) else where()}"
-        )
+        raise ValueError(f"{caller}: q heads ({heads_q}) must be a multiple of k/v heads ({heads_kv}) {where()}")
     for name, dim in (("q/k", head_dim), ("v", head_dim_v)):
         if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
             raise ValueError(

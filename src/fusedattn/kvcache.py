@@ -65,7 +65,7 @@ def check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new) 
     slots, rows, heads_kv, head_dim_k = k_cache.shape
     if head_dim_k != head_dim:
         raise ValueError(f"{_NAME}: `k_cache` head dim {head_dim_k} must equal `q` head dim {head_dim}")
-    check_heads_and_dims(_NAME, heads_q, heads_kv, head_dim, v_cache.shape[3], f"(caches {cache_dims})")
+    check_heads_and_dims(_NAME, heads_q, heads_kv, head_dim, v_cache.shape[3], lambda: f"(caches {cache_dims})")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{_NAME}: `{name}` must have unit stride on its head dim (it is written in place), "

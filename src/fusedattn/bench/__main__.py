@@ -35,7 +35,7 @@ import torch
 import fusedattn
 
 from . import gpu_state
-from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, disagreement, failure_note, stored_as
+from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, agreement, disagreement, failure_note, stored_as
 
 TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
 
@@ -165,9 +165,8 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if baseline_out is not None:  # never report a time for a wrong answer without saying so
-        diff = (out.float() - baseline_out.float()).abs().max().item()
-        row.update(max_diff_vs_fusedattn=diff, output_agrees=diff <= (0.05 if shape.dtype != torch.float32 else 1e-3))
+    if baseline_out is not None:
+        row.update(agreement(out, baseline_out))
     row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms)
     row.update(_rates(row))
     return row, out

@@ -54,6 +54,14 @@ class Unavailable(Exception):
     """The system is not installed or does not support the shape."""
 
 
+def agreement(out: torch.Tensor, baseline_out: torch.Tensor) -> dict:
+    """A peer's output against fusedattn's on the same inputs: the max |diff| and whether it is
+    within rounding (0.05 in 16-bit, 1e-3 in float32); a row never reports a time for a wrong
+    answer without saying so (``disagreement``)."""
+    diff = (out.float() - baseline_out.float()).abs().max().item()
+    return dict(max_diff_vs_fusedattn=diff, output_agrees=diff <= (1e-3 if out.dtype == torch.float32 else 0.05))
+
+
 def disagreement(row: dict) -> str:
     """What a table line adds for a peer whose output did not agree with fusedattn's (``output_agrees``)."""
     if row.get("output_agrees", True):
@@ -131,16 +139,22 @@ def _flex(shape: Shape):
 FLAGGEMS_CRASHES = {"D128-S16384-full"}
 
 
-def _flaggems(shape: Shape):
+def flaggems_attention():
+    """FlagGems' SDPA (``flag_gems.ops.attention.scaled_dot_product_attention``), or Unavailable."""
     if importlib.util.find_spec("flag_gems") is None:
         raise Unavailable("flag_gems not installed")
     if not torch.cuda.is_available():
         raise Unavailable("needs CUDA")
-    if shape.name in FLAGGEMS_CRASHES:
-        raise Unavailable("flag_gems makes an illegal memory access on this shape's forward+backward (crashes the process)")
     from flag_gems.ops.attention import scaled_dot_product_attention
 
-    return lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.grouped)
+    return scaled_dot_product_attention
+
+
+def _flaggems(shape: Shape):
+    fn = flaggems_attention()
+    if shape.name in FLAGGEMS_CRASHES:
+        raise Unavailable("flag_gems makes an illegal memory access on this shape's forward+backward (crashes the process)")
+    return lambda q, k, v: fn(q, k, v, is_causal=shape.causal, enable_gqa=shape.grouped)
 
 
 # flash-sparse-attn 2.0.6 imports its fused-projection ops at package import, and those import

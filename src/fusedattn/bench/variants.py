@@ -18,7 +18,6 @@ and >= 1.5x FlexAttention on the same variant; a trainable (B,H,S,S) bias >= 0.6
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,8 +27,8 @@ import torch.nn.functional as F
 import fusedattn
 
 from . import gpu_state
-from .systems import (Unavailable, disagreement, failure_note, flash_dense_attn_func, flash_sparse_bias_attn_func,
-                      stored_as)
+from .systems import (Unavailable, agreement, disagreement, failure_note, flaggems_attention, flash_dense_attn_func,
+                      flash_sparse_bias_attn_func, stored_as)
 
 B, H, S, D = 4, 16, 4096, 128
 WINDOW = 1024  # keys each query sees in the sliding-window row, itself included
@@ -263,14 +262,10 @@ def _flaggems(variant: Variant):
     window, sink logit or softcap either. Last in the rows' order: it has crashed the process with
     an illegal memory access on some shapes (``systems.FLAGGEMS_CRASHES``), and the rows before it
     are saved as they are measured."""
-    if importlib.util.find_spec("flag_gems") is None:
-        raise Unavailable("flag_gems not installed")
     if not variant.name.startswith("GQA"):
         raise Unavailable("FlagGems' attention backward drops the mask or bias; it has no window, sinks or softcap")
-    from flag_gems.ops.attention import scaled_dot_product_attention
-
-    return lambda inp: scaled_dot_product_attention(inp.q, inp.k, inp.v, is_causal=variant.causal,
-                                                    enable_gqa=variant.heads_kv != H)
+    fn = flaggems_attention()
+    return lambda inp: fn(inp.q, inp.k, inp.v, is_causal=variant.causal, enable_gqa=variant.heads_kv != H)
 
 
 SYSTEMS = {
@@ -337,9 +332,8 @@ def measure(variant: Variant, system: str, baseline_out: torch.Tensor | None = N
         return row, None
     finally:
         torch.cuda.empty_cache()
-    if baseline_out is not None:  # never report a time for a wrong answer without saying so
-        diff = (out.float() - baseline_out.float()).abs().max().item()
-        row.update(max_diff_vs_fusedattn=diff, output_agrees=diff <= 0.05)
+    if baseline_out is not None:
+        row.update(agreement(out, baseline_out))
     plain = system == "fusedattn-plain"
     kept = 1.0 if plain and not variant.causal else (_causal_fraction() if plain else variant.kept_fraction())
     flops = 4 * B * H * S * S * D * kept
