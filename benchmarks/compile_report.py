@@ -164,8 +164,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     ]
     problems = 0
     if gluon_forward.hopper_overlap is not None and tma_loads and gluon_forward_runs:
+        # a mask's lists, if even (tile_lists.rows_even), make it persistent too: the report takes that form
         persistent = hopper_fwd.runs_persistent(gluon_forward, flags["HAS_RIGHT"],
-                                                not flags["HAS_MASK"] and not flags["HAS_BIAS"])
+                                                not flags["HAS_MASK"] and not flags["HAS_BIAS"],
+                                                even_lists=flags["HAS_MASK"] and not flags["HAS_BIAS"])
         problems += _report_hopper_forward(head_dim, dtype, gluon_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
                                            flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"],
                                            persistent and not flags["VARLEN"], flags["VARLEN"])

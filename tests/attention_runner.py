@@ -153,10 +153,10 @@ def launcher_constexprs(monkeypatch, kernel, pick) -> list:
 
     seen, real_call = [], Launcher.__call__
 
-    def spy(self, *values):
+    def spy(self, *values, **kwargs):
         if self.kernel is kernel:
             seen.append(pick(self.options))
-        return real_call(self, *values)
+        return real_call(self, *values, **kwargs)
 
     monkeypatch.setattr(Launcher, "__call__", spy)
     return seen
@@ -168,8 +168,8 @@ def record_launches(monkeypatch, module, name: str) -> list:
     calls = []
     real = getattr(module, name)
 
-    def spy(*args):
-        result = real(*args)
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
         calls.append(result is not None and result is not False)
         return result
 

@@ -11,7 +11,7 @@ import torch
 
 import fusedattn
 from fusedattn.block_mask import EMPTY, FULL, PARTIAL, BlockMask, classify
-from fusedattn.kernels.tile_lists import column_lists, row_lists, rule_states, tile_states, tiles_whole
+from fusedattn.kernels.tile_lists import column_lists, row_lists, rows_even, rule_states, tile_states, tiles_whole
 from fusedattn.reference import reference_attention
 from fusedattn.spec import keep_mask, resolve_spec
 from numerics import assert_close_to_reference
@@ -146,6 +146,32 @@ def test_row_and_column_lists_name_every_non_empty_tile_full_ones_first():
         tiles = [(member, m) for member in range(group) for m in range(blocks_q)]
         kinds = {s: [t for t in tiles if states[b, h_kv * group + t[0], t[1], n] == s] for s in (FULL, PARTIAL)}
         assert visited == kinds[FULL] + kinds[PARTIAL]
+
+
+def test_rows_even_says_whether_the_forward_lists_are_about_equally_long():
+    """The forward runs persistent over a mask's lists only where they are even (the longest within
+    15% of the mean, hopper_fwd.persistent_programs): a block-sparse top-k mask's are, a causal-shaped
+    block mask's or the causal rule's are not; counted against the lists themselves."""
+    seqlen, blocks = 1024, 8
+    full = resolve_spec(32, layout="bshd", scale=None, softcap=None, deterministic=False, causal=False, window=None)
+    causal = resolve_spec(32, layout="bshd", scale=None, softcap=None, deterministic=False, causal=True, window=None)
+    scores = torch.randn(2, 3, seqlen, seqlen, generator=torch.Generator().manual_seed(5))
+    top_k = fusedattn.topk_block_mask(scores, 2, block_size=(128, 128))
+    lower = torch.ones(blocks, blocks, dtype=torch.bool).tril()
+    causal_shaped = BlockMask.from_blocks(lower, (128, 128), seqlen, seqlen)
+    one_longer = torch.zeros(blocks, blocks, dtype=torch.bool)
+    one_longer[:, :4] = True
+    one_longer[0, 4] = True  # 5 tiles against 4: 1.22x the mean of 4.125
+    nearly = torch.zeros(1, 2, blocks, blocks, dtype=torch.bool)
+    nearly[:, :, :, :8] = True
+    nearly[0, 0, 0, 7] = False  # 7 against a mean of 7.94
+    cases = [(top_k, full, True), (top_k, causal, False), (causal_shaped, full, False),
+             (BlockMask.from_blocks(one_longer, (128, 128), seqlen, seqlen), full, False),
+             (BlockMask.from_blocks(nearly, (128, 128), seqlen, seqlen), full, True)]
+    for block_mask, spec, expected in cases:
+        lengths = row_lists(block_mask, spec, seqlen, seqlen, 128, 128)[..., :2].sum(-1).float()
+        assert (lengths.max() <= 1.15 * lengths.mean()).item() == expected
+        assert rows_even(block_mask, spec, seqlen, seqlen, 128, 128) == expected, (block_mask, spec.window_right)
 
 
 @pytest.mark.parametrize("options", [dict(), dict(causal=True)], ids=["full", "causal"])

@@ -125,6 +125,50 @@ def test_persistent_launches_give_the_same_bits(case, forward, gluon_launches, m
     assert gluon_launches and all(gluon_launches)
 
 
+def test_even_tile_lists_run_the_forward_persistent(gluon_launches, monkeypatch):
+    """A block-sparse top-k mask gives every query block the same number of tiles: the forward then
+    runs persistent (tile_lists.rows_even, NOTES.md v52) -- the reference's output, lse and
+    gradients, and the bits of one program per tile. A causal-shaped block mask's lists and a
+    bias keep one program per tile."""
+    from fusedattn.kernels import hopper_fwd
+    from fusedattn.reference import reference_attention
+    from attention_runner import forward_backward, launcher_constexprs
+    from numerics import assert_close_to_reference
+
+    batch, heads, seqlen, head_dim = 2, 8, 2048, 128  # 256 query blocks of 128 rows: more than the SMs
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, dout = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", generator=gen) for _ in range(4))
+    dlse = torch.randn(batch, heads, seqlen, device="cuda", generator=gen)
+    scores = torch.randn(batch, heads, seqlen, seqlen, device="cuda", generator=gen)
+    top_k = fusedattn.topk_block_mask(scores, 5, block_size=(128, 128))
+    blocks = seqlen // 128
+    lower = torch.ones(blocks, blocks, dtype=torch.bool, device="cuda").tril()
+    causal_shaped = fusedattn.BlockMask.from_blocks(lower, (128, 128), seqlen, seqlen)
+    bias = torch.randn(batch, heads, seqlen, seqlen, device="cuda", generator=gen, dtype=torch.bfloat16)
+    persistent = launcher_constexprs(monkeypatch, hopper_fwd._attn_fwd_ws_kernel, lambda o: o["PERSISTENT"])
+    bf16 = [t.to(torch.bfloat16) for t in (q, k, v)]
+    for mask, extra, expected in ((top_k, {}, True), (causal_shaped, {}, False), (top_k, dict(bias=bias), False)):
+        persistent.clear()
+        fusedattn.attention(*bf16, layout="bhsd", mask=mask, **extra)
+        assert persistent == [expected], (expected, persistent)
+
+    def ours(q_, k_, v_):
+        return fusedattn.attention(q_, k_, v_, layout="bhsd", mask=top_k, return_lse=True)
+
+    def reference(q_, k_, v_):
+        return reference_attention(q_, k_, v_, layout="bhsd", mask=top_k.to_dense(), return_lse=True)
+
+    got = forward_backward(ours, q, k, v, dout, dlse, dtype=torch.bfloat16, lse_grad=True)
+    lowp = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.bfloat16, lse_grad=True)
+    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=True)
+    for name, ours_t, lowp_t, ref_t in zip(["out", "lse", "dq", "dk", "dv"], got, lowp, ref64):
+        assert_close_to_reference(f"top-k blocks {name}", ours_t, lowp_t, ref_t)
+    monkeypatch.setattr(hopper_fwd, "PROGRAMS", 0)  # one program per tile: the same bits
+    one_per_tile = fusedattn.attention(*bf16, layout="bhsd", mask=top_k, return_lse=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours(*bf16), one_per_tile))
+    assert gluon_launches and all(gluon_launches)
+
+
 # Masks none of whose 128x128 tiles is partial: the warp-specialised kernel walks their tile lists
 # -- full tiles without mask math, partial ones (the keep rule) with it, empty ones never loaded.
 MASK_CASES = WHOLE_TILE_MASK_CASES

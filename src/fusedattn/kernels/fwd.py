@@ -25,7 +25,7 @@ from .masking import ONE_ROW, adjust_scores, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
                      score_tiles_addressable, sequence_pair, store_tile, tile_ptrs)
 from .softmax import TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
-from .tile_lists import row_lists, tiles_whole
+from .tile_lists import row_lists, rows_even, tiles_whole
 
 
 @triton.jit
@@ -350,13 +350,14 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         elif hopper_supports(q, k, v, spec, sinks, mask, bias, reads_bias=True):
             from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
-            gluon_config, lists = config, None
+            gluon_config, lists, even = config, None, False
             if mask is not None or bias is not None:
                 gluon_config = gluon_mask_forward(config)
             if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
-                lists = row_list_args(mask, spec, seqlen_q, seqlen_k, gluon_config.block_m, gluon_config.block_n,
-                                      heads_q, heads_kv, lse)
-            if hopper_fwd.attention_forward(q, k, v, out, lse, spec, gluon_config, lists, bias):
+                tiles = (gluon_config.block_m, gluon_config.block_n)
+                lists = row_list_args(mask, spec, seqlen_q, seqlen_k, *tiles, heads_q, heads_kv, lse)
+                even = bias is None and rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
+            if hopper_fwd.attention_forward(q, k, v, out, lse, spec, gluon_config, lists, bias, even_lists=even):
                 return out, lse
         config = triton_fallback(config)
     if bias is not None and config.block_n > 64:

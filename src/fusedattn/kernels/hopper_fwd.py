@@ -890,7 +890,7 @@ PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``persis
 
 
 def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device,
-                        seqlen_k: int) -> int:
+                        seqlen_k: int, even_lists: bool = False) -> int:
     """Programs of a persistent launch of the warp-specialised forward (one per SM, each walking
     its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (H200,
     NOTES.md v34, forward GPU time): persistent -10% at D=128 S=1k causal (two warpgroups: short
@@ -898,21 +898,28 @@ def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: b
     warpgroups ping-ponging it spills and its static rounds balance long causal rows badly (16k
     causal +35%, window +10%): so two warpgroups, causal, no bias or tile lists (``plain``), and
     keys up to PERSISTENT_MAX_KEYS (fp16 causal softcap, 2 warpgroups: 16k 3987 us persistent, 2790
-    one program per tile; 4k 748 persistent, NOTES.md v47)."""
+    one program per tile; 4k 748 persistent, NOTES.md v47). Also a mask's tile lists without a bias
+    where they are about equally long (``even_lists``: tile_lists.rows_even), whatever the turns:
+    short lists of whole tiles -- a block-sparse top-k mask -- spend much of a program on its fixed
+    part (S=4k 25% block-sparse forward 276 -> 251 us, H100, NOTES.md v52)."""
     if PROGRAMS is not None:
         programs = PROGRAMS
     else:
         fits = seqlen_k <= PERSISTENT_MAX_KEYS
-        programs = sm_count(device) if runs_persistent(config, causal, plain) and fits else 0
+        programs = sm_count(device) if runs_persistent(config, causal, plain, even_lists) and fits else 0
     return programs if programs < tiles else 0
 
 
-def runs_persistent(config: KernelConfig, causal: bool, plain: bool) -> bool:
-    return config.hopper_split == 2 and not config.hopper_pingpong and causal and plain
+def runs_persistent(config: KernelConfig, causal: bool, plain: bool, even_lists: bool = False) -> bool:
+    """Whether ``persistent_programs`` makes the launch persistent (before its length limit)."""
+    if config.hopper_split != 2:
+        return False
+    return even_lists or (not config.hopper_pingpong and causal and plain)
 
 
 def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
-                      tile_lists: tuple | None = None, bias: torch.Tensor | None = None, packing=None) -> bool:
+                      tile_lists: tuple | None = None, bias: torch.Tensor | None = None, packing=None,
+                      even_lists: bool = False) -> bool:
     """Attention into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32); False, launching
     nothing, when a tensor cannot go through TMA (the caller then runs the Triton kernel).
     ``config.hopper_split`` 2 or 3: the warp-specialised kernel with that many consumer warpgroups
@@ -921,7 +928,8 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     (warp-specialised kernel only; the mask must leave no partial tile of its own:
     ``tile_lists.tiles_whole``). ``bias``: 16-bit, by elements over queries and keys, TMA-addressable
     (``fwd.gluon_reads_bias``; warp-specialised kernel only, 2 consumer warpgroups and 2 stages: the
-    bias ring takes the shared memory a third warpgroup would). ``packing`` (spec.Packing): q, k, v,
+    bias ring takes the shared memory a third warpgroup would). ``even_lists``: the lists are about
+    equally long and there is no bias (``persistent_programs``). ``packing`` (spec.Packing): q, k, v,
     out are (1, total, H, D) views of packed sequences and lse (Hq, total_q) (``_packed_forward``)."""
     if packing is not None:
         return _packed_forward(q, k, v, out, lse, spec, config, packing)
@@ -939,7 +947,8 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     else:
         bias_desc, bias_slices = descs[0], None
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, tuple(lists[1:]),
-                                 tile_lists is not None, bias_slices, q.device.index, (hopper.CHUNK_HEADS, PROGRAMS))
+                                 tile_lists is not None, bias_slices, q.device.index, (hopper.CHUNK_HEADS, PROGRAMS),
+                                 even_lists=even_lists and tile_lists is not None and bias is None)
     # then the packed forward's O pointer and the dQ pass's dO descriptor (unused here)
     per_call = (*descs, lse, lists[0], bias_desc, lse, descs[0])
     launcher(*per_call[:len(launcher.slots)])  # the 8-warp kernel takes no lists or bias
@@ -949,13 +958,14 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
 @per_problem
 def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
                       list_strides: tuple, has_lists: bool, bias_slices: tuple | None, device_index: int,
-                      knobs: tuple, stats_stride: int | None = None) -> Launcher:
+                      knobs: tuple, stats_stride: int | None = None, even_lists: bool = False) -> Launcher:
     """The forward's launch for one problem (decided once: grid, launch order, persistence,
     registers); each call passes Q, K, V, O descriptors, lse, the tile lists and the bias
     descriptor. ``knobs``: the experiment switches it reads, so that setting one takes effect.
     ``stats_stride`` (the row statistics' row stride): the same kernel as the dQ pass (GRAD_Q,
     ``dq_pass``), one program per tile; each call then passes Q, K, V, dQ descriptors, lse2, a
-    placeholder for the tile lists, one for the bias descriptor, delta and the dO descriptor."""
+    placeholder for the tile lists, one for the bias descriptor, delta and the dO descriptor.
+    ``even_lists``: see ``persistent_programs``."""
     grad_q = stats_stride is not None
     batch, heads_q, seqlen_q, head_dim = q_shape
     device = torch.device("cuda", device_index)
@@ -972,7 +982,7 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
                         CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                         OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
     programs = 0 if grad_q else persistent_programs(tiles, config, causal, not has_lists and bias_slices is None,
-                                                    device, seqlen_k)
+                                                    device, seqlen_k, even_lists)
     persistent = programs > 0
     if persistent:
         grid = (programs,)

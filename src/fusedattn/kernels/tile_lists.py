@@ -131,6 +131,26 @@ def row_lists(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_
                    lambda: _lists(tile_states(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)))
 
 
+EVEN_LISTS = 1.15  # rows_even: the longest list at most this many times the mean
+
+
+def rows_even(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_q: int,
+              block_k: int) -> bool:
+    """Whether the forward programs' lists (``row_lists``) are about equally long: the longest at
+    most EVEN_LISTS times the mean (a block-sparse top-k mask: all equal). Static rounds of a
+    persistent launch then balance (hopper_fwd.persistent_programs); a causal-shaped mask's do not.
+    One host sync, once per BlockMask and problem."""
+    key = ("even", spec.window_left, spec.window_right, seqlen_q, seqlen_k, block_q, block_k)
+
+    def build() -> bool:
+        lists = row_lists(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)
+        lengths = (lists[..., 0] + lists[..., 1]).float()
+        longest, mean = torch.stack([lengths.max(), lengths.mean()]).tolist()
+        return longest <= EVEN_LISTS * mean
+
+    return _cached(block_mask, key, build)
+
+
 def column_lists(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_q: int,
                  block_k: int, heads_q: int, heads_kv: int) -> torch.Tensor:
     """int32 (B|1, Hkv|1, key blocks, 2 + group * query blocks): the (query head of the group,
