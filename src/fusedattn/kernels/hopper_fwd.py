@@ -901,7 +901,7 @@ def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: b
     one program per tile; 4k 748 persistent, NOTES.md v47). Also a mask's tile lists without a bias
     where they are about equally long (``even_lists``: tile_lists.rows_even), whatever the turns:
     short lists of whole tiles -- a block-sparse top-k mask -- spend much of a program on its fixed
-    part (S=4k 25% block-sparse forward 276 -> 251 us, H100, NOTES.md v52)."""
+    part (S=4k 25% block-sparse forward -9%: 286 -> 261 us, H100, NOTES.md v52)."""
     if PROGRAMS is not None:
         programs = PROGRAMS
     else:
