@@ -11,7 +11,9 @@ import torch
 
 import fusedattn
 from fusedattn.block_mask import EMPTY, FULL, PARTIAL, BlockMask, classify
-from fusedattn.kernels.tile_lists import column_lists, row_lists, rows_even, rule_states, tile_states, tiles_whole
+from fusedattn.kernels import tile_lists
+from fusedattn.kernels.tile_lists import (column_lists, row_lists, rows_even, rule_states, tile_states, tiles_whole,
+                                          whole_and_even)
 from fusedattn.reference import reference_attention
 from fusedattn.spec import keep_mask, resolve_spec
 from numerics import assert_close_to_reference
@@ -172,6 +174,23 @@ def test_rows_even_says_whether_the_forward_lists_are_about_equally_long():
         lengths = row_lists(block_mask, spec, seqlen, seqlen, 128, 128)[..., :2].sum(-1).float()
         assert (lengths.max() <= 1.15 * lengths.mean()).item() == expected
         assert rows_even(block_mask, spec, seqlen, seqlen, 128, 128) == expected, (block_mask, spec.window_right)
+
+
+def test_whole_and_even_answer_both_from_one_read(monkeypatch):
+    """The Gluon forward asks of a new mask whether its tiles are whole and its lists even: one
+    host read answers both (``whole_and_even``), and the other two functions then read nothing."""
+    seqlen = 1024
+    full = resolve_spec(32, layout="bshd", scale=None, softcap=None, deterministic=False, causal=False, window=None)
+    scores = torch.randn(1, 2, seqlen, seqlen, generator=torch.Generator().manual_seed(6))
+    ragged = BlockMask.from_mask(torch.arange(seqlen)[None, None, None, :] < 1000)
+    for block_mask, expected in ((fusedattn.topk_block_mask(scores, 3, block_size=(128, 128)), (True, True)),
+                                 (ragged, (False, True))):
+        assert whole_and_even(block_mask, full, seqlen, seqlen, 128, 128) == expected
+        monkeypatch.setattr(tile_lists, "_partial_any", None)  # any further read would fail
+        monkeypatch.setattr(tile_lists, "_lists", None)
+        assert tiles_whole(block_mask, seqlen, seqlen, 128, 128) == expected[0]
+        assert rows_even(block_mask, full, seqlen, seqlen, 128, 128) == expected[1]
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("options", [dict(), dict(causal=True)], ids=["full", "causal"])

@@ -25,7 +25,7 @@ from .masking import ONE_ROW, adjust_scores, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
                      score_tiles_addressable, sequence_pair, store_tile, tile_ptrs)
 from .softmax import TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
-from .tile_lists import row_lists, rows_even, tiles_whole
+from .tile_lists import row_lists, rows_even, whole_and_even
 
 
 @triton.jit
@@ -313,7 +313,8 @@ def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=No
     if mask is None:
         return True
     seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
-    return tiles_whole(mask, seqlen_q, seqlen_k, GLUON_MASK_TILE, GLUON_MASK_TILE)
+    # whether the forward's lists are even is read in the same host sync (tile_lists.whole_and_even)
+    return whole_and_even(mask, spec, seqlen_q, seqlen_k, GLUON_MASK_TILE, GLUON_MASK_TILE)[0]
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,

@@ -103,23 +103,29 @@ def _lists(states: torch.Tensor) -> torch.Tensor:
 _cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def _key(block_mask: BlockMask, key: tuple) -> tuple:
+    return key + (block_mask.cell, block_mask.source_shift)
+
+
 def _cached(block_mask: BlockMask, key: tuple, build) -> torch.Tensor:
     per_mask = _cache.setdefault(block_mask.states, {})
-    key = key + (block_mask.cell, block_mask.source_shift)
+    key = _key(block_mask, key)
     if key not in per_mask:
         per_mask[key] = build()
     return per_mask[key]
+
+
+def _partial_any(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int) -> torch.Tensor:
+    return (_mask_states(block_mask, seqlen_q, seqlen_k, block_q, block_k) == PARTIAL).any()
 
 
 def tiles_whole(block_mask: BlockMask, seqlen_q: int, seqlen_k: int, block_q: int, block_k: int) -> bool:
     """Whether every (block_q, block_k) tile of the mask is EMPTY or FULL (the mask itself, without
     the keep rule): a kernel walking its lists then never reads the mask (the Gluon kernels need
     that; block-sparse masks and key padding at tile-aligned lengths have it). One host sync, once
-    per BlockMask and tile size."""
-    def build() -> bool:
-        return not bool((_mask_states(block_mask, seqlen_q, seqlen_k, block_q, block_k) == PARTIAL).any())
-
-    return _cached(block_mask, ("whole", seqlen_q, seqlen_k, block_q, block_k), build)
+    per BlockMask and tile size (none where ``whole_and_even`` read it already)."""
+    return _cached(block_mask, ("whole", seqlen_q, seqlen_k, block_q, block_k),
+                   lambda: not bool(_partial_any(block_mask, seqlen_q, seqlen_k, block_q, block_k)))
 
 
 def row_lists(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_q: int,
@@ -138,17 +144,26 @@ def rows_even(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_
               block_k: int) -> bool:
     """Whether the forward programs' lists (``row_lists``) are about equally long: the longest at
     most EVEN_LISTS times the mean (a block-sparse top-k mask: all equal). Static rounds of a
-    persistent launch then balance (hopper_fwd.persistent_programs); a causal-shaped mask's do not.
-    One host sync, once per BlockMask and problem."""
-    key = ("even", spec.window_left, spec.window_right, seqlen_q, seqlen_k, block_q, block_k)
+    persistent launch then balance (hopper_fwd.persistent_programs); a causal-shaped mask's do not."""
+    return whole_and_even(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)[1]
 
-    def build() -> bool:
+
+def whole_and_even(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_q: int,
+                   block_k: int) -> tuple[bool, bool]:
+    """(``tiles_whole``, ``rows_even``) at these tiles from one host sync, once per BlockMask and
+    problem: the Gluon forward asks both of a mask (a dynamic top-k block mask is a new one each
+    training step)."""
+    per_mask = _cache.setdefault(block_mask.states, {})
+    whole_key = _key(block_mask, ("whole", seqlen_q, seqlen_k, block_q, block_k))
+    even_key = _key(block_mask, ("even", spec.window_left, spec.window_right, seqlen_q, seqlen_k, block_q, block_k))
+    if whole_key not in per_mask or even_key not in per_mask:
         lists = row_lists(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)
         lengths = (lists[..., 0] + lists[..., 1]).float()
-        longest, mean = torch.stack([lengths.max(), lengths.mean()]).tolist()
-        return longest <= EVEN_LISTS * mean
-
-    return _cached(block_mask, key, build)
+        partial = _partial_any(block_mask, seqlen_q, seqlen_k, block_q, block_k)
+        partial, longest, mean = torch.stack([partial.float(), lengths.max(), lengths.mean()]).tolist()
+        per_mask.setdefault(whole_key, not partial)
+        per_mask[even_key] = longest <= EVEN_LISTS * mean
+    return per_mask[whole_key], per_mask[even_key]
 
 
 def column_lists(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, block_q: int,
