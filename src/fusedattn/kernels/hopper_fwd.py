@@ -642,6 +642,28 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
 
 
 @gluon.jit
+def _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, j, NUM_STAGES: gl.constexpr,
+                  WG: gl.constexpr, PINGPONG: gl.constexpr, BIAS: gl.constexpr):
+    """Key block j of the tile, which none of this warpgroup's rows sees (``_ws_consume_tile``): no
+    matmul, only the ring's and the turns' protocol -- its slots handed back once loaded (an early
+    release would count towards the slot's previous use, which the other warpgroups may still be
+    reading) and its turn taken and passed on."""
+    slot = j % NUM_STAGES
+    phase = (j // NUM_STAGES) & 1
+    mbarrier.wait(k_ready.index(slot), phase)
+    turn_wait(turn_bars, j, WG, PINGPONG)
+    turn_pass(turn_bars, WG, PINGPONG)
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    if BIAS:
+        bias_ring, b_ready, b_empty = bias_state
+        NQ: gl.constexpr = bias_ring.shape[0] // NUM_STAGES
+        mbarrier.wait(b_ready.index(slot * NQ + WG), phase)
+        mbarrier.arrive(b_empty.index(slot * NQ + WG), count=1)
+    mbarrier.wait(v_ready.index(slot), phase)
+    mbarrier.arrive(v_empty.index(slot), count=1)
+
+
+@gluon.jit
 def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                  bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, WG: gl.constexpr,
                  ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
@@ -677,8 +699,9 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                      VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th, its Q in
-    buffer QBUF where there are two), on one warpgroup: every one of the tile's key blocks (the producer loads each once for all), with the mask on
-    those not interior to this warpgroup's rows. With LISTS the host's list says which: its full
+    buffer QBUF where there are two), on one warpgroup: the tile's key blocks (the producer loads each
+    once for all) that this warpgroup's rows see, with the mask on those not interior to them; the
+    others it only hands back (``_ws_pass_step``). With LISTS the host's list says which: its full
     blocks first (no mask), then the partial ones (the keep rule; the Gluon kernels take only masks
     whose tiles are all empty or full, so the mask itself is never read). ``done``: key blocks the
     program consumed before this tile (the ring's slot and phase count; returned after it). The Q
@@ -700,14 +723,22 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     mw = m0 + WG * ROWS
     first, n_blocks, n_full, _ = tiles
     if LISTS:
-        n_lead = n_full * 0
+        n_unseen = n_full * 0
+        n_lead = n_unseen
         n_inner = n_full
+        n_seen = n_blocks
     else:
-        # This warpgroup's interior key blocks (block_range.py), counted from the tile's first.
-        _, inner_begin, inner_end, _ = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k, window_left, 0,
-                                                                  ROWS, BLOCK_N, LEFT, CAUSAL)
-        n_lead = gl.minimum(gl.maximum(inner_begin - first, 0), n_blocks)
+        # This warpgroup's own key blocks (block_range.py), counted from the tile's first: the tile's
+        # range is the union of its warpgroups', so under a window's left edge the later rows' first
+        # blocks and under a causal bound the earlier rows' last ones hold nothing for this
+        # warpgroup ([0, n_unseen) and [n_seen, n_blocks)): passed over, not run masked.
+        own_first, inner_begin, inner_end, own_end = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k,
+                                                                                window_left, 0, ROWS, BLOCK_N,
+                                                                                LEFT, CAUSAL)
+        n_unseen = gl.minimum(gl.maximum(own_first - first, 0), n_blocks)
+        n_lead = gl.minimum(gl.maximum(inner_begin - first, n_unseen), n_blocks)
         n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
+        n_seen = gl.minimum(gl.maximum(own_end - first, n_inner), n_blocks)
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
     if GRAD_Q:  # the row state: lse2 and delta, rows padded past Sq (lse2 = +inf there)
@@ -725,7 +756,10 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     q = q_buf.reshape([ROWS, HEAD_D])
     do = grad_in[1].index(q_index).reshape([ROWS, HEAD_D])  # GRAD_Q: dO's rows (else Q's, never read)
     if LEFT and not LISTS:
-        for j in range(0, n_lead):
+        for j in range(0, n_unseen):
+            _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
+                          PINGPONG, BIAS)
+        for j in range(n_unseen, n_lead):
             acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
                                      bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
@@ -735,11 +769,15 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                  acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
                                  BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
                                  SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
-    for j in range(n_inner, n_blocks):
+    for j in range(n_inner, n_seen):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
+    if CAUSAL and not LISTS:
+        for j in range(n_seen, n_blocks):
+            _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
+                          PINGPONG, BIAS)
     if GRAD_Q:
         _dq_epilogue(acc, qk_scale, softcap_log2, q, q_buf, o_desc, batch, head, mw, SOFTCAP)
     else:
