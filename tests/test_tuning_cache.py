@@ -85,3 +85,19 @@ def test_select_uses_a_matching_entry_and_ignores_a_stale_one(monkeypatch, tmp_p
             torch.bfloat16, 128, 128, 1024, (9, 0), has_right=True)
     finally:
         configs.reload_tuning_cache()
+
+
+# (head dim, left window or None, takes the window configs): configs.WIDE_LEFT_WINDOW's bounds
+BAND_CASES = [(64, None, False), (64, 255, True), (64, 1022, True), (64, 1023, False), (64, 2047, False),
+              (128, 0, True), (128, 1023, True), (128, 4094, True), (128, 4095, False), (96, 10 ** 6, True)]
+
+
+@pytest.mark.parametrize("head_dim,left,band", BAND_CASES)
+def test_wide_left_windows_take_the_configs_of_problems_without_one(head_dim, left, band):
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+
+    spec = AttentionSpec("bshd", UNBOUNDED if left is None else left, 0, 1.0, 0.0, False)
+    assert configs.band_window(spec, head_dim) is band
+    if head_dim in (64, 128):  # the Gluon forwards: the band's 2 warpgroups, else 3 taking turns at long keys
+        chosen = configs._cuda_configs(torch.bfloat16, head_dim, head_dim, 8192, (9, 0), has_left=band, has_right=True)
+        assert chosen.forward.hopper_split == (2 if band else 3)

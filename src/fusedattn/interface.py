@@ -23,7 +23,7 @@ from .checks import check_bias, check_mask, check_options, check_qkv, check_sink
 from .kernels.bwd import attention_backward, sink_gradient_from_outputs
 from .kernels.fwd import attention_forward, _forward_kernel
 from .spec import AttentionSpec, bhsd_shape, resolve_spec
-from .tuning.configs import select_configs
+from .tuning.configs import band_window, select_configs
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("FUSEDATTN_BACKEND", "auto")
@@ -106,7 +106,7 @@ def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, wi
         return cpu.forward(q, k, v, spec, sinks, mask, bias)
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, bhsd_shape(k, layout)[2],
-                             spec.has_window_left, spec.has_window_right, spec.has_softcap)
+                             band_window(spec, head_dim), spec.has_window_right, spec.has_softcap)
     return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias)
 
 
@@ -144,7 +144,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
         dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
     else:
         configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], bhsd_shape(k, layout)[2],
-                                 spec.has_window_left, spec.has_window_right, spec.has_softcap)
+                                 band_window(spec, q.shape[-1]), spec.has_window_right, spec.has_softcap)
         dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
                                                        bias_grad, sinks=sinks)
     return dq, dk, dv, dbias, dsinks

@@ -20,7 +20,8 @@ import sys
 import torch
 
 from .tuning.cache import TuningCache, cache_path, config_key
-from .tuning.configs import SHORT_KEYS, AttentionConfigs, _cuda_configs, reload_tuning_cache, select_configs
+from .tuning.configs import (SHORT_KEYS, AttentionConfigs, _cuda_configs, band_window, reload_tuning_cache,
+                             select_configs)
 from .tuning.search import DQ_SCHEME, KERNELS, TuningProblem, TuningResult, length_class_seqlen, tune
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,10 +52,10 @@ def tune_entry(problem: TuningProblem, device, gpu: str, capability: tuple[int, 
     under the key that ``select_configs`` will look up for this problem's class."""
     spec = problem.spec
     start = start or _cuda_configs(problem.dtype, problem.head_dim, problem.head_dim_v, problem.seqlen, capability,
-                                   spec.has_window_left, spec.has_window_right, spec.has_softcap)
+                                   band_window(spec, problem.head_dim), spec.has_window_right, spec.has_softcap)
     result = tune(problem, start, device, **tune_options)
     key = config_key(gpu, capability, problem.dtype, problem.head_dim, problem.head_dim_v, problem.seqlen,
-                     spec.has_window_left, spec.has_window_right, spec.has_softcap)
+                     band_window(spec, problem.head_dim), spec.has_window_right, spec.has_softcap)
     cache.put(key, result.configs)
     return result
 
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     reload_tuning_cache()
     spec = problem.spec
     check = select_configs(device, dtype, problem.head_dim, problem.head_dim_v, problem.seqlen,
-                           spec.has_window_left, spec.has_window_right, spec.has_softcap)
+                           band_window(spec, problem.head_dim), spec.has_window_right, spec.has_softcap)
     if check != result.configs:
         raise RuntimeError(f"the cache entry just written is not the one selected: {check} != {result.configs}")
     print(f"\nwrote {cache.path}")

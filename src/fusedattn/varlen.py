@@ -17,7 +17,7 @@ from .kernels.bwd import attention_backward
 from .kernels import packed_tiles
 from .kernels.fwd import attention_forward, hopper_supports
 from .spec import AttentionSpec, Packing, resolve_spec
-from .tuning.configs import select_configs
+from .tuning.configs import band_window, select_configs
 
 _NAME = "fusedattn.varlen_attention"
 
@@ -81,7 +81,7 @@ class _VarlenAttention(torch.autograd.Function):
         q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
         # One config for every set of lengths (the long-keys class): a new longest length must not
         # switch configs, which would compile new kernels.
-        configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], has_left=spec.has_window_left,
+        configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], has_left=band_window(spec, q.shape[-1]),
                                  has_right=spec.has_window_right, has_softcap=spec.has_softcap)
         if any(ctx.needs_input_grad[:4]):
             _prepare_maps(q4, k4, v4, sinks, packing, spec, configs)

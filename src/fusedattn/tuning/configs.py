@@ -59,6 +59,17 @@ class AttentionConfigs:
 
 _pinned: AttentionConfigs | None = None
 SHORT_KEYS = 2048  # key lengths up to this take the short-sequence tiles below
+# Left windows at least this wide (keys a query sees before itself) take the configs of problems
+# without one: a wide band's tiles walk enough key blocks that the forward's 3 warpgroups taking
+# turns beat 2 (H100, NOTES.md v53: D=64 left 1023 -3%, 2047 -6%; D=128 left 4095 at S=16k -4%),
+# where a narrower band loses on them (D=64 left 255 +18%; D=128 left 255 +63%, 1023 +18%).
+WIDE_LEFT_WINDOW = {64: 1023, 128: 4095}
+
+
+def band_window(spec, head_dim: int) -> bool:
+    """``has_left`` of ``select_configs`` for an AttentionSpec: a left window narrower than
+    WIDE_LEFT_WINDOW (the window configs), not any left window."""
+    return spec.has_window_left and spec.window_left < WIDE_LEFT_WINDOW.get(head_dim, spec.window_left + 1)
 
 
 @contextlib.contextmanager
@@ -162,7 +173,7 @@ def select_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head
                    seqlen_k: int = 4096, has_left: bool = False, has_right: bool = False,
                    has_softcap: bool = False) -> AttentionConfigs:
     """Pinned configs, else a tuned entry of the on-disk cache (tuning/cache.py) whose key matches,
-    else the heuristic."""
+    else the heuristic. ``has_left``: a left window of the band class (``band_window``)."""
     if _pinned is not None:
         return _pinned
     if device.type != "cuda":
