@@ -732,9 +732,15 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
         # range is the union of its warpgroups', so under a window's left edge the later rows' first
         # blocks and under a causal bound the earlier rows' last ones hold nothing for this
         # warpgroup ([0, n_unseen) and [n_seen, n_blocks)): passed over, not run masked.
+        # A persistent launch (two warpgroups, 128-row tiles: seldom such a block) runs them masked: its
+        # consumer code is copied for its two Q buffers, and the pass-over's loops cost its S=1k
+        # causal forward 1% (NOTES.md v53).
         own_first, inner_begin, inner_end, own_end = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k,
                                                                                 window_left, 0, ROWS, BLOCK_N,
                                                                                 LEFT, CAUSAL)
+        if PERSISTENT:
+            own_first = first
+            own_end = first + n_blocks
         n_unseen = gl.minimum(gl.maximum(own_first - first, 0), n_blocks)
         n_lead = gl.minimum(gl.maximum(inner_begin - first, n_unseen), n_blocks)
         n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
@@ -756,9 +762,10 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     q = q_buf.reshape([ROWS, HEAD_D])
     do = grad_in[1].index(q_index).reshape([ROWS, HEAD_D])  # GRAD_Q: dO's rows (else Q's, never read)
     if LEFT and not LISTS:
-        for j in range(0, n_unseen):
-            _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
-                          PINGPONG, BIAS)
+        if not PERSISTENT:
+            for j in range(0, n_unseen):
+                _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES,
+                              WG, PINGPONG, BIAS)
         for j in range(n_unseen, n_lead):
             acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
                                      bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
@@ -774,7 +781,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                  acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
-    if CAUSAL and not LISTS:
+    if CAUSAL and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
             _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
                           PINGPONG, BIAS)
