@@ -732,9 +732,9 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
         # range is the union of its warpgroups', so under a window's left edge the later rows' first
         # blocks and under a causal bound the earlier rows' last ones hold nothing for this
         # warpgroup ([0, n_unseen) and [n_seen, n_blocks)): passed over, not run masked.
-        # A persistent launch (two warpgroups, 128-row tiles: seldom such a block) runs them masked: its
-        # consumer code is copied for its two Q buffers, and the pass-over's loops cost its S=1k
-        # causal forward 1% (NOTES.md v53).
+        # A persistent launch (the heuristic's: two warpgroups, 128-row tiles, where such a block is
+        # rare) runs them masked: its consumer code is copied for its two Q buffers, and the
+        # pass-over's loops cost its S=1k causal forward 1% (NOTES.md v53).
         own_first, inner_begin, inner_end, own_end = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k,
                                                                                 window_left, 0, ROWS, BLOCK_N,
                                                                                 LEFT, CAUSAL)
