@@ -157,8 +157,10 @@ def whole_and_even(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, se
     whole_key = _key(block_mask, ("whole", seqlen_q, seqlen_k, block_q, block_k))
     even_key = _key(block_mask, ("even", spec.window_left, spec.window_right, seqlen_q, seqlen_k, block_q, block_k))
     if whole_key not in per_mask or even_key not in per_mask:
-        lists = row_lists(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)
-        lengths = (lists[..., 0] + lists[..., 1]).float()
+        # a list's length is its row's non-empty tiles: counted from the states, so that a mask the
+        # Gluon forward declines (partial tiles) builds and keeps no list at its tiles
+        states = tile_states(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)
+        lengths = (states != EMPTY).sum(-1).float()
         partial = _partial_any(block_mask, seqlen_q, seqlen_k, block_q, block_k)
         partial, longest, mean = torch.stack([partial.float(), lengths.max(), lengths.mean()]).tolist()
         per_mask.setdefault(whole_key, not partial)
