@@ -357,7 +357,8 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
             if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
                 tiles = (gluon_config.block_m, gluon_config.block_n)
                 lists = row_list_args(mask, spec, seqlen_q, seqlen_k, *tiles, heads_q, heads_kv, lse)
-                even = bias is None and rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
+                # (a cache hit: hopper_supports read it; the launcher adds the no-bias condition)
+                even = rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
             if hopper_fwd.attention_forward(q, k, v, out, lse, spec, gluon_config, lists, bias, even_lists=even):
                 return out, lse
         config = triton_fallback(config)
