@@ -32,6 +32,38 @@ def test_fused_qkv_views_and_strided_grad_are_honoured(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_overlapping_views_get_their_gradients(backend, device, layout):
+    """q, k, v as overlapping windows of one buffer (batch stride 0, sequence stride 1: each row the
+    previous one shifted by an element), the head dim at unit stride. torch.empty_like would give
+    their gradients a permuted layout with a non-unit head-dim stride; every path must still return
+    them right (through autograd into the shared buffer)."""
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randn(200, generator=gen, dtype=torch.float64)
+    dims = {"bshd": ((1, 9, 2, 16), (0, 1, 16, 1)), "bhsd": ((1, 2, 9, 16), (0, 16, 1, 1))}[layout]
+    kv_dims = {"bshd": ((1, 11, 2, 16), (0, 2, 40, 1)), "bhsd": ((1, 2, 11, 16), (0, 40, 2, 1))}[layout]
+
+    def run(fn, dtype):
+        leaf = base.to(device, dtype).requires_grad_()
+        q = leaf.as_strided(*dims)
+        k, v = leaf.as_strided(*kv_dims, 3), leaf.as_strided(*kv_dims, 7)
+        out = fn(q, k, v, layout=layout, causal=True)
+        return out, *torch.autograd.grad(out.float().square().sum(), leaf)
+
+    def ours(*args, **kwargs):
+        with fusedattn.use_backend(backend):
+            return fusedattn.attention(*args, **kwargs)
+
+    from fusedattn.reference import reference_attention
+    from numerics import assert_close_to_reference
+
+    dtype = _dtype(device)
+    for name, a, b, c in zip(["out", "d buffer"], run(ours, dtype), run(reference_attention, dtype),
+                             run(reference_attention, torch.float64)):
+        assert_close_to_reference(name, a, b, c)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
 def test_bhsd_transposed_views_and_non_unit_head_stride(backend, device):
     case = Case(heads_q=4, heads_kv=2, seqlen_q=29, seqlen_k=45, head_dim=24, layout="bhsd", window=(8, 8),
                 dtype=_dtype(device))

@@ -306,3 +306,29 @@ def _bad_call(**changes):
 def test_varlen_bad_input_is_a_clear_error(changes, error, match):
     with pytest.raises(error, match=match):
         _bad_call(**changes)()
+
+
+@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
+@pytest.mark.parametrize("lengths_q,lengths_k,max_q", [((0,), (5,), 0), ((0, 0), (4, 9), 3), ((3, 4), (0, 0), 4)],
+                         ids=["one-empty", "all-queries-empty-max-3", "no-keys"])
+def test_varlen_with_no_query_or_no_key_takes_part_in_autograd(backend, device, lengths_q, lengths_k, max_q):
+    """An empty problem (no query anywhere, or no key anywhere, whatever ``max_seqlen`` says) is a result,
+    not a crash: outputs of the right shape that take part in autograd, zero gradients (rows without a
+    key: output 0, lse -inf, or the sink)."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(lengths_q), 4, 32, generator=gen).to(device, torch.float16).requires_grad_()
+    k, v = (torch.randn(sum(lengths_k), 2, 32, generator=gen).to(device, torch.float16).requires_grad_()
+            for _ in range(2))
+    sinks = torch.randn(4, generator=gen).to(device).requires_grad_()
+    cu_q, cu_k = _offsets(lengths_q, device), _offsets(lengths_k, device)
+    with fusedattn.use_backend(backend):
+        out, lse = fusedattn.varlen_attention(q, k, v, cu_q, cu_k, max_q, max(lengths_k), sinks=sinks,
+                                              return_lse=True)
+    assert out.shape == (sum(lengths_q), 4, 32) and lse.shape == (4, sum(lengths_q))
+    assert out.grad_fn is not None and lse.grad_fn is not None
+    (out.float().sum() + lse.sum()).backward()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert t.grad is not None and t.grad.shape == t.shape and torch.all(t.grad == 0), name
+    # rows that see no key: output 0 and lse = the sink, so d(sum lse) / d sink[h] counts the rows
+    assert torch.all(out == 0) and torch.equal(lse, sinks.detach()[:, None].expand_as(lse))
+    assert torch.equal(sinks.grad, torch.full_like(sinks, float(q.shape[0])))

@@ -86,6 +86,16 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
 
 def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
             bias: torch.Tensor | None = None):
+    """(out, lse) of SPEC 3 for CPU tensors."""
+    return chunked_forward(q, k, v, spec, sinks, mask, bias)
+
+
+def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
+                    bias: torch.Tensor | None = None):
+    """The forward by key chunks with an online softmax, in plain differentiable torch ops only
+    (matmul, exp, where, ...), on any device: autograd differentiates it to any order and forward-mode
+    AD and torch.func transforms go through it. The calls no custom backward can serve use it
+    (``interface``: double backward, forward-mode AD, functorch); keep it free of fused kernels."""
     heads_kv = to_bhsd(k, spec.layout).shape[1]
     qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
     b, hkv, g, seqlen_q, _ = qg.shape

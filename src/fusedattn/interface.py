@@ -16,13 +16,14 @@ import os
 from typing import Optional
 
 import torch
+from torch.autograd import forward_ad
 
 from . import cpu
 from .block_mask import BlockMask
 from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
 from .kernels.bwd import attention_backward, sink_gradient_from_outputs
 from .kernels.fwd import attention_forward, _forward_kernel
-from .spec import AttentionSpec, bhsd_shape, resolve_spec
+from .spec import AttentionSpec, bhsd_shape, gradient_like, resolve_spec
 from .tuning.configs import band_window, select_configs
 
 BACKENDS = ("auto", "triton", "torch")
@@ -61,6 +62,17 @@ def _resolve_backend(device: torch.device) -> str:
             "set TRITON_INTERPRET=1 before importing fusedattn"
         )
     return _backend
+
+
+def beyond_first_order(*tensors) -> bool:
+    """Whether forward-mode AD or a ``torch.func`` transform (grad, vmap, jvp, jacrev, ...) sees the
+    call. The fused kernels have no tangent or batching rule, so such calls run
+    ``cpu.chunked_forward``, plain torch ops that those transforms differentiate and batch."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level entered: nothing carries a tangent
+        return False
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _unit_stride_head_dim(t: torch.Tensor) -> torch.Tensor:
@@ -151,8 +163,8 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
 
 
 def _in_strides_of(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` with the strides ``torch.empty_like(x)`` gives (the fake's, the Triton backend's)."""
-    like = torch.empty_like(x)
+    """``grad`` with the strides ``gradient_like(x)`` gives (the fake's, the Triton backend's)."""
+    like = gradient_like(x)
     return grad if grad.stride() == like.stride() else like.copy_(grad)
 
 
@@ -177,7 +189,7 @@ def _backward_fake(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
                    *options):
     # dq, dk, dv in their inputs' strides where those are dense, else contiguous (``empty_like``),
     # as both backends return them
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
+    return gradient_like(q), gradient_like(k), gradient_like(v), \
         torch.empty_like(bias, memory_format=torch.contiguous_format) if bias_grad else q.new_empty(0), \
         q.new_empty(sinks.shape if sinks_grad else (0,), dtype=torch.float32)
 
@@ -237,8 +249,33 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
+            return (*_differentiable_backward(ctx, dout, dlse, ctx.needs_input_grad[:5]), None)
         return (*_backward_with(_backward_impl, ctx, dout, dlse, ctx.needs_input_grad[3], ctx.needs_input_grad[4]),
                 None)
+
+
+def _differentiable_backward(ctx, dout, dlse, needs: tuple) -> tuple:
+    """(dq, dk, dv, dsinks, dbias) as differentiable functions of the inputs and of (dout, dlse), for
+    a backward run with ``create_graph=True`` (a gradient penalty, a Hessian-vector product). Neither
+    backend's backward is differentiable (the kernels are opaque to autograd; the PyTorch path's may
+    hand blocks to fused CPU kernels), so the forward is recomputed through ``cpu.chunked_forward``,
+    whose plain torch ops autograd differentiates to any order -- on every device, so CPU and GPU
+    agree. Costs what autograd through plain attention costs: every chunk's probabilities are kept."""
+    q, k, v, _, _, sinks, mask, mask_states, bias = ctx.saved_tensors
+    layout = ctx.options[0]
+    spec = _spec(*ctx.options[:6])
+    block_mask = _block_mask(mask, mask_states, ctx.mask_grid, q, k, layout)
+    inputs = (q, k, v, sinks, bias)
+    wanted = [t for t, need in zip(inputs, needs) if need]
+    with torch.enable_grad():
+        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, block_mask, bias)
+    pairs = [(o, g) for o, g in ((out, dout), (lse, dlse)) if g is not None]
+    if not pairs or not wanted:
+        return tuple(None for _ in needs)
+    grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                     allow_unused=True))
+    return tuple(next(grads) if need else None for need in needs)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -282,6 +319,8 @@ def attention(
     args = (q, k, v, sinks, *mask_args, bias, *options)
     if torch.compiler.is_compiling():
         out, lse = _forward_op(*args)
+    elif beyond_first_order(q, k, v, sinks, bias):
+        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, mask, bias)
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias)):
         out, lse = _EagerAttention.apply(q, k, v, sinks, bias, (*mask_args, *options))
     else:  # nothing to differentiate: no autograd node (its host time is a fifth of an inference call's)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_heads_and_dims, check_options, check_sinks, check_tensors
-from .interface import _resolve_backend, attention
+from .interface import _resolve_backend, attention, beyond_first_order
 from .kernels.kvcache import kvcache_forward
 from .spec import resolve_spec
 
@@ -200,6 +200,10 @@ def kvcache_attention(
     out-of-range sequence come out NaN)."""
     check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap, deterministic=False,
                   return_lse=return_lse)
+    if beyond_first_order(q, k_cache, v_cache, k_new, v_new, sinks):
+        raise NotImplementedError(f"{_NAME} is forward-only (inference over a cache it writes in place): it takes "
+                                  f"no forward-mode AD tangent and runs under no torch.func transform (grad, vmap, "
+                                  f"jvp, ...); use fusedattn.attention for differentiable attention")
     shape = check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     check_sinks(sinks, q, shape.heads_q)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):

@@ -148,5 +148,15 @@ def bhsd_stride(t: torch.Tensor, layout: str) -> tuple:
     return (stride[0], stride[2], stride[1], stride[3]) if layout == "bshd" else stride
 
 
+def gradient_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised gradient for ``t``: in ``t``'s strides where ``t`` is dense (what
+    ``torch.empty_like`` keeps, and AccumulateGrad keeps without a copy), else contiguous. For an
+    overlapping view (a stride-0 or stride-1 sequence dim) ``empty_like`` picks a permutation that
+    can move the head dim off unit stride, which every kernel needs; the custom op's fake allocates
+    through here too, so both agree."""
+    grad = torch.empty_like(t)
+    return grad if grad.stride(-1) == 1 or t.shape[-1] == 1 else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
 def from_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.transpose(1, 2) if layout == "bshd" else t

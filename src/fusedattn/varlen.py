@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .checks import check_options, check_qkv, check_sinks
-from .interface import _resolve_backend, _unit_stride_head_dim, attention
+from .interface import _resolve_backend, _unit_stride_head_dim, attention, beyond_first_order
 from .kernels.bwd import attention_backward
 from .kernels import packed_tiles
 from .kernels.fwd import attention_forward, hopper_supports
@@ -87,14 +87,18 @@ class _VarlenAttention(torch.autograd.Function):
             _prepare_maps(q4, k4, v4, sinks, packing, spec, configs)
         kernel_sinks = sinks.detach().float().contiguous() if sinks is not None else None
         out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing)
-        ctx.save_for_backward(q4, k4, v4, out, lse, sinks)
+        # the inputs themselves, not the views made here: a backward with create_graph differentiates through them
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.packing, ctx.spec, ctx.configs = packing, spec, configs
         ctx.set_materialize_grads(False)
         return out[0], lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q4, k4, v4, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (interface._differentiable_backward)
+            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse), None, None)
+        q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
         dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout).unsqueeze(0)
         if dlse is not None:
             dlse = dlse.float().contiguous()
@@ -102,6 +106,41 @@ class _VarlenAttention(torch.autograd.Function):
         dq, dk, dv, _, dsinks = attention_backward(dout, dlse, q4, k4, v4, out, lse, ctx.spec, ctx.configs,
                                                    packing=ctx.packing, sinks=wanted)
         return dq[0], dk[0], dv[0], dsinks.to(sinks.dtype) if dsinks is not None else None, None, None
+
+
+def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse) -> tuple:
+    """(dq, dk, dv, dsinks) as differentiable functions of the inputs and of (dout, dlse), for a
+    backward with ``create_graph=True``: the sequences recomputed through ``attention``, whose own
+    backward is differentiable in that mode."""
+    spec = ctx.spec
+    options = dict(window=(spec.window_left, spec.window_right), scale=spec.scale,
+                   softcap=spec.softcap if spec.has_softcap else None)
+    inputs = (q, k, v, sinks)
+    wanted = [t for t, need in zip(inputs, ctx.needs_input_grad[:4]) if need]
+    with torch.enable_grad():
+        out, lse = _per_sequence(q, k, v, ctx.packing, sinks, options, q.shape[1])
+    pairs = [(o, g) for o, g in ((out, dout), (lse, dlse)) if g is not None]
+    if not pairs or not wanted:
+        return (None,) * 4
+    grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                     allow_unused=True))
+    return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:4])
+
+
+class _NoQueries(torch.autograd.Function):
+    """A packing with no query at all: empty outputs that still take part in autograd, so a loss
+    over them back-propagates zero gradients into q, k, v and the sinks (as the kernels would)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks):
+        ctx.set_materialize_grads(False)
+        ctx.shapes = [(t.shape, t.dtype) if t is not None else None for t in (q, k, v, sinks)]
+        ctx.device = q.device
+        return (q.new_empty((0, q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], 0), dtype=torch.float32))
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return tuple(None if s is None else torch.zeros(s[0], dtype=s[1], device=ctx.device) for s in ctx.shapes)
 
 
 def _prepare_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs) -> None:
@@ -131,7 +170,7 @@ def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:
-        return q.new_zeros((0, heads_q, v.shape[-1])), q.new_zeros((heads_q, 0), dtype=torch.float32)
+        return _NoQueries.apply(q, k, v, sinks)
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
@@ -168,7 +207,10 @@ def varlen_attention(
     check_sinks(sinks, q, heads_q)
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
-    if _resolve_backend(q.device) == "torch":
+    if q.shape[0] == 0:  # no query in any sequence
+        out, lse = _NoQueries.apply(q, k, v, sinks)
+    elif _resolve_backend(q.device) == "torch" or beyond_first_order(q, k, v, sinks):
+        # (forward-mode AD and torch.func transforms: ``attention`` runs each sequence in plain torch ops)
         options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic)
         out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q)
     else:

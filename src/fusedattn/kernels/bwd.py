@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ..block_mask import EMPTY, BlockMask
-from ..spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, to_bhsd
+from ..spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, gradient_like, to_bhsd
 from ..tuning.configs import SHORT_KEYS, AttentionConfigs, KernelConfig
 from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from . import tile_lists
@@ -675,12 +675,13 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
         batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
     # Gradients in their inputs' strides where those are dense (``empty_like``), else contiguous:
     # what AccumulateGrad keeps without a copy, and what the custom op's fake declares.
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    if batch * heads_q * seqlen_q * seqlen_k == 0:  # nothing attends: every gradient is 0
+    dk = gradient_like(k)
+    dv = gradient_like(v)
+    # nothing attends (packed sequences: no query or no key at all, whatever the longest lengths say)
+    if batch * heads_q * seqlen_q * seqlen_k == 0 or q.numel() == 0 or k.numel() == 0:
         dbias = torch.zeros_like(bias) if bias_grad else None
         dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
-        return torch.zeros_like(q), dk.zero_(), dv.zero_(), dbias, dsinks
+        return gradient_like(q).zero_(), dk.zero_(), dv.zero_(), dbias, dsinks
     dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
                                        skips_tiles=mask is not None)
     plan = backward_plan(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
@@ -713,7 +714,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     if atomic_dq:
         dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if dq_tma else dq_buffer
     else:
-        dq_buffer = torch.empty_like(q)
+        dq_buffer = gradient_like(q)
         dq_target = dq_buffer
     block_d, block_dv = padded_dims(head_dim, head_dim_v)
     # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass, unless the Gluon pass ran it),
@@ -784,7 +785,7 @@ def _dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Ten
     keeps without a copy (a dQ with the sums' (B, H, S, D) strides was cloned every step where q's
     differ: bshd layout, v41). By ``_convert_dq_kernel``: torch's copy into bshd strides took 104
     us against 69 into bhsd (D=128 S=1k B=16 H=16, H100, NOTES.md v42)."""
-    dq = torch.empty_like(q)
+    dq = gradient_like(q)
     _dq_conversion(tuple(sums.shape), bhsd_stride(dq, layout), q.shape[-1], q.device.index)(sums, dq)
     return dq
 
@@ -1095,7 +1096,7 @@ def gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, configs: Atte
         return None
     from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
-    dq = torch.empty_like(q)
+    dq = gradient_like(q)
     return dq if hopper_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config) else None
 
 
