@@ -249,8 +249,11 @@ def test_one_block_mask_serves_many_calls():
     (lambda: BlockMask.from_blocks(torch.ones(2, 3, dtype=torch.bool), (32, 32), 64, 64), ValueError, ["(2, 2)"]),
     (lambda: BlockMask.from_blocks(torch.ones(2, 2), (32, 32), 64, 64), TypeError, ["bool"]),
     (lambda: BlockMask.from_mask(torch.ones(4, 4)), TypeError, ["bool"]),
-    (lambda: BlockMask.from_mask(torch.ones(4, dtype=torch.bool)), ValueError, ["2 to 4 dims"]),
-], ids=["block-not-power-of-two", "block-too-small", "keep-shape", "keep-floats", "mask-floats", "mask-1d"])
+    (lambda: BlockMask.from_mask(torch.ones(1, 1, 1, 4, 4, dtype=torch.bool)), ValueError, ["at most 4 dims"]),
+    (lambda: BlockMask.from_blocks(torch.ones(2, 2, dtype=torch.bool), 32.0, 64, 64), TypeError, ["`block_size`"]),
+    (lambda: BlockMask.from_blocks(torch.ones(2, 2, dtype=torch.bool), 32, 64, 0), ValueError, ["`seqlen_k`"]),
+], ids=["block-not-power-of-two", "block-too-small", "keep-shape", "keep-floats", "mask-floats", "mask-5d",
+        "block-size-float", "no-keys"])
 def test_block_mask_errors(make, error, words):
     with pytest.raises(error) as info:
         make()
@@ -324,3 +327,48 @@ def test_masks_by_elements_are_read_through_tma_where_aligned(monkeypatch, make_
     for name, got, lowp, ref64 in zip(("out", "dq", "dk", "dv"), (out, *grads), reference(torch.bfloat16),
                                       reference(torch.float64)):
         assert_close_to_reference(name, got, lowp, ref64)
+
+
+@pytest.mark.parametrize("edit", ["in place", "through a view"])
+@pytest.mark.parametrize("kind", ["from_mask", "from_blocks"])
+def test_a_block_mask_whose_tensor_was_edited_raises(kind, edit):
+    """A BlockMask refers to the caller's tensor without copying it; its tile states describe the tensor
+    as it was. Editing the tensor afterwards (directly or through a view) must make every call given
+    the object raise -- never run the old tile map over the new bits -- and a new object works."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 64, 2, 16, generator=gen).to(DEVICE, torch.float16) for _ in range(3))
+    if kind == "from_mask":
+        tensor = random_cells((1, 1, 64, 64), 16, seed=3).to(DEVICE)
+        build = BlockMask.from_mask
+    else:
+        tensor = (torch.rand(1, 1, 4, 4, generator=gen) < 0.5).to(DEVICE)
+        build = lambda t: BlockMask.from_blocks(t, (16, 16), 64, 64)  # noqa: E731
+    block_mask = build(tensor)
+    with fusedattn.use_backend("triton"):
+        fusedattn.attention(q, k, v, mask=block_mask)  # current: runs
+    if edit == "in place":
+        tensor.logical_not_()
+    else:
+        tensor.view(-1)[:5] = True
+    for backend in ("triton", "torch"):  # the PyTorch path would read the new bits; it raises alike
+        with fusedattn.use_backend(backend), pytest.raises(ValueError, match="modified in place"):
+            fusedattn.attention(q, k, v, mask=block_mask)
+    fresh = build(tensor)
+    with fusedattn.use_backend("triton"):
+        out = fusedattn.attention(q, k, v, mask=fresh)
+    dense = fresh.to_dense()
+    lowp, ref64 = (reference_attention(q.to(t), k.to(t), v.to(t), mask=dense) for t in (torch.float16, torch.float64))
+    assert_close_to_reference("fresh BlockMask", out, lowp, ref64)
+
+
+@pytest.mark.parametrize("shape", [(), (40,), (33, 40), (2, 33, 40), (2, 1, 33, 40)], ids=str)
+def test_from_mask_takes_every_shape_attention_takes(shape):
+    """Fewer than 4 dims are leading 1s, as for attention's own mask argument (0-D and 1-D included)."""
+    gen = torch.Generator().manual_seed(len(shape))
+    mask = torch.rand(shape, generator=gen) < 0.6 if shape else torch.tensor(True)
+    q = torch.randn(2, 33, 2, 16, generator=gen)
+    k, v = (torch.randn(2, 40, 2, 16, generator=gen) for _ in range(2))
+    with fusedattn.use_backend("torch"):
+        direct = fusedattn.attention(q, k, v, mask=mask)
+        built = fusedattn.attention(q, k, v, mask=BlockMask.from_mask(mask))
+    assert torch.equal(direct, built)

@@ -87,7 +87,17 @@ def test_topk_block_mask_keeps_the_k_best_tiles(options, pool):
     (lambda: fusedattn.topk_mask(torch.ones(4), 2), ValueError, ["`scores`", "2 to 4 dims"]),
     (lambda: fusedattn.topk_block_mask(torch.ones(4, 4), 1, pool="sum"), ValueError, ["`pool`"]),
     (lambda: fusedattn.topk_block_mask(torch.ones(40, 40), 1, block_size=(20, 16)), ValueError, ["block_q"]),
-], ids=["k-zero", "bool-scores", "1d-scores", "pool", "block-size"])
+    # causal, window and block sizes are checked exactly as attention checks them
+    (lambda: fusedattn.topk_mask(torch.ones(4, 4), 2, causal="no"), TypeError, ["`causal`", "bool", "'no'"]),
+    (lambda: fusedattn.topk_block_mask(torch.ones(4, 4), 1, causal=1), TypeError, ["`causal`", "bool"]),
+    (lambda: fusedattn.topk_mask(torch.ones(4, 4), 2, window=(-3, 0)), ValueError, ["`window` left", "-3"]),
+    (lambda: fusedattn.topk_mask(torch.ones(4, 4), 2, window=(2.5, 0)), TypeError, ["`window` left", "float"]),
+    (lambda: fusedattn.topk_block_mask(torch.ones(4, 4), 1, window=(1, 2, 3)), ValueError, ["`window`"]),
+    (lambda: fusedattn.topk_block_mask(torch.ones(40, 40), 1, block_size=(16,)), TypeError, ["`block_size`"]),
+    (lambda: fusedattn.topk_block_mask(torch.ones(40, 40), 1, block_size=24), ValueError, ["block_q", "24"]),
+    (lambda: fusedattn.topk_mask(torch.ones(4, 4), 2.0), ValueError, ["`k`"]),
+], ids=["k-zero", "bool-scores", "1d-scores", "pool", "block-size", "causal-str", "causal-int", "window-negative",
+        "window-float", "window-triple", "block-size-one", "block-size-int-24", "k-float"])
 def test_dynamic_mask_errors(make, error, words):
     with pytest.raises(error) as info:
         make()
@@ -122,3 +132,14 @@ def test_bias_trains_through_the_kept_entries(block_sparse):
     for name, *tensors in zip(("out", "dq", "dk", "dv", "dbias"), ours, lowp, ref64):
         assert_close_to_reference(name, *tensors)
     assert torch.count_nonzero(ours[4][~dense.expand_as(bias)]) == 0
+
+
+def test_numpy_scalars_and_an_int_block_size_mean_what_python_ints_do():
+    import numpy as np
+
+    scores = torch.randn(2, 40, 50, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(fusedattn.topk_mask(scores, np.int64(7), window=(np.int64(9), np.int32(2))),
+                       fusedattn.topk_mask(scores, 7, window=(9, 2)))
+    by_numpy = fusedattn.topk_block_mask(scores, np.int64(2), block_size=np.int64(16), causal=True)
+    by_python = fusedattn.topk_block_mask(scores, 2, block_size=(16, 16), causal=True)
+    assert torch.equal(by_numpy.source, by_python.source) and by_numpy.cell == by_python.cell == (16, 16)

@@ -93,3 +93,23 @@ def test_mixed_devices_raise():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="one device"):
         fusedattn.attention(q.cuda(), k, v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_numpy_scalars_are_taken_wherever_a_python_number_is(backend):
+    """np.int64 windows, an np.float32 scale and softcap, np.int64 longest lengths: the same results, bit
+    for bit, as the Python numbers they hold (NumPy values come from configs and array reductions)."""
+    import numpy as np
+
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    q, k, v = (t.to(device) for t in qkv(sq=19, sk=23, hq=4, hkv=2))
+    as_numpy = dict(window=(np.int64(7), np.int32(0)), scale=np.float32(0.2), softcap=np.float32(15.0))
+    as_python = dict(window=(7, 0), scale=float(np.float32(0.2)), softcap=float(np.float32(15.0)))
+    with fusedattn.use_backend(backend):
+        got = [fusedattn.attention(q, k, v, return_lse=True, **options) for options in (as_numpy, as_python)]
+        cu = torch.tensor([0, 8, 19], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 10, 23], dtype=torch.int32, device=device)
+        packed = [fusedattn.varlen_attention(q[0], k[0], v[0], cu, cu_k, longest_q, longest_k, causal=True)
+                  for longest_q, longest_k in ((np.int64(11), np.int32(13)), (11, 13))]
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert torch.equal(packed[0], packed[1])

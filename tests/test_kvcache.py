@@ -327,7 +327,7 @@ BAD_SHAPES = [
     (True, dict(block_table=torch.tensor([[4, 0, 6], [1, 2, 3]])), TypeError, "`block_table` must be an int32"),
     (True, dict(block_table=torch.tensor([4, 0, 6], dtype=torch.int32)), ValueError, "`block_table` must be 2-D"),
     (True, dict(k_cache=torch.randn(7, 24, 2, 16), v_cache=torch.randn(7, 24, 2, 16)), ValueError,
-     "multiple of 16, got 24"),
+     "`block_table`.*multiple of 16, got 24"),
 ]
 
 
@@ -339,11 +339,43 @@ def test_kvcache_bad_shapes_are_clear_errors(paged, changes, error, match):
         fusedattn.kvcache_attention(**args)
 
 
+ALIASES = [(paged, new, cache) for paged in (False, True) for new in ("k_new", "v_new")
+           for cache in ("k_cache", "v_cache")]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("paged, new, cache", ALIASES)
+def test_kvcache_new_tokens_that_alias_the_cache_are_a_clear_error(paged, new, cache, backend):
+    """k_new / v_new written into the cache in place must not be views of it: a ValueError naming both."""
+    args = _small(paged, TRITON_DEVICE if backend == "triton" else "cpu")
+    view = args[cache][:2, :2] if not paged else args[cache][2:4, :2]
+    args[new] = view
+    with fusedattn.use_backend(backend), pytest.raises(ValueError, match=f"`{new}` overlaps `{cache}`"):
+        fusedattn.kvcache_attention(**args)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kvcache_takes_numpy_scalars(backend):
+    """np.int32 lengths and num_splits, an np.float32 scale and softcap and an np.int64 window: what the
+    same Python numbers give, bit for bit."""
+    import numpy as np
+
+    args = _small(False, TRITON_DEVICE if backend == "triton" else "cpu")
+    as_numpy = dict(cache_seqlens=np.int32(37), scale=np.float32(0.3), softcap=np.float32(20.0),
+                    window=(np.int64(9), np.int64(0)), num_splits=np.int32(2))
+    as_python = dict(cache_seqlens=37, scale=float(as_numpy["scale"]), softcap=float(as_numpy["softcap"]),
+                     window=(9, 0), num_splits=2)
+    with fusedattn.use_backend(backend):
+        results = [fusedattn.kvcache_attention(args["q"], args["k_cache"], args["v_cache"], return_lse=True, **options)
+                   for options in (as_python, as_numpy)]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 BAD_VALUES = [
     # a sequence whose append runs past the cache: 47 + 2 > 48
     (False, dict(cache_seqlens=torch.tensor([3, 47], dtype=torch.int32)), "needs 49 cache rows"),
     (False, dict(cache_seqlens=torch.tensor([-1, 4], dtype=torch.int32)), "must be >= 0"),
-    (True, dict(cache_seqlens=torch.tensor([3, 47], dtype=torch.int32)), "needs 49 cache rows"),
+    (True, dict(cache_seqlens=torch.tensor([3, 47], dtype=torch.int32)), "needs 49 cache rows.*`block_table`"),
     # a page in use outside the cache (7 pages), and a negative one
     (True, dict(block_table=torch.tensor([[4, 0, 6], [1, 7, 3]], dtype=torch.int32)), "points outside the cache"),
     (True, dict(block_table=torch.tensor([[-1, 0, 6], [1, 2, 3]], dtype=torch.int32)), "points outside the cache"),

@@ -16,6 +16,8 @@ blocks (block-sparse attention): no (Sq, Sk) tensor exists at all; the kernels r
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 # Tile states (int8), as tile_lists.py and the kernels' tile lists use them.
@@ -67,6 +69,22 @@ def classify_with_torch(mask: torch.Tensor, cell_q: int, cell_k: int) -> torch.T
     return torch.where(all_kept, FULL, torch.where(any_kept, PARTIAL, EMPTY)).to(torch.int8)
 
 
+def _is_integer(value) -> bool:  # checks.is_integer (checks imports this module)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def block_sizes(block_size, caller: str) -> tuple[int, int]:
+    """(block_q, block_k) from an int (square blocks) or a pair of ints, each a power of two >= 16."""
+    pair = (block_size, block_size) if _is_integer(block_size) else block_size
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_integer(b) for b in pair):
+        raise TypeError(f"{caller}: `block_size` must be an int or a (block_q, block_k) pair of ints, got "
+                        f"{block_size!r}")
+    for name, b in zip(("block_q", "block_k"), pair):
+        if not (_is_power_of_two(int(b)) and b >= ELEMENT_GRID):
+            raise ValueError(f"{caller}: {name} must be a power of two >= {ELEMENT_GRID}, got {b}")
+    return int(pair[0]), int(pair[1])
+
+
 class BlockMask:
     """A boolean attention mask with its tile classification (see the module doc).
 
@@ -82,19 +100,36 @@ class BlockMask:
         self.cell = cell  # (rows, keys) per state
         self.source = source  # bool, what partial tiles read: source[b, h, i >> shift_q, j >> shift_k]
         self.source_shift = source_shift
+        # The source is the caller's tensor (a view of it), not a copy: a mask of every layer of a step
+        # is not duplicated. Its version counter, which every in-place edit of it or of a view of it
+        # bumps, tells when the tile states no longer describe it (``check_current``).
+        self.source_version = None if torch.compiler.is_compiling() else source._version
+
+    def check_current(self, caller: str = "fusedattn.attention") -> None:
+        """Raise if the mask tensor was edited in place after this object classified it: the tile
+        states would skip or keep tiles by the old mask while partial tiles read the new one.
+        (Not while torch.compile traces: a mask made inside the compiled code is current by construction.)"""
+        if self.source_version is not None and not torch.compiler.is_compiling() \
+                and self.source._version != self.source_version:
+            raise ValueError(f"{caller}: the tensor this BlockMask was built from was modified in place after "
+                             f"BlockMask.from_mask / from_blocks classified it; its tile states describe the old "
+                             f"mask. Build a new BlockMask after editing the mask (or edit a copy)")
 
     # ------------------------------------------------------------------ constructors
 
     @classmethod
     def from_mask(cls, mask: torch.Tensor) -> "BlockMask":
-        """From a bool tensor broadcastable to (B, Hq, Sq, Sk), 2-4 dims (True = attend). Reads
-        the mask once; the kernels read it again only on tiles that are partly kept."""
+        """From a bool tensor broadcastable to (B, Hq, Sq, Sk) (True = attend), with at most 4 dims,
+        fewer dims being leading 1s as in torch broadcasting -- every shape ``attention`` takes as a
+        mask. Reads the mask once; the kernels read it again only on tiles that are partly kept.
+        The object refers to ``mask`` without copying it: edit ``mask`` in place afterwards and every
+        call given this object raises (build a new one instead)."""
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             raise TypeError("fusedattn.BlockMask.from_mask: `mask` must be a bool tensor (True = attend), got "
                             + (str(mask.dtype) if isinstance(mask, torch.Tensor) else type(mask).__name__))
-        if not 2 <= mask.dim() <= 4:
-            raise ValueError(f"fusedattn.BlockMask.from_mask: `mask` must have 2 to 4 dims (.., Sq, Sk), got shape "
-                             f"{tuple(mask.shape)}")
+        if mask.dim() > 4:
+            raise ValueError(f"fusedattn.BlockMask.from_mask: `mask` must have at most 4 dims (B, H, Sq, Sk), got "
+                             f"shape {tuple(mask.shape)}")
         mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         states = classify(mask4, ELEMENT_GRID, ELEMENT_GRID)
         return cls(mask4.shape, states, (ELEMENT_GRID, ELEMENT_GRID), mask4, (0, 0))
@@ -105,14 +140,14 @@ class BlockMask:
         """From a bool keep map of whole blocks: ``keep[b, h, m, n]`` says whether query block m
         (rows ``[m * block_q, (m + 1) * block_q)``) attends key block n; (nQ, nK) =
         (ceil(Sq / block_q), ceil(Sk / block_k)); 2-4 dims as for a mask. Block sizes are powers
-        of two, at least 16."""
+        of two, at least 16. Like ``from_mask``, the object refers to ``keep`` without copying it."""
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
             raise TypeError("fusedattn.BlockMask.from_blocks: `keep` must be a bool tensor")
-        block_q, block_k = (int(b) for b in block_size)
-        for name, b in (("block_q", block_q), ("block_k", block_k)):
-            if not (_is_power_of_two(b) and b >= ELEMENT_GRID):
-                raise ValueError(f"fusedattn.BlockMask.from_blocks: {name} must be a power of two >= {ELEMENT_GRID}, "
-                                 f"got {b}")
+        block_q, block_k = block_sizes(block_size, "fusedattn.BlockMask.from_blocks")
+        for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+            if not _is_integer(n) or n < 1:
+                raise ValueError(f"fusedattn.BlockMask.from_blocks: `{name}` must be an int >= 1, got {n!r}")
+        seqlen_q, seqlen_k = int(seqlen_q), int(seqlen_k)
         if not 2 <= keep.dim() <= 4:
             raise ValueError(f"fusedattn.BlockMask.from_blocks: `keep` must have 2 to 4 dims, got {tuple(keep.shape)}")
         keep4 = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))

@@ -5,6 +5,7 @@ error, an illegal memory access or a silently wrong result."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -30,36 +31,53 @@ def _layout_names(layout: str) -> str:
     return "(B, S, H, D)" if layout == "bshd" else "(B, H, S, D)"
 
 
-def _check_bool(name: str, value) -> None:
+def is_integer(value) -> bool:
+    """A Python or NumPy integer, not a bool: what a user means by an int (``np.int64`` from an array's
+    ``.max()``, a config loaded with NumPy)."""
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def is_real(value) -> bool:
+    """A Python or NumPy real number (``np.float32`` included), not a bool."""
+    return type(value) is float or type(value) is int or (isinstance(value, numbers.Real)
+                                                          and not isinstance(value, bool))
+
+
+def check_bool(name: str, value, caller: str = "fusedattn.attention") -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"fusedattn.attention: `{name}` must be a bool, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{caller}: `{name}` must be a bool, got {type(value).__name__} {value!r}")
 
 
-def check_options(*, layout, causal, window, scale, softcap, deterministic, return_lse) -> None:
+def check_window(window, caller: str = "fusedattn.attention") -> None:
+    """None, or a (left, right) pair of ints, each >= 0 or -1 for unbounded (SPEC 3.2)."""
+    if window is None:
+        return
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"{caller}: `window` must be a (left, right) pair or None, got {window!r}")
+    for side, w in zip(("left", "right"), window):
+        if not is_integer(w):
+            raise TypeError(f"{caller}: `window` {side} must be an int, got {type(w).__name__} {w!r}")
+        if w < -1:
+            raise ValueError(f"{caller}: `window` {side} must be >= 0, or -1 for unbounded, got {w}")
+
+
+def check_options(*, layout, causal, window, scale, softcap, deterministic, return_lse,
+                  caller: str = "fusedattn.attention") -> None:
     if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"fusedattn.attention: `layout` must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{caller}: `layout` must be one of {LAYOUTS}, got {layout!r}")
     for name, value in (("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)):
-        _check_bool(name, value)
-    if window is not None:
-        if not isinstance(window, (tuple, list)) or len(window) != 2:
-            raise ValueError(f"fusedattn.attention: `window` must be a (left, right) pair or None, got {window!r}")
-        for side, w in zip(("left", "right"), window):
-            if isinstance(w, bool) or not isinstance(w, int):
-                raise TypeError(f"fusedattn.attention: `window` {side} must be an int, got {type(w).__name__} {w!r}")
-            if w < -1:
-                raise ValueError(
-                    f"fusedattn.attention: `window` {side} must be >= 0, or -1 for unbounded, got {w}"
-                )
+        check_bool(name, value, caller)
+    check_window(window, caller)
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"fusedattn.attention: `scale` must be a float or None, got {type(scale).__name__}")
+        if not is_real(scale):
+            raise TypeError(f"{caller}: `scale` must be a float or None, got {type(scale).__name__}")
         if not math.isfinite(scale):
-            raise ValueError(f"fusedattn.attention: `scale` must be finite, got {scale}")
+            raise ValueError(f"{caller}: `scale` must be finite, got {scale}")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"fusedattn.attention: `softcap` must be a float > 0 or None, got {type(softcap).__name__}")
+        if not is_real(softcap):
+            raise TypeError(f"{caller}: `softcap` must be a float > 0 or None, got {type(softcap).__name__}")
         if not (math.isfinite(softcap) and softcap > 0):
-            raise ValueError(f"fusedattn.attention: `softcap` must be a finite float > 0 (None = off), got {softcap}")
+            raise ValueError(f"{caller}: `softcap` must be a finite float > 0 (None = off), got {softcap}")
 
 
 def check_qkv(q, k, v, layout: str, caller: str = "fusedattn.attention", packed: bool = False) -> Shapes:
@@ -179,6 +197,7 @@ def check_mask(mask, shapes: Shapes, q: torch.Tensor) -> BlockMask | None:
     if mask is None:
         return None
     if isinstance(mask, BlockMask):
+        mask.check_current()
         if mask.device != q.device:
             raise ValueError(f"fusedattn.attention: `mask` (a BlockMask) is on {mask.device} but q is on {q.device}")
         _check_broadcast_shape("mask", mask.shape, mask.shape, shapes)

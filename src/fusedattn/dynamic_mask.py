@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .block_mask import BlockMask, reduce_chunks
+from .block_mask import BlockMask, block_sizes, reduce_chunks
+from .checks import check_bool, check_window, is_integer
 from .spec import fold_window, keep_mask
 
 CHUNK_ELEMENTS = 1 << 26  # scores handled at once (a few hundred MB of temporaries at most)
@@ -32,8 +33,14 @@ def _check_scores(name: str, scores, k) -> None:
                         + (str(scores.dtype) if isinstance(scores, torch.Tensor) else type(scores).__name__))
     if not 2 <= scores.dim() <= 4:
         raise ValueError(f"fusedattn.{name}: `scores` must have 2 to 4 dims (.., Sq, Sk), got {tuple(scores.shape)}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if not is_integer(k) or k < 1:
         raise ValueError(f"fusedattn.{name}: `k` must be an int >= 1, got {k!r}")
+
+
+def _check_rule(name: str, causal, window) -> None:
+    """``causal`` and ``window`` checked exactly as ``attention`` checks them."""
+    check_bool("causal", causal, f"fusedattn.{name}")
+    check_window(window, f"fusedattn.{name}")
 
 
 def _candidates(chunk: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -46,6 +53,8 @@ def topk_mask(scores: torch.Tensor, k: int, *, causal: bool = False,
     """A bool mask of ``scores``' shape (2-4 dims, last two (Sq, Sk)): True at the ``k`` allowed
     keys of each query row with the largest score (see the module doc)."""
     _check_scores("topk_mask", scores, k)
+    _check_rule("topk_mask", causal, window)
+    k = int(k)
     seqlen_q, seqlen_k = scores.shape[-2:]
     left, right = fold_window(causal, window)
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
@@ -66,17 +75,19 @@ def _pool_keys(t: torch.Tensor, block_k: int, reduce) -> torch.Tensor:
     return reduce_chunks(t, t.dim() - 1, block_k, reduce)
 
 
-def topk_block_mask(scores: torch.Tensor, k: int, *, block_size: tuple[int, int] = (128, 128),
+def topk_block_mask(scores: torch.Tensor, k: int, *, block_size: int | tuple[int, int] = (128, 128),
                     causal: bool = False, window: tuple[int, int] | None = None, pool: str = "mean") -> BlockMask:
     """A ``BlockMask`` keeping, per (block_size[0])-row query block, the ``k`` key blocks with the
     largest pooled score: the ``pool`` ("mean" or "max") of the allowed, finite scores of the tile.
     Tiles with no such score are never kept. Pass it as ``attention(..., mask=...)`` with the same
     ``causal`` / ``window``: the kernels then skip every dropped tile, and apply the keep rule on the
-    diagonal ones. Block sizes: powers of two, at least 16."""
+    diagonal ones. ``block_size``: an int (square blocks) or (block_q, block_k), powers of two, at least 16."""
     _check_scores("topk_block_mask", scores, k)
+    _check_rule("topk_block_mask", causal, window)
+    k = int(k)
     if pool not in ("mean", "max"):
         raise ValueError(f"fusedattn.topk_block_mask: `pool` must be 'mean' or 'max', got {pool!r}")
-    block_q, block_k = (int(b) for b in block_size)
+    block_q, block_k = block_sizes(block_size, "fusedattn.topk_block_mask")
     seqlen_q, seqlen_k = scores.shape[-2:]
     left, right = fold_window(causal, window)
     pooled_rows = []

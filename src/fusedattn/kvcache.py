@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_heads_and_dims, check_options, check_sinks, check_tensors
+from .checks import check_heads_and_dims, check_options, check_sinks, check_tensors, is_integer
 from .interface import _resolve_backend, attention, beyond_first_order
 from .kernels.kvcache import kvcache_forward
 from .spec import resolve_spec
@@ -76,7 +76,8 @@ def check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new) 
             raise ValueError(f"{_NAME}: `block_table` has {block_table.shape[0]} rows; expected one per sequence "
                              f"(B = {batch})")
         if rows % 16 != 0:
-            raise ValueError(f"{_NAME}: the page size (dim 1 of the caches) must be a multiple of 16, got {rows}")
+            raise ValueError(f"{_NAME}: the page size of a paged cache (dim 1 of the caches, the rows each "
+                             f"`block_table` entry points to) must be a multiple of 16, got {rows}")
         capacity = block_table.shape[1] * rows
     else:
         if slots != batch:
@@ -87,7 +88,7 @@ def check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new) 
         _check_int32("cache_seqlens", cache_seqlens, 1, "(B,)", q)
         if cache_seqlens.shape[0] != batch:
             raise ValueError(f"{_NAME}: `cache_seqlens` has {cache_seqlens.shape[0]} entries; expected B = {batch}")
-    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+    elif not is_integer(cache_seqlens):
         raise TypeError(f"{_NAME}: `cache_seqlens` must be an int32 tensor (B,) or an int, got "
                         f"{type(cache_seqlens).__name__}")
     new_len = 0
@@ -104,8 +105,28 @@ def check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new) 
                 raise TypeError(f"{_NAME}: `{name}` is {t.dtype}; expected the cache's dtype {k_cache.dtype}")
             if t.device != k_cache.device:
                 raise ValueError(f"{_NAME}: `{name}` is on {t.device} but the cache is on {k_cache.device}")
+        for new_name, new in (("k_new", k_new), ("v_new", v_new)):
+            for cache_name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if _overlap(new, cache):
+                    raise ValueError(f"{_NAME}: `{new_name}` overlaps `{cache_name}` in memory (a view of the cache?); "
+                                     f"the new tokens are copied into the cache in place, so they must live outside "
+                                     f"it: pass a copy")
         new_len = k_new.shape[1]
     return CacheShape(batch, heads_q, new_len, paged, rows if paged else 0, slots if paged else 0, capacity)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (first to last element) intersect: a conservative
+    test, exact for the views of a cache one would pass by mistake."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        start = t.data_ptr()
+        return start, start + (sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def check_values(cache_seqlens: torch.Tensor, block_table, shape: CacheShape) -> None:
@@ -121,7 +142,7 @@ def check_values(cache_seqlens: torch.Tensor, block_table, shape: CacheShape) ->
     if values[0] < 0:
         raise ValueError(f"{_NAME}: `cache_seqlens` must be >= 0, got {cache_seqlens.tolist()}")
     if values[1] > shape.capacity:
-        where = "pages per sequence x page size" if shape.paged else "S_cache"
+        where = "the `block_table`'s pages per sequence x page size" if shape.paged else "S_cache"
         raise ValueError(f"{_NAME}: a sequence needs {values[1]} cache rows (cache_seqlens + {shape.new_len} new) "
                          f"but the cache holds {shape.capacity} ({where}); nothing was written")
     if shape.paged and (values[2] < 0 or values[3] >= shape.num_pages):
@@ -199,17 +220,17 @@ def kvcache_attention(
     kernels then guard themselves (nothing written or read outside the cache; the rows of an
     out-of-range sequence come out NaN)."""
     check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap, deterministic=False,
-                  return_lse=return_lse)
+                  return_lse=return_lse, caller=_NAME)
     if beyond_first_order(q, k_cache, v_cache, k_new, v_new, sinks):
         raise NotImplementedError(f"{_NAME} is forward-only (inference over a cache it writes in place): it takes "
                                   f"no forward-mode AD tangent and runs under no torch.func transform (grad, vmap, "
                                   f"jvp, ...); use fusedattn.attention for differentiable attention")
     shape = check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     check_sinks(sinks, q, shape.heads_q)
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+    if num_splits is not None and (not is_integer(num_splits) or num_splits < 1):
         raise ValueError(f"{_NAME}: `num_splits` must be an int >= 1 or None (automatic), got {num_splits!r}")
     if not isinstance(cache_seqlens, torch.Tensor):
-        cache_seqlens = torch.full((shape.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        cache_seqlens = torch.full((shape.batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
     if not _capturing(q.device):
         check_values(cache_seqlens, block_table, shape)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -224,5 +245,5 @@ def kvcache_attention(
         kernel_sinks = sinks.float().contiguous() if sinks is not None else None
         table = block_table.contiguous() if block_table is not None else None  # the kernels step pages by 1
         out, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens.contiguous(), table, k_new, v_new, spec,
-                                   kernel_sinks, num_splits, shape.capacity)
+                                   kernel_sinks, None if num_splits is None else int(num_splits), shape.capacity)
     return (out, lse) if return_lse else out

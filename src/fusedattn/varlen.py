@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_options, check_qkv, check_sinks
+from .checks import check_options, check_qkv, check_sinks, is_integer
 from .interface import _resolve_backend, _unit_stride_head_dim, attention, beyond_first_order
 from .kernels.bwd import attention_backward
 from .kernels import packed_tiles
@@ -43,7 +43,7 @@ def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) 
         raise ValueError(f"{_NAME}: `cu_seqlens_q` has {cu_seqlens_q.numel()} entries and `cu_seqlens_k` "
                          f"{cu_seqlens_k.numel()}; expected one per sequence boundary in both")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_integer(value) or value < 0:
             raise TypeError(f"{_NAME}: `{name}` must be an int >= 0, got {type(value).__name__} {value!r}")
     # The offsets read on the host (one small copy each; one when q and k share them), checked there,
     # and kept: the Gluon kernels' maps of the blocks that exist are built from them (packed_tiles.py).
@@ -69,7 +69,7 @@ def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) 
         cu_seqlens_q = on_device
     elif cu_seqlens_k.device != q.device:
         cu_seqlens_k = cu_seqlens_k.to(q.device, non_blocking=True)
-    return Packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tuple(offsets_q), tuple(offsets_k))
+    return Packing(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), tuple(offsets_q), tuple(offsets_k))
 
 
 class _VarlenAttention(torch.autograd.Function):
@@ -202,7 +202,7 @@ def varlen_attention(
     also lse (Hq, total_q) float32 (FlashAttention's varlen layout). Bias and mask are not taken.
     """
     check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
-                  deterministic=deterministic, return_lse=return_lse)
+                  deterministic=deterministic, return_lse=return_lse, caller=_NAME)
     heads_q = check_qkv(q, k, v, "bshd", caller=_NAME, packed=True).heads_q
     check_sinks(sinks, q, heads_q)
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
