@@ -449,3 +449,57 @@ def test_softcap_tanh_form_follows_dtype_and_device():
     assert [softcap_mode(spec(30.0), dtype, gpu) for dtype in (torch.float16, torch.float32)] == [1, 1]
     assert softcap_mode(spec(30.0), torch.bfloat16, cpu) == 1
     assert softcap_mode(spec(None), torch.bfloat16, gpu) == 0
+
+
+ROW_BIAS_SHAPES = {"B,Hkv,1,1": lambda b, hq, hkv, sq: (b, hkv, 1, 1), "B,1,1,1": lambda b, hq, hkv, sq: (b, 1, 1, 1),
+                   "1,Hq,Sq,1": lambda b, hq, hkv, sq: (1, hq, sq, 1), "B,Hq,1,1": lambda b, hq, hkv, sq: (b, hq, 1, 1)}
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS, ids=BACKEND_IDS)
+@pytest.mark.parametrize("shape", list(ROW_BIAS_SHAPES), ids=list(ROW_BIAS_SHAPES))
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_gradient_of_a_bias_constant_along_the_keys(backend, device, shape, sinks):
+    """A bias with one value per row shifts the whole softmax row: the output does not change, and the
+    bias's gradient is the lse gradient of the rows with a key plus what the sink takes
+    (dout . out * p_sink) -- 0 for a loss on the output alone. Summed from the softmax gradient
+    entry by entry it came out as rounding noise (1.5x SPEC 4's bound on large GPU problems); it must
+    match the float64 reference within fp32 rounding without sinks and by SPEC 4's rule with them."""
+    from fusedattn.reference import reference_attention
+    from numerics import assert_close_to_reference
+
+    b, hq, hkv, sq, sk, d = 2, 4, 2, 37, 45, 16
+    gen = torch.Generator().manual_seed(hash(shape) % 1000 + sinks)
+    dtype = _dtype(device)
+    q, k, v, dout = (torch.randn(b, s, h, d, generator=gen) for s, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    dlse = torch.randn(b, hq, sq, generator=gen)
+    bias = torch.randn(ROW_BIAS_SHAPES[shape](b, hq, hkv, sq), generator=gen)
+    bias.view(-1)[1] = float("-inf")  # a row (or all of them) masked by the bias itself
+    sink_logits = torch.randn(hq, generator=gen) + 1.0 if sinks else None
+    mask = torch.rand(sq, sk, generator=gen) < 0.8
+    mask[3] = False  # a row with no key
+
+    def grads(fn, dt, with_lse):
+        leaves = [t.to(device, dt).requires_grad_() for t in (q, k, v, bias)]
+        extra = dict(sinks=sink_logits.to(device, torch.float64 if dt == torch.float64 else torch.float32)) \
+            if sinks else {}
+        out, lse = fn(*leaves[:3], bias=leaves[3], mask=mask.to(device), causal=True, return_lse=True, **extra)
+        outputs, cotangents = [out], [dout.to(device, dt)]
+        if with_lse:
+            outputs.append(lse)
+            cotangents.append(dlse.to(device, lse.dtype))
+        return torch.autograd.grad(outputs, leaves[3], cotangents)[0]
+
+    def ours(*args, **kwargs):
+        with fusedattn.use_backend(backend):
+            return fusedattn.attention(*args, **kwargs)
+
+    def reference(*args, mask=None, **kwargs):
+        return reference_attention(*args, mask=mask.reshape(1, 1, *mask.shape), **kwargs)
+
+    for with_lse in (False, True):
+        got, ref64 = grads(ours, dtype, with_lse), grads(reference, torch.float64, with_lse)
+        if not sinks:  # exact up to fp32 rounding (and the bias dtype's rounding of the result)
+            tolerance = 1e-5 + 2.0 ** -8 * ref64.abs().max().item()
+            assert (got.double() - ref64).abs().max().item() <= tolerance, (with_lse, got, ref64)
+        else:
+            assert_close_to_reference(f"dbias lse={with_lse}", got, grads(reference, dtype, with_lse), ref64)

@@ -21,7 +21,7 @@ from torch.autograd import forward_ad
 from . import cpu
 from .block_mask import BlockMask
 from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
-from .kernels.bwd import attention_backward, sink_gradient_from_outputs
+from .kernels.bwd import attention_backward, row_bias_gradient, sink_gradient_from_outputs
 from .kernels.fwd import attention_forward, _forward_kernel
 from .spec import AttentionSpec, bhsd_shape, gradient_like, resolve_spec
 from .tuning.configs import band_window, select_configs
@@ -149,7 +149,11 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
     mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if bias is not None:
         bias = bias.detach()
-    sinks = sinks if sinks_grad else None
+    # A bias constant along the keys gets its gradient from row statistics (``row_bias_gradient``), on
+    # every backend alike: summed from the softmax gradient it would be mostly rounding noise.
+    row_bias_grad = bias_grad and bias.shape[3] == 1
+    bias_grad = bias_grad and not row_bias_grad
+    all_sinks, sinks = sinks, sinks if sinks_grad else None
     if backend == "torch":
         dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
         dq, dk, dv = (_in_strides_of(x, grad) for x, grad in ((q, dq), (k, dk), (v, dv)))
@@ -159,6 +163,8 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
                                  band_window(spec, q.shape[-1]), spec.has_window_right, spec.has_softcap)
         dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
                                                        bias_grad, sinks=sinks)
+    if row_bias_grad:
+        dbias = row_bias_gradient(bias, out, dout, lse, dlse, all_sinks, layout)
     return dq, dk, dv, dbias, dsinks
 
 

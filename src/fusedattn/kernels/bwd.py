@@ -918,6 +918,35 @@ def sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout: str) -> torc
     return -terms.movedim(-2, 0).reshape(terms.shape[-2], -1).sum(1)
 
 
+def row_bias_gradient(bias, out, dout, lse, dlse, sinks, layout: str) -> torch.Tensor:
+    """The gradient of a bias constant along the keys (its Sk dim 1), from row statistics, in fp32,
+    rounded once to the bias's dtype and summed to its shape (SPEC 3.3).
+
+    Summing the softmax gradient ds_ij = p_ij (dp_ij - delta_i) over a whole row cancels: with
+    A_i = sum_j p_ij dp_ij = dout_i . out_i (exact out) and B_i = sum_j p_ij (1 - p_sink, 0 for a row
+    with no key), the sum is A_i (1 - B_i) + dlse_i B_i -- exactly dlse_i B_i without sinks. Summed
+    tile by tile, the kernels' delta (from the output rounded to its dtype) leaves dout . (out - out
+    rounded) per row instead of that zero: noise as large as the whole gradient. Here A_i only meets
+    p_sink, which is what a softmax-invariant bias's gradient is made of."""
+    batch, heads_q, seqlen_q = lse.shape[-3:] if lse.dim() == 3 else (1, *lse.shape)
+    finite = torch.isfinite(lse)
+    if sinks is None:
+        kept = finite.float()  # B_i: the keys' share of the row's softmax
+        row = kept * dlse if dlse is not None else torch.zeros_like(lse)
+    else:
+        p_sink = torch.exp(sinks.detach().float().view(-1, 1) - lse)  # lse includes the sink: never -inf
+        kept = 1.0 - p_sink
+        dot = (to_bhsd(dout, layout).float() * to_bhsd(out, layout).float()).sum(-1)  # A_i, from the output
+        row = dot * p_sink + (kept * dlse if dlse is not None else 0.0)
+    row = row.reshape(batch, heads_q, seqlen_q)
+    b, h, sq = bias.shape[:3]
+    if h != heads_q:  # one value per KV group (h = Hkv) or per call (h = 1): sum the query heads onto it
+        row = row.reshape(batch, h, heads_q // h, seqlen_q).sum(2)
+    dims = [d for d, (size, full) in enumerate(zip((b, sq), (batch, seqlen_q))) if size == 1 and full != 1]
+    row = row.sum(dim=[(0, 2)[d] for d in dims], keepdim=True) if dims else row
+    return row.reshape(bias.shape).to(bias.dtype)
+
+
 @dataclass(frozen=True)
 class BackwardPlan:
     """What ``attention_backward`` decides before launching anything: the dK/dV pass's config, dQ
