@@ -78,3 +78,82 @@ def test_a_captured_step_replays_on_new_inputs(case: Case):
         ref64 = forward_backward(reference, *fresh, dtype=torch.float64, **kw)
         for name, ours, lowp_t, ref_t in zip(names, captured, lowp, ref64):
             assert_close_to_reference(f"{case.id} replay {seed} {name}", ours, lowp_t, ref_t)
+
+
+def _capture(step):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
+def test_varlen_with_offsets_on_the_gpu_captures_and_replays_new_lengths():
+    """varlen_attention with GPU offsets captures into a graph (no host read: the offsets are checked on
+    the device) and each replay takes the lengths then in the offsets tensor -- new lengths, same total
+    -- with results matching the per-sequence reference; bad offsets copied in give NaN, not a crash."""
+    gen = torch.Generator().manual_seed(0)
+    total, heads, dim = 1000, 4, 128
+    q, k, v, dout = (torch.randn(total, heads, dim, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, 300, 301, 1000], dtype=torch.int32, device="cuda")
+
+    def step():
+        out = fusedattn.varlen_attention(*leaves, cu, cu, 800, 800, causal=True)
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    graph, captured = _capture(step)
+    for lengths in ((0, 250, 999, 1000), (0, 800, 800, 1000)):
+        cu.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+
+        def reference(q_, k_, v_, sinks_=None):
+            outs = [reference_attention(q_[None, a:b], k_[None, a:b], v_[None, a:b], causal=True)[0]
+                    for a, b in zip(lengths, lengths[1:])]
+            out = torch.cat(outs)
+            return out, out.new_zeros(1)
+
+        lowp = forward_backward(reference, q, k, v, dout, None)
+        ref64 = forward_backward(reference, q, k, v, dout, None, dtype=torch.float64)
+        for name, ours, lowp_t, ref_t in zip(["out", "dq", "dk", "dv"], captured, lowp[:1] + lowp[2:],
+                                              ref64[:1] + ref64[2:]):
+            assert_close_to_reference(f"replay {lengths} {name}", ours, lowp_t, ref_t)
+    cu.copy_(torch.tensor([0, 300, 1001, 1000], dtype=torch.int32))  # decreasing, past the tokens
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.isnan(t).all() for t in captured)
+
+
+def test_kvcache_and_varlen_compile_with_cuda_graphs():
+    """torch.compile(mode="reduce-overhead") captures both (no graph break, no host read under capture)
+    and replays them right."""
+    gen = torch.Generator().manual_seed(1)
+    cache = [torch.randn(2, 256, 2, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
+    q = torch.randn(2, 1, 4, 64, generator=gen).to("cuda", torch.bfloat16)
+    lengths = torch.tensor([100, 37], dtype=torch.int32, device="cuda")
+    packed = torch.randn(300, 4, 64, generator=gen).to("cuda", torch.bfloat16)
+    cu = torch.tensor([0, 120, 300], dtype=torch.int32, device="cuda")
+    torch._dynamo.reset()
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def both(q_, lengths_, packed_, cu_):
+        decoded = fusedattn.kvcache_attention(q_, cache[0], cache[1], lengths_, causal=True)
+        return decoded, fusedattn.varlen_attention(packed_, packed_, packed_, cu_, cu_, 180, 180, causal=True)
+
+    for _ in range(3):  # warm-up runs, then replays
+        decoded, varlen_out = both(q, lengths, packed, cu)
+    torch.cuda.synchronize()
+    for b, n in enumerate((100, 37)):
+        lowp, ref64 = (reference_attention(q[b:b + 1].to(t), cache[0][b:b + 1, :n].to(t), cache[1][b:b + 1, :n].to(t),
+                                           causal=True) for t in (torch.bfloat16, torch.float64))
+        assert_close_to_reference(f"decoded {b}", decoded[b:b + 1], lowp, ref64)
+    for a, b in ((0, 120), (120, 300)):
+        lowp, ref64 = (reference_attention(*(packed[None, a:b].to(t),) * 3, causal=True)[0]
+                       for t in (torch.bfloat16, torch.float64))
+        assert_close_to_reference(f"packed {a}:{b}", varlen_out[a:b], lowp, ref64)

@@ -461,3 +461,41 @@ def test_kvcache_decoding_in_a_cuda_graph_follows_the_lengths():
         lowp, ref64 = expected(replay_case, before, case.dtype), expected(replay_case, before, torch.float64)
         assert_close_to_reference(f"graph {lengths} out", out, lowp[0], ref64[0])
         assert_close_to_reference(f"graph {lengths} lse", lse, lowp[1], ref64[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_compiles_without_graph_breaks(backend, paged):
+    """torch.compile(fullgraph=True) traces kvcache_attention (its value checks run inside a custom op);
+    the compiled call appends to the cache in place and matches the reference over the grown cache."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    args = _small(paged, device)
+    args["cache_seqlens"] = torch.tensor([3, 29], dtype=torch.int32, device=device)
+    before = [args[name].clone() for name in ("k_cache", "v_cache")]
+    torch._dynamo.reset()
+
+    def call(q, cache_seqlens, k_new, v_new):
+        with fusedattn.use_backend(backend):
+            return fusedattn.kvcache_attention(q, args["k_cache"], args["v_cache"], cache_seqlens, k_new=k_new,
+                                               v_new=v_new, block_table=args.get("block_table"), causal=True,
+                                               softcap=10.0, return_lse=True)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out, lse = compiled(args["q"], args["cache_seqlens"], args["k_new"], args["v_new"])
+    table = args.get("block_table")
+    for b, cached in enumerate((3, 29)):
+        length = cached + 2
+        positions = torch.arange(length, device=device)
+        rows = (lambda c: c[b, :length]) if table is None else \
+            (lambda c: c[table[b, positions // c.shape[1]].long(), positions % c.shape[1]])
+        new_rows = (lambda c: c[b, cached:length]) if table is None else \
+            (lambda c: c[table[b, positions[cached:] // c.shape[1]].long(), positions[cached:] % c.shape[1]])
+        old_rows = (lambda c: c[b, :cached]) if table is None else \
+            (lambda c: c[table[b, positions[:cached] // c.shape[1]].long(), positions[:cached] % c.shape[1]])
+        for name, new, old in (("k_cache", args["k_new"], before[0]), ("v_cache", args["v_new"], before[1])):
+            assert torch.equal(new_rows(args[name]), new[b]) and torch.equal(old_rows(args[name]), old_rows(old))
+        lowp, ref64 = (reference_attention(args["q"][b:b + 1].to(t), rows(args["k_cache"])[None].to(t),
+                                           rows(args["v_cache"])[None].to(t), causal=True, softcap=10.0,
+                                           return_lse=True) for t in (args["q"].dtype, torch.float64))
+        assert_close_to_reference(f"out {b}", out[b:b + 1], lowp[0], ref64[0])
+        assert_close_to_reference(f"lse {b}", lse[b:b + 1], lowp[1], ref64[1])

@@ -332,3 +332,100 @@ def test_varlen_with_no_query_or_no_key_takes_part_in_autograd(backend, device, 
     # rows that see no key: output 0 and lse = the sink, so d(sum lse) / d sink[h] counts the rows
     assert torch.all(out == 0) and torch.equal(lse, sinks.detach()[:, None].expand_as(lse))
     assert torch.equal(sinks.grad, torch.full_like(sinks, float(q.shape[0])))
+
+
+def _packed_inputs(device, dtype, lengths_q=(5, 0, 19, 8), lengths_k=(7, 3, 17, 8), heads=(4, 2), d=16, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lengths_q), heads[0], d, generator=gen).to(device, dtype)
+    k, v = (torch.randn(sum(lengths_k), heads[1], d, generator=gen).to(device, dtype) for _ in range(2))
+    dout = torch.randn(sum(lengths_q), heads[0], d, generator=gen).to(device, dtype)
+    sinks = torch.randn(heads[0], generator=gen).to(device)
+    return q, k, v, dout, sinks, _offsets(lengths_q, device), _offsets(lengths_k, device)
+
+
+def _per_sequence_reference(q, k, v, cu_q, cu_k, sinks, **options):
+    outs, lses = [], []
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+        out, lse = reference_attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sinks=sinks, return_lse=True,
+                                       **options)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _check_against_reference(run, device, dtype, label):
+    q, k, v, dout, sinks, cu_q, cu_k = _packed_inputs(device, dtype)
+
+    def ours(q_, k_, v_, sinks_=None):
+        return run(q_, k_, v_, cu_q, cu_k, sinks_)
+
+    def reference(q_, k_, v_, sinks_=None):
+        return _per_sequence_reference(q_, k_, v_, cu_q, cu_k, sinks_, causal=True, softcap=8.0)
+
+    dlse = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(3)).to(device)
+    extras = dict(lse_grad=True, sinks=sinks)
+    got = forward_backward(ours, q, k, v, dout, dlse, **extras)
+    lowp = forward_backward(reference, q, k, v, dout, dlse, **extras)
+    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, **extras)
+    for name, a, b, c in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], got, lowp, ref64):
+        assert_close_to_reference(f"{label} {name}", a, b, c)
+
+
+@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
+def test_varlen_compiles_without_graph_breaks(backend, device):
+    """torch.compile(fullgraph=True) traces varlen_attention (the offsets are read inside its custom ops,
+    where the compiler does not trace); forward and backward match the per-sequence reference."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch._dynamo.reset()
+
+    def run(q_, k_, v_, cu_q, cu_k, sinks_):
+        with fusedattn.use_backend(backend):
+            return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, 19, 17, causal=True, softcap=8.0, sinks=sinks_,
+                                              return_lse=True)
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    _check_against_reference(compiled, device, dtype, f"compiled {backend}")
+
+
+def test_varlen_offsets_checked_on_the_device_match_reference(monkeypatch):
+    """Where the host cannot read the offsets (CUDA-graph capture; forced here) they are checked by device
+    ops and the kernels read clamped copies: valid offsets give the same results."""
+    from fusedattn import varlen
+
+    monkeypatch.setattr(varlen, "_unreadable", lambda offsets: True)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+
+    def run(q_, k_, v_, cu_q, cu_k, sinks_):
+        with fusedattn.use_backend("triton"):
+            return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, 19, 17, causal=True, softcap=8.0, sinks=sinks_,
+                                              return_lse=True)
+
+    _check_against_reference(run, TRITON_DEVICE, dtype, "device-checked")
+
+
+BAD_OFFSETS = [
+    ("ends past the tokens", (0, 5, 5, 24, 40), (0, 7, 10, 27, 35)),
+    ("decreasing", (0, 5, 3, 24, 32), (0, 7, 10, 27, 35)),
+    ("longer than max_seqlen_q", (0, 1, 1, 31, 32), (0, 7, 10, 27, 35)),
+    ("not starting at 0", (0, 5, 5, 24, 32), (2, 7, 10, 27, 35)),
+    ("negative", (0, -9, 5, 24, 32), (0, 7, 10, 27, 35)),
+]
+
+
+@pytest.mark.parametrize("label,offsets_q,offsets_k", BAD_OFFSETS, ids=[b[0] for b in BAD_OFFSETS])
+def test_bad_offsets_checked_on_the_device_give_nan_not_a_bad_access(label, offsets_q, offsets_k, monkeypatch):
+    """Bad offsets the host cannot read: every output and gradient is NaN, and nothing is read or
+    written outside the tensors (the kernels read the clamped offsets)."""
+    from fusedattn import varlen
+
+    monkeypatch.setattr(varlen, "_unreadable", lambda offsets: True)
+    q, k, v, dout, sinks, _, _ = _packed_inputs(TRITON_DEVICE, torch.float32 if not ON_GPU else torch.bfloat16)
+    cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device=TRITON_DEVICE) for o in (offsets_q, offsets_k))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    with fusedattn.use_backend("triton"):
+        out, lse = fusedattn.varlen_attention(*leaves[:3], cu_q, cu_k, 19, 17, causal=True, sinks=leaves[3],
+                                              return_lse=True)
+    grads = torch.autograd.grad((out, lse), leaves, (dout, torch.ones_like(lse)))
+    for name, t in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], (out, lse, *grads)):
+        assert torch.isnan(t).all(), f"{label}: {name} is not NaN throughout"

@@ -13,13 +13,14 @@ with causal / window aligned bottom-right (the queries are the sequence's last S
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from .checks import check_heads_and_dims, check_options, check_sinks, check_tensors, is_integer
 from .interface import _resolve_backend, attention, beyond_first_order
 from .kernels.kvcache import kvcache_forward
-from .spec import resolve_spec
+from .spec import AttentionSpec, resolve_spec
 
 _NAME = "fusedattn.kvcache_attention"
 
@@ -105,14 +106,21 @@ def check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new) 
                 raise TypeError(f"{_NAME}: `{name}` is {t.dtype}; expected the cache's dtype {k_cache.dtype}")
             if t.device != k_cache.device:
                 raise ValueError(f"{_NAME}: `{name}` is on {t.device} but the cache is on {k_cache.device}")
-        for new_name, new in (("k_new", k_new), ("v_new", v_new)):
-            for cache_name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-                if _overlap(new, cache):
-                    raise ValueError(f"{_NAME}: `{new_name}` overlaps `{cache_name}` in memory (a view of the cache?); "
-                                     f"the new tokens are copied into the cache in place, so they must live outside "
-                                     f"it: pass a copy")
         new_len = k_new.shape[1]
     return CacheShape(batch, heads_q, new_len, paged, rows if paged else 0, slots if paged else 0, capacity)
+
+
+def check_aliasing(k_cache, v_cache, k_new, v_new) -> None:
+    """New tokens that are views of the cache they are copied into would be overwritten while read.
+    (Addresses, so not where torch.compile traces: ``_kvcache_impl`` runs it.)"""
+    if k_new is None:
+        return
+    for new_name, new in (("k_new", k_new), ("v_new", v_new)):
+        for cache_name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if _overlap(new, cache):
+                raise ValueError(f"{_NAME}: `{new_name}` overlaps `{cache_name}` in memory (a view of the cache?); "
+                                 f"the new tokens are copied into the cache in place, so they must live outside "
+                                 f"it: pass a copy")
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -186,6 +194,45 @@ def _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
     return torch.cat(outs), torch.cat(lses)
 
 
+def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, window_left: int,
+                  window_right: int, scale: float, softcap: float, num_splits: int | None, backend: str,
+                  shape: CacheShape | None = None):
+    """The call once its arguments are checked by shape (``shape``, or checked again here): the checks
+    that read values or addresses, then the append and the attention, (out, lse). Both the eager call
+    and the custom op run it."""
+    check_aliasing(k_cache, v_cache, k_new, v_new)
+    shape = shape or check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
+    if not _capturing(q.device):
+        check_values(cache_seqlens, block_table, shape)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, False)
+    if backend == "torch":
+        options = dict(window=(window_left, window_right), scale=scale, softcap=softcap if softcap else None)
+        return _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options, sinks)
+    kernel_sinks = sinks.float().contiguous() if sinks is not None else None
+    table = block_table.contiguous() if block_table is not None else None  # the kernels step pages by 1
+    return kvcache_forward(q, k_cache, v_cache, cache_seqlens.contiguous(), table, k_new, v_new, spec, kernel_sinks,
+                           num_splits, shape.capacity)
+
+
+@torch.library.custom_op("fusedattn::kvcache_attention", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                block_table: Optional[torch.Tensor], k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
+                sinks: Optional[torch.Tensor], window_left: int, window_right: int, scale: float, softcap: float,
+                num_splits: Optional[int], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.compile traces this op, not the checks that read values: ``kvcache_attention`` compiles
+    with fullgraph=True and, under CUDA-graph capture (mode="reduce-overhead"), the kernels guard
+    themselves as in an eager capture."""
+    return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, window_left,
+                         window_right, scale, softcap, num_splits, backend)
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, *options):
+    batch, seqlen_q, heads_q, _ = q.shape
+    return q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[-1])), \
+        q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+
+
 @torch.no_grad()
 def kvcache_attention(
     q: torch.Tensor,
@@ -221,7 +268,8 @@ def kvcache_attention(
     out-of-range sequence come out NaN)."""
     check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap, deterministic=False,
                   return_lse=return_lse, caller=_NAME)
-    if beyond_first_order(q, k_cache, v_cache, k_new, v_new, sinks):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and beyond_first_order(q, k_cache, v_cache, k_new, v_new, sinks):
         raise NotImplementedError(f"{_NAME} is forward-only (inference over a cache it writes in place): it takes "
                                   f"no forward-mode AD tangent and runs under no torch.func transform (grad, vmap, "
                                   f"jvp, ...); use fusedattn.attention for differentiable attention")
@@ -231,19 +279,12 @@ def kvcache_attention(
         raise ValueError(f"{_NAME}: `num_splits` must be an int >= 1 or None (automatic), got {num_splits!r}")
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((shape.batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    if not _capturing(q.device):
-        check_values(cache_seqlens, block_table, shape)
     q = q if q.stride(-1) == 1 else q.contiguous()
     if k_new is not None:
         k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
-    if _resolve_backend(q.device) == "torch":
-        options = dict(causal=causal, window=window, scale=scale, softcap=softcap)
-        out, lse = _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options, sinks)
-    else:
-        spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
-                            deterministic=False)
-        kernel_sinks = sinks.float().contiguous() if sinks is not None else None
-        table = block_table.contiguous() if block_table is not None else None  # the kernels step pages by 1
-        out, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens.contiguous(), table, k_new, v_new, spec,
-                                   kernel_sinks, None if num_splits is None else int(num_splits), shape.capacity)
+    spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
+                        deterministic=False)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, *spec.op_args()[1:5],
+            None if num_splits is None else int(num_splits), _resolve_backend(q.device))
+    out, lse = _kvcache_op(*args) if compiling else _kvcache_impl(*args, shape=shape)
     return (out, lse) if return_lse else out

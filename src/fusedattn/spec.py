@@ -65,6 +65,10 @@ class Packing:
     offsets_q: tuple | None = field(default=None, compare=False, repr=False)
     offsets_k: tuple | None = field(default=None, compare=False, repr=False)
     tile_maps: dict = field(default_factory=dict, compare=False, repr=False)
+    # Where the host cannot read the offsets (CUDA-graph capture): a 0-d bool on the device saying
+    # whether they were valid, the offsets above then being clamped copies that keep every access in
+    # bounds; the results of an invalid packing are NaN (``varlen.device_checked_packing``).
+    valid: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def sequences(self) -> int:

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
 from .checks import check_options, check_qkv, check_sinks, is_integer
-from .interface import _resolve_backend, _unit_stride_head_dim, attention, beyond_first_order
-from .kernels.bwd import attention_backward
+from .interface import (_backward_impl, _forward_impl, _resolve_backend, _unit_stride_head_dim, attention,
+                        beyond_first_order)
+from .kernels.bwd import attention_backward, sink_gradient_from_outputs
 from .kernels import packed_tiles
 from .kernels.fwd import attention_forward, hopper_supports
-from .spec import AttentionSpec, Packing, resolve_spec
+from .spec import AttentionSpec, Packing, gradient_like, resolve_spec
 from .tuning.configs import band_window, select_configs
 
 _NAME = "fusedattn.varlen_attention"
 
 
-def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -> Packing:
-    """The packing, checked (issue 5: bad offsets are errors, never a wrong result or a bad access).
-    Offsets on q's device are read back for that: a small device-to-host copy a call, which waits
-    for the GPU. Offsets on the CPU (with q on a GPU) are read where they are and copied to the GPU
-    without waiting: the call then never stalls the host on the GPU."""
+def check_packing_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q) -> None:
+    """What the types and shapes of the packing decide (nothing read from the offsets: this runs
+    where torch.compile traces too)."""
     cus = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     for name, cu in cus:
         if not isinstance(cu, torch.Tensor):
@@ -45,8 +46,20 @@ def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) 
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not is_integer(value) or value < 0:
             raise TypeError(f"{_NAME}: `{name}` must be an int >= 0, got {type(value).__name__} {value!r}")
+
+
+def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -> Packing:
+    """The packing, checked: bad offsets are errors, never a wrong result or a bad access.
+
+    Offsets on the CPU are read where they are and copied to q's device without waiting: the call
+    never stalls the host on the GPU. Offsets on q's GPU are read back (a small device-to-host copy
+    that waits for the GPU), except while a CUDA graph is captured, where nothing can be read: then
+    they are checked on the device (``device_checked_packing``)."""
+    if _unreadable(cu_seqlens_q) or _unreadable(cu_seqlens_k):
+        return device_checked_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
     # The offsets read on the host (one small copy each; one when q and k share them), checked there,
     # and kept: the Gluon kernels' maps of the blocks that exist are built from them (packed_tiles.py).
+    cus = (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     offsets_q = cu_seqlens_q.tolist()
     offsets_k = offsets_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.tolist()
     for (name, _), offsets, total, max_name, max_given in zip(
@@ -72,40 +85,188 @@ def check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) 
     return Packing(cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), tuple(offsets_q), tuple(offsets_k))
 
 
+def _unreadable(offsets: torch.Tensor) -> bool:
+    """Whether the host cannot read ``offsets`` now: GPU offsets while a CUDA graph is being captured."""
+    return offsets.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def device_checked_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k) -> Packing:
+    """The packing checked by device ops alone (no host read, so it captures into a CUDA graph and
+    each replay checks the offsets it is given): the same rules as ``check_packing``, folded into a
+    0-d ``valid`` flag. The kernels read clamped copies of the offsets -- within [0, tokens], never
+    decreasing -- so bad offsets cannot make them read or write outside the tensors; every output and
+    gradient of an invalid packing is then NaN (``poison``). Without host offsets the Gluon kernels'
+    maps cannot be made: the Triton kernels run."""
+    def clamped(cu: torch.Tensor, total: int, longest: int):
+        offsets = cu.to(q.device).long()
+        lengths = offsets[1:] - offsets[:-1]
+        ok = (offsets[0] == 0) & (offsets[-1] == total) & (lengths.min() >= 0) & (lengths.max() <= longest)
+        return offsets.clamp(0, total).cummax(0).values.to(torch.int32), ok
+
+    safe_q, ok_q = clamped(cu_seqlens_q, q.shape[0], int(max_seqlen_q))
+    safe_k, ok_k = clamped(cu_seqlens_k, k.shape[0], int(max_seqlen_k))
+    return Packing(safe_q, safe_k, int(max_seqlen_q), int(max_seqlen_k), valid=ok_q & ok_k)
+
+
+def poison(packing: Packing, *tensors):
+    """The tensors, NaN throughout where the device check found the packing invalid (in place)."""
+    if packing.valid is not None:
+        for t in tensors:
+            if t is not None:
+                t.masked_fill_(~packing.valid, float("nan"))
+    return tensors
+
+
+def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str, for_backward: bool):
+    """(out (total_q, Hq, Dv), lse (Hq, total_q)) of every sequence, no autograd: the kernels over the
+    packed tensors ("triton"), or the PyTorch path sequence by sequence ("torch")."""
+    heads_q = q.shape[1]
+    if q.shape[0] == 0:  # no query in any sequence
+        return q.new_empty((0, heads_q, v.shape[-1])), q.new_empty((heads_q, 0), dtype=torch.float32)
+    if backend == "torch":
+        out = q.new_empty((q.shape[0], heads_q, v.shape[-1]))
+        lse = q.new_empty((heads_q, q.shape[0]), dtype=torch.float32)
+        for (q0, q1), (k0, k1) in _sequences(packing):
+            if q1 > q0:
+                out_s, lse_s = _forward_impl(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sinks, None, None,
+                                             [0, 0, 0, 0], None, *spec.op_args(), "torch")
+                out[q0:q1], lse[:, q0:q1] = out_s[0], lse_s[0]
+        return out, lse
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+    configs = _configs(q, v, spec)
+    if for_backward:
+        _prepare_maps(q4, k4, v4, sinks, packing, spec, configs)
+    kernel_sinks = sinks.detach().float().contiguous() if sinks is not None else None
+    out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing)
+    return poison(packing, out[0], lse)
+
+
+def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: Packing, spec: AttentionSpec,
+              backend: str):
+    """(dq, dk, dv, dsinks (float32, or None unless ``sinks_grad``)) of ``_forward``."""
+    dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    if q.shape[0] == 0 or k.shape[0] == 0 and sinks is None:  # nothing attends: every gradient is 0
+        dsinks = None
+        if sinks_grad:
+            dsinks = sink_gradient_from_outputs(sinks, out[None], dout[None], lse, dlse, "bshd")
+        return gradient_like(q).zero_(), gradient_like(k).zero_(), gradient_like(v).zero_(), dsinks
+    if backend == "torch":
+        dq, dk, dv = (gradient_like(t).zero_() for t in (q, k, v))
+        dsinks = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if sinks_grad else None
+        for (q0, q1), (k0, k1) in _sequences(packing):
+            if q1 > q0:
+                parts = _backward_impl(dout[None, q0:q1], None if dlse is None else dlse[None, :, q0:q1],
+                                       q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                                       lse[None, :, q0:q1], sinks, sinks_grad, None, None, [0, 0, 0, 0], None, False,
+                                       *spec.op_args(), "torch")
+                dq[q0:q1], dk[k0:k1], dv[k0:k1] = parts[0][0], parts[1][0], parts[2][0]
+                if sinks_grad:
+                    dsinks += parts[4]
+        return dq, dk, dv, dsinks
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
+    dq, dk, dv, _, dsinks = attention_backward(dout.unsqueeze(0), dlse, q4, k4, v4, out.unsqueeze(0), lse, spec,
+                                               _configs(q, v, spec), packing=packing,
+                                               sinks=sinks if sinks_grad else None)
+    return poison(packing, dq[0], dk[0], dv[0], dsinks)
+
+
+def _sequences(packing: Packing):
+    """((q0, q1), (k0, k1)) row ranges of each sequence, from the offsets the host read."""
+    bounds_q, bounds_k = packing.offsets_q, packing.offsets_k
+    return zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:]))
+
+
+def _configs(q, v, spec: AttentionSpec):
+    # One config for every set of lengths (the long-keys class): a new longest length must not switch
+    # configs, which would compile new kernels.
+    return select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], has_left=band_window(spec, q.shape[-1]),
+                          has_right=spec.has_window_right, has_softcap=spec.has_softcap)
+
+
 class _VarlenAttention(torch.autograd.Function):
-    """The kernels over packed sequences (the Gluon ones on Hopper where they take the problem, else
-    the Triton ones): q, k, v as one batch of (1, total, H, D), the packing as data."""
+    """Eager calls: ``_forward`` / ``_backward`` under autograd, the packing and spec carried by the
+    context (torch.compile traces the custom ops below instead; both run the same code)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, packing: Packing, spec: AttentionSpec):
-        q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
-        # One config for every set of lengths (the long-keys class): a new longest length must not
-        # switch configs, which would compile new kernels.
-        configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], has_left=band_window(spec, q.shape[-1]),
-                                 has_right=spec.has_window_right, has_softcap=spec.has_softcap)
-        if any(ctx.needs_input_grad[:4]):
-            _prepare_maps(q4, k4, v4, sinks, packing, spec, configs)
-        kernel_sinks = sinks.detach().float().contiguous() if sinks is not None else None
-        out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing)
-        # the inputs themselves, not the views made here: a backward with create_graph differentiates through them
+    def forward(ctx, q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str):
+        out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=any(ctx.needs_input_grad[:4]))
+        # the inputs themselves: a backward with create_graph differentiates through them
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.packing, ctx.spec, ctx.configs = packing, spec, configs
+        ctx.packing, ctx.spec, ctx.backend = packing, spec, backend
         ctx.set_materialize_grads(False)
-        return out[0], lse
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (interface._differentiable_backward)
-            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse), None, None)
-        q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
-        dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout).unsqueeze(0)
-        if dlse is not None:
-            dlse = dlse.float().contiguous()
-        wanted = sinks if sinks is not None and ctx.needs_input_grad[3] else None
-        dq, dk, dv, _, dsinks = attention_backward(dout, dlse, q4, k4, v4, out, lse, ctx.spec, ctx.configs,
-                                                   packing=ctx.packing, sinks=wanted)
-        return dq[0], dk[0], dv[0], dsinks.to(sinks.dtype) if dsinks is not None else None, None, None
+            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse), None, None, None)
+        sinks_grad = sinks is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, ctx.packing, ctx.spec,
+                                       ctx.backend)
+        return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, None, None, None
+
+
+# ----------------------------------------------------------------------------- custom ops (torch.compile)
+# The offsets are read (or checked on the device) inside the ops, where torch.compile does not trace:
+# ``varlen_attention`` compiles with fullgraph=True. The backward rebuilds the packing from the same
+# offsets (the host maps made for the forward are found again in ``packed_tiles``' cache).
+
+
+@torch.library.custom_op("fusedattn::varlen_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
+                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic)
+    out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=True)
+    return out, lse
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *options):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]),
+                                                                           dtype=torch.float32)
+
+
+@torch.library.custom_op("fusedattn::varlen_backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], sinks_grad: bool, max_seqlen_q: int,
+                 max_seqlen_k: int, window_left: int, window_right: int, scale: float, softcap: float,
+                 deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic)
+    dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, packing, spec, backend)
+    return dq, dk, dv, dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, sinks_grad, *options):
+    return gradient_like(q), gradient_like(k), gradient_like(v), \
+        q.new_empty(sinks.shape if sinks_grad else (0,), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, sinks)
+    ctx.options = options
+    ctx.set_materialize_grads(False)
+
+
+def _op_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
+    sinks_grad = sinks is not None and ctx.needs_input_grad[5]
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv, dsinks = _backward_op(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, sinks_grad,
+                                      *ctx.options)
+    return dq, dk, dv, None, None, dsinks.to(sinks.dtype) if sinks_grad else None, *(None,) * len(ctx.options)
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse) -> tuple:
@@ -127,27 +288,11 @@ def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse) -> tuple:
     return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:4])
 
 
-class _NoQueries(torch.autograd.Function):
-    """A packing with no query at all: empty outputs that still take part in autograd, so a loss
-    over them back-propagates zero gradients into q, k, v and the sinks (as the kernels would)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sinks):
-        ctx.set_materialize_grads(False)
-        ctx.shapes = [(t.shape, t.dtype) if t is not None else None for t in (q, k, v, sinks)]
-        ctx.device = q.device
-        return (q.new_empty((0, q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], 0), dtype=torch.float32))
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return tuple(None if s is None else torch.zeros(s[0], dtype=s[1], device=ctx.device) for s in ctx.shapes)
-
-
 def _prepare_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs) -> None:
     """Where the Gluon kernels take the problem, the backward's map of key blocks is made with the
     forward's map of query blocks: one copy to the device, and the backward's host time (which the
     GPU waits on in a short step) spends nothing on it (kernels/packed_tiles.py)."""
-    if not hopper_supports(q4, k4, v4, spec, sinks):
+    if packing.offsets_q is None or not hopper_supports(q4, k4, v4, spec, sinks):
         return
     from .kernels.hopper import WG_ROWS  # Gluon: imported only where it runs (not under the interpreter)
 
@@ -159,8 +304,10 @@ def _prepare_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, conf
 
 
 def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int):
-    """The "torch" backend: ``attention`` on each sequence (its chunked PyTorch path and autograd)."""
-    bounds_q, bounds_k = packing.cu_seqlens_q.tolist(), packing.cu_seqlens_k.tolist()
+    """``attention`` on each sequence, through autograd: the differentiable form of the call (forward-mode
+    AD and torch.func transforms, where ``attention`` runs plain torch ops, and a backward with
+    ``create_graph``)."""
+    bounds_q, bounds_k = packing.offsets_q, packing.offsets_k
     outs, lses = [], []
     for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
         if q1 == q0:  # no query: nothing to compute (its keys get zero gradients)
@@ -169,8 +316,10 @@ def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int)
                              return_lse=True, **options)
         outs.append(out[0])
         lses.append(lse[0])
-    if not outs:
-        return _NoQueries.apply(q, k, v, sinks)
+    if not outs:  # empty outputs that still depend on every input (zero gradients, zero tangents)
+        nothing = 0.0 * sum(t.sum() for t in (q, k, v, sinks) if t is not None)
+        return (q.new_zeros((0, heads_q, v.shape[-1])) + nothing,
+                q.new_zeros((heads_q, 0), dtype=torch.float32) + nothing.float())
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
@@ -196,7 +345,9 @@ def varlen_attention(
     q: (total_q, Hq, D), k: (total_k, Hkv, D), v: (total_k, Hkv, Dv); ``cu_seqlens_q`` /
     ``cu_seqlens_k``: int32 (sequences + 1,) offsets, starting at 0 and ending at the token count
     (a sequence may be empty), on q's device or on the CPU (then checked without waiting for the
-    GPU); ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest length.
+    GPU); ``max_seqlen_q`` / ``max_seqlen_k``: at least the longest length. Offsets on q's GPU are
+    read back to be checked (a copy that waits for the GPU), except under CUDA-graph capture, where
+    they are checked on the device and a bad packing gives NaN outputs and gradients.
     The options mean what they mean for ``fusedattn.attention``, per sequence (causal and window
     bottom-right aligned within each). Returns out (total_q, Hq, Dv), and with ``return_lse=True``
     also lse (Hq, total_q) float32 (FlashAttention's varlen layout). Bias and mask are not taken.
@@ -205,16 +356,19 @@ def varlen_attention(
                   deterministic=deterministic, return_lse=return_lse, caller=_NAME)
     heads_q = check_qkv(q, k, v, "bshd", caller=_NAME, packed=True).heads_q
     check_sinks(sinks, q, heads_q)
-    packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+    check_packing_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
-    if q.shape[0] == 0:  # no query in any sequence
-        out, lse = _NoQueries.apply(q, k, v, sinks)
-    elif _resolve_backend(q.device) == "torch" or beyond_first_order(q, k, v, sinks):
-        # (forward-mode AD and torch.func transforms: ``attention`` runs each sequence in plain torch ops)
-        options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic)
-        out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q)
+    spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
+                        deterministic=deterministic)
+    backend = _resolve_backend(q.device)
+    if torch.compiler.is_compiling():
+        out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, int(max_seqlen_q), int(max_seqlen_k),
+                               *spec.op_args()[1:], backend)
     else:
-        spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
-                            deterministic=deterministic)
-        out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec)
+        packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
+        if beyond_first_order(q, k, v, sinks):  # each sequence through ``attention``'s plain torch ops
+            options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic)
+            out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q)
+        else:
+            out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec, backend)
     return (out, lse) if return_lse else out

@@ -884,6 +884,8 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
     the map and the grid, never the compiled kernel. dK, dV by pointer stores (or summed over
     each group in fp32, then converted); dQ, with ``dq_accum`` ((1, Hq, total_q, D) fp32, zeroed),
     by reduce-adds."""
+    if packing.offsets_q is None:  # offsets checked on the device (CUDA-graph capture): no host map
+        return False
     q4, k4, v4, do4, dk4, dv4 = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, dk, dv))
     heads_q, head_dim = q4.shape[1], q4.shape[3]
     heads_kv = k4.shape[1]

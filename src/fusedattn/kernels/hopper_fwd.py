@@ -1045,8 +1045,9 @@ def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig
     """The warp-specialised forward over packed sequences: one program per (entry of the host's map
     of the query blocks that exist, head), heaviest entries first (packed_tiles.py); a new set of
     lengths changes the map and the grid, never the compiled kernel. False (nothing launched) for
-    the 8-warp kernel's configs or tensors TMA cannot address."""
-    if not config.hopper_split:
+    the 8-warp kernel's configs, tensors TMA cannot address, or offsets the host could not read
+    (checked on the device under CUDA-graph capture: no map can be made)."""
+    if not config.hopper_split or packing.offsets_q is None:
         return False
     q4, k4, v4 = (to_bhsd(t, spec.layout) for t in (q, k, v))
     descs = [descriptor(q4, WG_ROWS), descriptor(k4, config.block_n), descriptor(v4, config.block_n)]
