@@ -48,7 +48,8 @@ def classify(mask: torch.Tensor, cell_q: int, cell_k: int) -> torch.Tensor:
     """int8 states of a 4-D bool mask on a (cell_q, cell_k) grid; a size-1 (broadcast) query or key
     dim stays size 1. FULL: every entry of the cell kept; EMPTY: none. On a GPU one Triton kernel
     reads the mask once (kernels/classify.py); elsewhere torch reductions do."""
-    if mask.is_cuda and mask.numel():
+    # (Under a torch.func transform the tensors have no storage a kernel could read: torch reductions.)
+    if mask.is_cuda and mask.numel() and not torch._C._are_functorch_transforms_active():
         from .kernels.classify import classify_cells
 
         return classify_cells(mask, cell_q, cell_k)
