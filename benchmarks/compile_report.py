@@ -248,7 +248,7 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
     src = GluonASTSource(kernel, signature, constexprs, {(4,): [["tt.divisibility", 16]]})
     compiled = triton.compile(src, target=TARGET, options=options)
     usage = _resource_usage(compiled.asm["cubin"])
-    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared,
+    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared, asm=compiled.asm,
                 serialized=wgmma_serialization(compiled.asm["ptx"]))
 
 
@@ -319,7 +319,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     src = GluonASTSource(hopper_bwd._dkdv_ws_kernel, signature, constexprs)
     compiled = triton.compile(src, target=TARGET, options=dict(num_warps=4, num_stages=1, maxnreg=maxnreg))
     usage = _resource_usage(compiled.asm["cubin"])
-    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared,
+    return dict(regs=usage.get("REG"), spills=usage.get("STACK"), shared=compiled.metadata.shared, asm=compiled.asm,
                 serialized=wgmma_serialization(compiled.asm["ptx"]))
 
 

@@ -714,6 +714,18 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
     # The 1-warp drain partition runs (and does nothing) without DQ too: one list per warpgroup count.
+    #
+    # compute-sanitizer's racecheck reports shared-memory hazards on this kernel, attributed to its
+    # ``def`` line and to the ``gl.warp_specialize`` call below. None is in this kernel's own buffers:
+    # every reported instruction (benchmarks/sanitize.py disassembles them) is Triton's dispatch of
+    # the warps to their partitions, which its warp-specialize lowering writes into the kernel:
+    #   - the default warpgroup stores one state byte per worker warp (which partition to run) just
+    #     after our mbarrier inits and fence, and again, as the exit state, when it returns;
+    #   - each worker warp loads its state byte at the head of its dispatch loop.
+    # Both sides reach ``bar.sync 1`` (CTA-wide, every thread) between the stores and the load, on
+    # entry and on exit: each store is ordered before the load it feeds, and no load can be overtaken
+    # by the next store. So they cannot race. Memcheck and synccheck find nothing, and results are
+    # bitwise repeatable (tests/test_semantics.py).
     if SPLIT == 2:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,

@@ -890,6 +890,16 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     fence_async_shared()
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
+    #
+    # compute-sanitizer's racecheck reports shared-memory hazards here, attributed to the ``def`` line
+    # and to the ``gl.warp_specialize`` call. As in the dK/dV pass (the comment at its call in
+    # hopper_bwd.py), every reported instruction is Triton's own warp dispatch, not our buffers.
+    # The default warpgroup stores each worker warp's state byte, and one captured value (this
+    # launch's tile) the partitions load on entry. Between each store and its load, every thread
+    # passes a CTA-wide ``bar.sync 1``; a second one keeps the captured value until every worker
+    # has read it. The captured value's 4 bytes share their address with ``q_empty``, which a launch
+    # that is not PERSISTENT initialises and never uses again (its waits and arrives are compiled
+    # out): Triton's allocator can place the capture there because that buffer is dead.
     if SPLIT == 2:
         gl.warp_specialize([
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
