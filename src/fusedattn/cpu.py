@@ -1,19 +1,39 @@
-"""Chunked pure-PyTorch attention for CPU tensors (SPEC 3.8).
+"""Attention for CPU tensors (SPEC 3.8): the same semantics, forward/backward split and autograd as
+the Triton kernels, in O(B * H * Sq * chunk) memory (never an (Sq, Sk) buffer), computed in float32
+whatever the input dtype.
 
-Same semantics and the same forward/backward split as the Triton kernels: the
-forward walks key chunks with an online softmax and returns (out, lse); the
-backward recomputes probabilities from lse chunk by chunk. Memory is
-O(B * H * Sq * chunk), never (Sq, Sk). Computes in float32 whatever the input dtype.
+Three ways through, chosen per call:
+
+- ``forward`` / ``backward`` on problems torch's fused CPU attention kernel can express exactly (no
+  softcap, bias or mask; sinks are merged in afterwards by their lse): the problem is cut into
+  sub-problems by ``fused_parts`` -- key ranges every row of a block sees in full, squares on the
+  shifted diagonal that are its top-left causal rule, and blocks of a window band with the keep rule
+  as an additive mask -- each handed to the kernel, the partial results combined by lse in float32.
+  The backward hands the same sub-problems, with the whole row's lse and output, to the kernel's
+  backward.
+- the tiled math path (softcap, bias, mask, or no fused kernel): query tiles against the key tiles
+  their rows can see, online softmax, the keep rule applied only on tiles the window cuts.
+- ``chunked_forward``: the forward by key chunks in plain differentiable torch ops, for the calls
+  autograd must differentiate itself (double backward, forward-mode AD, torch.func).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
-from .block_mask import BlockMask
-from .spec import AttentionSpec, from_bhsd, keep_mask, to_bhsd
+from .block_mask import EMPTY, BlockMask
+from .spec import UNBOUNDED, AttentionSpec, from_bhsd, keep_mask, to_bhsd
 
-KEY_CHUNK = 256
+KEY_CHUNK = 256  # chunked_forward's key chunk
+# The tiled math path's tiles: (B, H, QUERY_TILE, KEY_TILE) float32 scores at a time.
+QUERY_TILE = 256
+KEY_TILE = 256
+# Rows per sub-problem of a window band on the fused path: the band's masked triangles grow with it,
+# the kernel's efficiency per row falls below a few hundred rows.
+BAND_ROWS = 256
 
 
 def _grouped(t: torch.Tensor, layout: str, heads_kv: int) -> torch.Tensor:
@@ -86,8 +106,10 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
 
 def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
             bias: torch.Tensor | None = None):
-    """(out, lse) of SPEC 3 for CPU tensors."""
-    return chunked_forward(q, k, v, spec, sinks, mask, bias)
+    """(out, lse) of SPEC 3 for CPU tensors: out in q's layout and dtype, lse (B, Hq, Sq) float32."""
+    if q.is_cpu and uses_fused_kernel(spec, mask, bias):
+        return _fused_forward(q, k, v, spec, sinks)
+    return _math_forward(q, k, v, spec, sinks, mask, bias)
 
 
 def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
@@ -129,43 +151,480 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
 def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: BlockMask | None = None,
              bias: torch.Tensor | None = None, bias_grad: bool = False):
     """(dq, dk, dv, dbias); dbias (with ``bias_grad``) has the bias's 4-D shape, summed over its
-    broadcast dims in a fixed order."""
-    heads_kv = to_bhsd(k, spec.layout).shape[1]
-    qg, kg, vg = _grouped(q, spec.layout, heads_kv), _kv(k, spec.layout), _kv(v, spec.layout)
-    dog, og = _grouped(dout, spec.layout, heads_kv), _grouped(out, spec.layout, heads_kv)
-    b, hkv, g, seqlen_q, _ = qg.shape
-    mask, mask_shift = _element_rows(mask, seqlen_q)
-    mask, bias_g = _grouped_mask(mask, hkv * g, hkv), _grouped_mask(bias, hkv * g, hkv)
-    dbias = torch.zeros(bias_g.shape, dtype=torch.float32, device=q.device) if bias_grad else None
-    seqlen_k = kg.shape[-2]
-    # d lse / d s = p, so a gradient on lse folds into delta: ds = p * (dp - (delta - dlse)).
-    delta = (dog * og).sum(dim=-1, keepdim=True)
-    if dlse is not None:
-        delta = delta - dlse.float().reshape(b, hkv, g, seqlen_q, 1)
-    lse_g = lse.reshape(b, hkv, g, seqlen_q, 1)
+    broadcast dims in a fixed order. ``dlse``: a gradient on lse as well (or None)."""
+    if q.is_cpu and uses_fused_kernel(spec, mask, bias):
+        return (*_fused_backward(dout, dlse, q, k, v, out, lse, spec), None)
+    return _math_backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
+
+
+# ----------------------------------------------------------------------------- the keys a row sees
+
+
+def rows_with_keys(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> tuple[int, int]:
+    """[first, end): the query rows that see at least one key under the causal/window rule (SPEC 3.2);
+    the rows outside it see none (out 0, lse -inf). Window sides are >= 0 or UNBOUNDED."""
+    if seqlen_k == 0:
+        return 0, 0
+    diag = seqlen_k - seqlen_q
+    first = 0 if window_right == UNBOUNDED else min(seqlen_q, max(0, -(diag + window_right)))
+    end = seqlen_q if window_left == UNBOUNDED else min(seqlen_q, seqlen_k - diag + window_left)
+    return first, max(first, end)
+
+
+def visible_keys(query_start: int, query_end: int, seqlen_q: int, seqlen_k: int, window_left: int,
+                 window_right: int) -> tuple[int, int, int, int]:
+    """(lo, hi, full_lo, full_hi) for the rows [query_start, query_end) (SPEC 3.2, clipped to the keys):
+    [lo, hi) holds every key some row of them sees, [full_lo, full_hi) the keys all of them see (empty
+    when full_hi <= full_lo). Both ends of a row's range grow with the row, so the block's first and
+    last rows bound them."""
+    diag = seqlen_k - seqlen_q
+
+    def first(i):
+        return 0 if window_left == UNBOUNDED else min(seqlen_k, max(0, i + diag - window_left))
+
+    def end(i):
+        return seqlen_k if window_right == UNBOUNDED else max(0, min(seqlen_k, i + diag + window_right + 1))
+
+    return first(query_start), end(query_end - 1), first(query_end - 1), end(query_start)
+
+
+# ----------------------------------------------------------------------------- torch's fused kernel
+
+
+@dataclass(frozen=True)
+class Part:
+    """One sub-problem for the fused kernel: query rows [q0, q1) against keys [k0, k1). ``causal``: a
+    square whose top-left causal rule (row r sees its keys 0..r) is exactly ours; ``masked``: some
+    pairs are outside the window, so the keep rule goes in as an additive 0/-inf mask. Every row of
+    a part sees at least one of its keys (the kernel's answer for a row that sees none is not ours)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    causal: bool = False
+    masked: bool = False
+
+
+def fused_parts(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int,
+                band_rows: int | None = None) -> list[Part]:
+    """The sub-problems the fused path computes for a causal/window rule (forward and backward alike):
+    together they cover every kept (row, key) pair exactly once and no other; rows in no part see no
+    key; two parts' rows are the same or disjoint (their results merge row block by row block). Key
+    ranges a block's rows never see are never visited.
+
+    - no window: one part, everything;
+    - a bound on the right only (causal, or a window open to the left): row i sees keys [0, i + e],
+      e = Sk - Sq + right; the rows whose range ends inside the keys get a square on the shifted
+      diagonal (top-left causal, as the kernel's ``is_causal``: equal to ours on a square) and the full
+      key range before it; the rows past it see every key;
+    - a bound on the left: blocks of ``band_rows`` rows, each against the keys its rows see, masked
+      unless every row sees all of them."""
+    first_row, end_row = rows_with_keys(seqlen_q, seqlen_k, window_left, window_right)
+    if first_row >= end_row:
+        return []
+    # A side that cuts no row's range (wider than the keys) is no bound: fewer, unmasked parts.
+    if window_left >= seqlen_k - 1:
+        window_left = UNBOUNDED
+    if window_right >= seqlen_q - 1:
+        window_right = UNBOUNDED
+    if window_left == UNBOUNDED and window_right == UNBOUNDED:
+        return [Part(0, seqlen_q, 0, seqlen_k)]
+    if window_left == UNBOUNDED:
+        shift = seqlen_k - seqlen_q + window_right
+        split = min(end_row, seqlen_k - shift)  # rows from here on see every key
+        parts = []
+        if first_row < split:
+            if first_row + shift > 0:
+                parts.append(Part(first_row, split, 0, first_row + shift))
+            parts.append(Part(first_row, split, first_row + shift, split + shift, causal=True))
+        if split < end_row:
+            parts.append(Part(max(first_row, split), end_row, 0, seqlen_k))
+        return parts
+    band_rows = band_rows or BAND_ROWS
+    parts = []
+    for q0 in range(first_row, end_row, band_rows):
+        q1 = min(q0 + band_rows, end_row)
+        lo, hi, full_lo, full_hi = visible_keys(q0, q1, seqlen_q, seqlen_k, window_left, window_right)
+        parts.append(Part(q0, q1, lo, hi, masked=not (full_lo <= lo and hi <= full_hi)))
+    return parts
+
+
+def uses_fused_kernel(spec: AttentionSpec, mask, bias) -> bool:
+    """Whether a call on CPU tensors goes to torch's fused CPU kernel (the "torch" backend asked for on
+    GPU tensors takes the math path): the kernel knows no softcap, bias or boolean mask (a bias would
+    need its gradient, a mask the kernel's answer for rows it empties)."""
+    return not spec.has_softcap and mask is None and bias is None and fused_kernel_available()
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernel_available() -> bool:
+    try:
+        return all(hasattr(torch.ops.aten, name) for name in (
+            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"))
+    except Exception:  # noqa: BLE001  an op namespace that cannot be read: take the math path
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernel_takes_gqa() -> bool:
+    """Whether the kernel pairs query head h with key/value head h // (Hq / Hkv) itself (newer torch);
+    else the path expands K/V per query head and sums their gradients back. Probed once on a tiny
+    problem against the expanded answer."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, 5, 8, generator=gen) for h in (2, 1, 1, 2))
+    try:
+        out, lse = _flash_forward(q, k, v, False, None, 0.5)
+        grads = _flash_backward(dout, q, k, v, out, lse, False, None, 0.5)
+        k2, v2 = k.expand(1, 2, 5, 8).contiguous(), v.expand(1, 2, 5, 8).contiguous()
+        out2, _ = _flash_forward(q, k2, v2, False, None, 0.5)
+        dk2 = _flash_backward(dout, q, k2, v2, out2, lse, False, None, 0.5)[1].sum(1, keepdim=True)
+    except Exception:  # noqa: BLE001  any refusal means: not supported
+        return False
+    return grads[1].shape == k.shape and torch.allclose(out, out2) and torch.allclose(grads[1], dk2, atol=1e-5)
+
+
+def _flash_forward(q, k, v, causal: bool, mask, scale: float):
+    """torch's fused CPU attention: (out, lse) of (B, H, S, D) operands, lse natural log, fp32."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                      scale=scale)
+
+
+def _flash_backward(dout, q, k, v, out, lse, causal: bool, mask, scale: float):
+    """Its backward: (dq, dk, dv) from the rows' lse and out (p = exp(s - lse), delta = sum(dout * out))."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def _fp32(t: torch.Tensor, width: int, last=None) -> torch.Tensor:
+    """``t`` (B, H, S, X) as float32 with ``width`` head dims: zeros past X (the kernel wants one head
+    dim for q, k and v; zero columns change no dot product), ``last`` (a scalar or (B, H, S)) in the
+    last column. ``t`` itself where nothing changes."""
+    if t.dtype == torch.float32 and t.shape[-1] == width and last is None:
+        return t
+    padded = t.new_zeros((*t.shape[:-1], width), dtype=torch.float32)
+    padded[..., : t.shape[-1]] = t
+    if last is not None:
+        padded[..., -1] = last
+    return padded
+
+
+def _foldable(t: torch.Tensor) -> bool:
+    """(B, H, S, X) whose batch and head dims merge into one without a copy, heads outside rows (the
+    (B, H, S, X) memory order)."""
+    return (t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)) and t.stride(1) >= t.stride(2)
+
+
+class _Operands:
+    """The (B, H, S, X) float32 tensors of one fused call, sliced and shaped as the kernel takes them.
+
+    The kernel writes its outputs (out, dq, dk, dv) as (B, S, H, X) memory. Where every head has its
+    own K/V and the tensors are laid out (B, H, S, X), each (batch, head) is passed as a batch of one
+    head instead: the same computation, and the outputs come out (B, H, S, X) with no copy on either
+    side. Where the kernel cannot pair query heads with fewer K/V heads itself, K/V are expanded
+    once and their gradients summed back per group."""
+
+    def __init__(self, heads_q: int, heads_kv: int, row_side: list[torch.Tensor], key_side: list[torch.Tensor]):
+        self.heads_q, self.heads_kv = heads_q, heads_kv
+        self.fold = heads_q == heads_kv and all(_foldable(t) for t in row_side + key_side)
+        self.expand = heads_q != heads_kv and not fused_kernel_takes_gqa()
+        if self.expand:
+            group = heads_q // heads_kv
+            key_side = [t.repeat_interleave(group, dim=1) for t in key_side]
+        self.row_side, self.key_side = row_side, key_side
+
+    def _shape(self, t: torch.Tensor) -> torch.Tensor:
+        b, h, s, x = t.shape
+        return t.view(b * h, 1, s, x) if self.fold else t
+
+    def rows(self, start: int, end: int) -> list[torch.Tensor]:
+        return [self._shape(t[:, :, start:end]) for t in self.row_side]
+
+    def keys(self, start: int, end: int) -> list[torch.Tensor]:
+        return [self._shape(t[:, :, start:end]) for t in self.key_side]
+
+    def lse(self, lse: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        lse = lse[:, :, start:end]
+        return lse.reshape(-1, 1, end - start) if self.fold else lse
+
+    def unfold(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """A kernel output back as (B, H, S, ...) (its key-side gradients summed per group if expanded)."""
+        if self.fold:
+            return t.view(-1, heads, *t.shape[2:])
+        if heads != t.shape[1]:
+            b, _, s, x = t.shape
+            return t.view(b, heads, -1, s, x).sum(2)
+        return t
+
+
+def _mask_of(part: Part, seqlen_q: int, seqlen_k: int, spec: AttentionSpec, cache: dict) -> torch.Tensor | None:
+    """A masked part's keep rule as the additive float32 (rows, keys) mask the kernel takes (0 kept,
+    -inf not). The blocks of a band sit alike relative to the diagonal, but for the first ones: the
+    last mask is kept for the next part (one, so that the masks never add up to an (Sq, Sk) buffer)."""
+    if not part.masked:
+        return None
+    key = (part.q1 - part.q0, part.k1 - part.k0, part.q0 + seqlen_k - seqlen_q - part.k0)
+    if key not in cache:
+        keep = keep_mask(seqlen_q, seqlen_k, spec.window_left, spec.window_right, None, part.k0, part.k1, part.q0,
+                         part.q1)
+        cache.clear()
+        cache[key] = torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+    return cache[key]
+
+
+def _merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor) -> None:
+    """(acc, acc_lse) <- the merge of two results over disjoint keys of the same rows, in place, by
+    ``merge_attention``'s rule in float32: weights exp(lse_i - lse) from a finite shift; a part that
+    saw no key weighs 0, a row neither saw stays (0, -inf). ``out`` None: a part of output 0 (a sink)."""
+    shift = torch.maximum(acc_lse, lse)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    mine, theirs = torch.exp(acc_lse - shift), torch.exp(lse - shift)
+    total = mine + theirs
+    seen = total > 0
+    safe_total = torch.where(seen, total, torch.ones_like(total))
+    acc.mul_((mine / safe_total).unsqueeze(-1))
+    if out is not None:
+        acc.add_(out * (theirs / safe_total).unsqueeze(-1))
+    acc_lse.copy_(torch.where(seen, shift + torch.log(safe_total), torch.full_like(total, float("-inf"))))
+
+
+def _in_layout(t: torch.Tensor, layout: str, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """A (B, H, S, >= width) result as the caller's contiguous (layout, dtype) tensor of ``width``
+    head dims; no copy where it already is one."""
+    return from_bhsd(t[..., :width], layout).to(dtype).contiguous()
+
+
+def _fused_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None):
+    qh, kh, vh = (to_bhsd(t, spec.layout) for t in (q, k, v))
+    batch, heads_q, seqlen_q, head_dim = qh.shape
+    heads_kv, seqlen_k, head_dim_v = kh.shape[1], kh.shape[2], vh.shape[3]
+    width = max(head_dim, head_dim_v)
+    parts = fused_parts(seqlen_q, seqlen_k, spec.window_left, spec.window_right) if qh.numel() else []
+    out = lse = None
+    if parts:
+        ops = _Operands(heads_q, heads_kv, [_fp32(qh, width)], [_fp32(kh, width), _fp32(vh, width)])
+        masks, filled = {}, set()
+        for part in parts:
+            (part_q,), (part_k, part_v) = ops.rows(part.q0, part.q1), ops.keys(part.k0, part.k1)
+            part_out, part_lse = _flash_forward(part_q, part_k, part_v, part.causal,
+                                                _mask_of(part, seqlen_q, seqlen_k, spec, masks), spec.scale)
+            part_out, part_lse = ops.unfold(part_out, heads_q), ops.unfold(part_lse.unsqueeze(-1), heads_q)[..., 0]
+            rows = slice(part.q0, part.q1)
+            if out is None and (part.q0, part.q1) == (0, seqlen_q):  # the first result over every row holds the rest
+                out, lse = part_out, part_lse
+            elif (part.q0, part.q1) in filled:
+                _merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+            else:
+                if out is None:
+                    out = qh.new_zeros((batch, heads_q, seqlen_q, width), dtype=torch.float32)
+                    lse = qh.new_full((batch, heads_q, seqlen_q), float("-inf"), dtype=torch.float32)
+                out[:, :, rows], lse[:, :, rows] = part_out, part_lse
+            filled.add((part.q0, part.q1))
+    if out is None:  # no row sees a key
+        out = qh.new_zeros((batch, heads_q, seqlen_q, width), dtype=torch.float32)
+        lse = qh.new_full((batch, heads_q, seqlen_q), float("-inf"), dtype=torch.float32)
+    if sinks is not None:  # the sink: one more logit, of output 0 (SPEC 3.5)
+        _merge_into(out, lse, None, sinks.float().view(1, heads_q, 1).expand_as(lse))
+    return _in_layout(out, spec.layout, q.dtype, head_dim_v), lse.contiguous()
+
+
+def _fused_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec):
+    """(dq, dk, dv) by the kernel's backward on ``fused_parts``, each given the whole row's lse and out
+    (finite: a row with no key is in no part).
+
+    A gradient on lse adds p * dlse to ds = p * (dp - delta): delta - dlse in place of delta. The
+    kernel takes delta as sum(dout * out) over the head dims, so one more head column carries it:
+    out's is 1, dout's -dlse, q's, k's and v's 0 (no score or dp changes)."""
+    qh, kh, vh, doh, oh = (to_bhsd(t, spec.layout) for t in (q, k, v, dout, out))
+    heads_q, seqlen_q, head_dim = qh.shape[1:]
+    heads_kv, seqlen_k, head_dim_v = kh.shape[1], kh.shape[2], vh.shape[3]
+    width = max(head_dim, head_dim_v) + (dlse is not None)
+    parts = fused_parts(seqlen_q, seqlen_k, spec.window_left, spec.window_right) if qh.numel() else []
+    if not parts:
+        return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    out_last, dout_last = (None, None) if dlse is None else (1.0, -dlse.float())
+    ops = _Operands(heads_q, heads_kv, [_fp32(qh, width), _fp32(doh, width, dout_last), _fp32(oh, width, out_last)],
+                    [_fp32(kh, width), _fp32(vh, width)])
+    dq = dk = dv = None
+    masks = {}
+    for part in parts:
+        (part_q, part_dout, part_out), (part_k, part_v) = ops.rows(part.q0, part.q1), ops.keys(part.k0, part.k1)
+        grads = _flash_backward(part_dout, part_q, part_k, part_v, part_out, ops.lse(lse, part.q0, part.q1),
+                                part.causal, _mask_of(part, seqlen_q, seqlen_k, spec, masks), spec.scale)
+        part_dq, part_dk, part_dv = (ops.unfold(g, h) for g, h in zip(grads, (heads_q, heads_kv, heads_kv)))
+        dq = _accumulate(dq, part_dq, part.q0, part.q1, seqlen_q)
+        dk = _accumulate(dk, part_dk, part.k0, part.k1, seqlen_k)
+        dv = _accumulate(dv, part_dv, part.k0, part.k1, seqlen_k)
+    return (_in_layout(dq, spec.layout, q.dtype, head_dim), _in_layout(dk, spec.layout, k.dtype, head_dim),
+            _in_layout(dv, spec.layout, v.dtype, head_dim_v))
+
+
+def _accumulate(total: torch.Tensor | None, part: torch.Tensor, start: int, end: int, length: int) -> torch.Tensor:
+    """``total`` (B, H, length, X) plus a part's gradient at positions [start, end); the first part that
+    spans every position is the total (no zeroing, no copy)."""
+    if total is None:
+        if (start, end) == (0, length):
+            return part
+        total = part.new_zeros((*part.shape[:2], length, part.shape[-1]))
+    total[:, :, start:end] += part
+    return total
+
+
+# ----------------------------------------------------------------------------- the tiled math path
+
+
+class _Tiles:
+    """The tiled math path's view of one call: float32 K/V, the user's mask and bias grouped by K/V
+    head, and for each query tile the key tiles its rows can see."""
+
+    def __init__(self, q, k, v, spec: AttentionSpec, mask: BlockMask | None, bias: torch.Tensor | None):
+        self.spec = spec
+        self.qh, kh, vh = (to_bhsd(t, spec.layout) for t in (q, k, v))
+        self.batch, self.heads_q, self.seqlen_q, self.head_dim = self.qh.shape
+        self.heads_kv, self.seqlen_k = kh.shape[1], kh.shape[2]
+        self.group = self.heads_q // self.heads_kv
+        self.k, self.v = kh.float(), vh.float()
+        self.mask_states = None if mask is None else (mask.states, mask.cell)
+        mask, self.mask_shift = _element_rows(mask, self.seqlen_q)
+        self.mask = _grouped_mask(mask, self.heads_q, self.heads_kv)
+        self.bias = _grouped_mask(bias, self.heads_q, self.heads_kv)
+
+    def query_tiles(self):
+        """(q0, q1, key tiles [(k0, k1, whole)]) over the rows that see a key; ``whole``: every row of
+        the tile sees every key of the key tile (no keep rule to apply). Key tiles the mask empties
+        for every batch and head are left out (its tile states, as the kernels skip them)."""
+        spec = self.spec
+        first_row, end_row = rows_with_keys(self.seqlen_q, self.seqlen_k, spec.window_left, spec.window_right)
+        for q0 in range(first_row, end_row, QUERY_TILE):
+            q1 = min(q0 + QUERY_TILE, end_row)
+            lo, hi, full_lo, full_hi = visible_keys(q0, q1, self.seqlen_q, self.seqlen_k, spec.window_left,
+                                                    spec.window_right)
+            key_tiles = [(k0, min(k0 + KEY_TILE, hi)) for k0 in range(lo, hi, KEY_TILE)]
+            yield q0, q1, [(k0, k1, full_lo <= k0 and k1 <= full_hi) for k0, k1 in key_tiles
+                           if not self._masked_off(q0, q1, k0, k1)]
+
+    def _masked_off(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Whether the mask's tile states say it keeps no entry of the tile, in any batch or head."""
+        if self.mask_states is None:
+            return False
+        states, (cell_q, cell_k) = self.mask_states
+        rows = slice(None) if states.shape[2] == 1 else slice(q0 // cell_q, (q1 - 1) // cell_q + 1)
+        cols = slice(None) if states.shape[3] == 1 else slice(k0 // cell_k, (k1 - 1) // cell_k + 1)
+        return bool((states[:, :, rows, cols] == EMPTY).all())
+
+    def rows(self, t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+        """Rows [q0, q1) of a (B, Hq, Sq, X) tensor as float32 (B, Hkv, G * rows, X): a group's query
+        heads stacked on one K/V head, one matmul for all of them."""
+        return t[:, :, q0:q1].float().reshape(self.batch, self.heads_kv, self.group * (q1 - q0), t.shape[-1])
+
+    def scaled(self, q_rows: torch.Tensor) -> torch.Tensor:
+        """Query rows times the factor their scores take before softcap's tanh: one pass over the rows
+        instead of one over every score tile."""
+        spec = self.spec
+        return q_rows * (spec.scale / spec.softcap if spec.has_softcap else spec.scale)
+
+    def scores(self, q_scaled: torch.Tensor, q0: int, q1: int, k0: int, k1: int, whole: bool,
+               keep_tanh: bool = False):
+        """(B, Hkv, G, rows, keys) scores of a tile after softcap, bias and masking (``q_scaled``: from
+        ``scaled``), and with ``keep_tanh`` tanh for the softcap gradient (else None)."""
+        spec = self.spec
+        s = torch.matmul(q_scaled, self.k[:, :, k0:k1].transpose(-1, -2))
+        s = s.view(self.batch, self.heads_kv, self.group, q1 - q0, k1 - k0)
+        tanh = None
+        if spec.has_softcap:
+            s = s.tanh_()
+            tanh, s = (s, s * spec.softcap) if keep_tanh else (None, s.mul_(spec.softcap))
+        if self.bias is not None:
+            s.add_(_chunk(_rows_of(self.bias, q0, q1), k0, k1))
+        keep = None if whole else keep_mask(self.seqlen_q, self.seqlen_k, spec.window_left, spec.window_right,
+                                            s.device, k0, k1, q0, q1)
+        if self.mask is not None:
+            user = _chunk(_rows_of(self.mask, q0, q1), k0, k1, self.mask_shift)
+            keep = user if keep is None else keep & user
+        if keep is not None:
+            s.masked_fill_(~keep, float("-inf"))
+        return s, tanh
+
+
+def _rows_of(t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+    """The query rows [q0, q1) of a grouped mask or bias (or its one broadcast row)."""
+    return t if t.shape[-2] == 1 else t[..., q0:q1, :]
+
+
+def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias):
+    tiles = _Tiles(q, k, v, spec, mask, bias)
+    b, hkv, g, seqlen_q, head_dim_v = tiles.batch, tiles.heads_kv, tiles.group, tiles.seqlen_q, tiles.v.shape[-1]
+    out = tiles.k.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
+    if sinks is None:
+        lse = tiles.k.new_full((b, hkv, g, seqlen_q), float("-inf"))
+    else:  # rows with no key: lse is the sink's logit alone (a new tensor: written below, never the sinks)
+        lse = sinks.float().view(1, hkv, g, 1).repeat(b, 1, 1, seqlen_q)
+    for q0, q1, key_tiles in tiles.query_tiles():
+        q_rows = tiles.scaled(tiles.rows(tiles.qh, q0, q1))
+        shape = (b, hkv, g, q1 - q0, 1)
+        if sinks is None:
+            row_max, row_sum = q_rows.new_full(shape, float("-inf")), q_rows.new_zeros(shape)
+        else:  # the sink is one more logit of every row (SPEC 3.5): start as if it had been seen
+            row_max, row_sum = lse[..., q0:q1].unsqueeze(-1).clone(), q_rows.new_ones(shape)
+        acc = q_rows.new_zeros((*shape[:-1], head_dim_v))
+        for k0, k1, whole in key_tiles:
+            s, _ = tiles.scores(q_rows, q0, q1, k0, k1, whole)
+            new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+            shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            p = s.sub_(shift).exp_()
+            alpha = torch.exp(row_max - shift)
+            row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
+            pv = torch.matmul(p.view(b, hkv, -1, k1 - k0), tiles.v[:, :, k0:k1]).view(acc.shape)
+            acc = acc.mul_(alpha).add_(pv)
+            row_max = new_max
+        empty = row_sum == 0
+        out[..., q0:q1, :] = acc / torch.where(empty, torch.ones_like(row_sum), row_sum)
+        lse[..., q0:q1] = torch.where(empty, torch.full_like(row_sum, float("-inf")),
+                                      row_max + torch.log(row_sum)).squeeze(-1)
+    out = out.view(b, hkv * g, seqlen_q, head_dim_v)
+    return _in_layout(out, spec.layout, q.dtype, head_dim_v), lse.view(b, hkv * g, seqlen_q)
+
+
+def _math_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask, bias, bias_grad: bool):
+    tiles = _Tiles(q, k, v, spec, mask, bias)
+    b, hkv, g, seqlen_q = tiles.batch, tiles.heads_kv, tiles.group, tiles.seqlen_q
+    doh, oh = to_bhsd(dout, spec.layout), to_bhsd(out, spec.layout)
+    dq = torch.zeros((b, tiles.heads_q, seqlen_q, tiles.head_dim), dtype=torch.float32, device=q.device)
+    dk, dv = torch.zeros_like(tiles.k), torch.zeros_like(tiles.v)
+    dbias = torch.zeros(tiles.bias.shape, dtype=torch.float32, device=q.device) if bias_grad else None
     # Rows with no key have lse = -inf and only masked (-inf) scores: exp(-inf - inf) = 0, not NaN.
-    lse_g = torch.where(torch.isneginf(lse_g), torch.full_like(lse_g, float("inf")), lse_g)
-    dq = torch.zeros_like(qg)
-    dk = torch.zeros_like(kg.squeeze(2))
-    dv = torch.zeros_like(vg.squeeze(2))
-    for start in range(0, seqlen_k, KEY_CHUNK):
-        end = min(start + KEY_CHUNK, seqlen_k)
-        k_chunk, v_chunk = kg[..., start:end, :], vg[..., start:end, :]
-        s, tanh_s = _scores(qg, k_chunk, spec, start, seqlen_q, seqlen_k, mask, bias_g, mask_shift)
-        p = torch.exp(s - lse_g)
-        dv[..., start:end, :] = torch.matmul(p.transpose(-1, -2), dog).sum(dim=2)
-        dp = torch.matmul(dog, v_chunk.transpose(-1, -2))
-        ds = p * (dp - delta)
-        if dbias is not None:  # the logit's gradient, summed down to the bias's broadcast shape
-            _chunk(dbias, start, end).add_(_sum_to(ds, dbias.shape))
-        if tanh_s is not None:
-            ds = ds * (1.0 - tanh_s * tanh_s)
-        dq += torch.matmul(ds, k_chunk) * spec.scale
-        dk[..., start:end, :] = torch.matmul(ds.transpose(-1, -2), qg).sum(dim=2) * spec.scale
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).view(b, hkv, g, seqlen_q)
+    for q0, q1, key_tiles in tiles.query_tiles():
+        rows = q1 - q0
+        q_rows, dout_rows = tiles.rows(tiles.qh, q0, q1), tiles.rows(doh, q0, q1)
+        # d lse / d s = p, so a gradient on lse folds into delta: ds = p * (dp - (delta - dlse)).
+        delta = (dout_rows * tiles.rows(oh, q0, q1)).sum(dim=-1).view(b, hkv, g, rows, 1)
+        if dlse is not None:
+            delta = delta - dlse[:, :, q0:q1].float().reshape(b, hkv, g, rows, 1)
+        lse_rows = lse[..., q0:q1].unsqueeze(-1)
+        q_scaled, dq_rows = tiles.scaled(q_rows), torch.zeros_like(q_rows)
+        for k0, k1, whole in key_tiles:
+            keys = k1 - k0
+            s, tanh = tiles.scores(q_scaled, q0, q1, k0, k1, whole, keep_tanh=True)
+            p = s.sub_(lse_rows).exp_()
+            p_flat = p.view(b, hkv, g * rows, keys)
+            dv[:, :, k0:k1] += torch.matmul(p_flat.transpose(-1, -2), dout_rows)
+            dp = torch.matmul(dout_rows, tiles.v[:, :, k0:k1].transpose(-1, -2)).view(p.shape)
+            ds = dp.sub_(delta).mul_(p)
+            if dbias is not None:  # the logit's gradient, summed down to the bias's broadcast shape
+                target = _chunk(_rows_of(dbias, q0, q1), k0, k1)
+                target.add_(_sum_to(ds, target.shape))
+            if tanh is not None:
+                ds = ds.mul_(tanh.square_().neg_().add_(1.0))
+            ds_flat = ds.view(b, hkv, g * rows, keys)
+            dq_rows += torch.matmul(ds_flat, tiles.k[:, :, k0:k1])
+            dk[:, :, k0:k1] += torch.matmul(ds_flat.transpose(-1, -2), q_rows)
+        dq[:, :, q0:q1] = dq_rows.view(b, tiles.heads_q, rows, tiles.head_dim)
+    dq, dk = dq.mul_(spec.scale), dk.mul_(spec.scale)
     return (
-        _user_layout(dq, spec.layout, q.dtype),
-        from_bhsd(dk, spec.layout).to(k.dtype).contiguous(),
-        from_bhsd(dv, spec.layout).to(v.dtype).contiguous(),
+        _in_layout(dq, spec.layout, q.dtype, dq.shape[-1]),
+        _in_layout(dk, spec.layout, k.dtype, dk.shape[-1]),
+        _in_layout(dv, spec.layout, v.dtype, dv.shape[-1]),
         dbias.reshape(bias.shape).to(bias.dtype) if dbias is not None else None,
     )
 

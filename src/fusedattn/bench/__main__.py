@@ -15,8 +15,13 @@ included) and replays of a CUDA graph of the same calls (the GPU's time alone: a
 step whose Python outlasts its kernels measures the host there, not the kernels).
 ``--rounds N`` measures every system N times per shape in rotated order and keeps
 the medians: this machine's clocks drift a few % between minutes, and rounds take
-peers at the same minutes. On a CPU-only machine it runs a tiny float32 comparison
-instead, for a smoke test.
+peers at the same minutes.
+
+On a machine without a GPU it compares fusedattn's CPU path with torch SDPA on the CPU (its
+default backend, torch's fused CPU kernel) on ``cpu_shapes()`` -- B=1, H=8, D=64, float32,
+S in {1k, 4k}, causal and not; a GQA row, a sliding-window row (SDPA: a dense mask) and a bf16
+row -- each output checked against fusedattn's before timing, and prints SDPA's time over ours,
+forward and forward+backward (> 1: ours is faster); the JSON is ``<out>/cpu-<machine>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -54,8 +59,18 @@ def standard_shapes(quick: bool = False, head_dims=None, seqlens=None) -> list[S
     return shapes
 
 
+CPU_WINDOW = 1024  # the CPU window row's keys per query (bench/variants.py's sliding-window row)
+
+
 def cpu_shapes() -> list[Shape]:
-    return [Shape(1, 4, s, 64, causal, torch.float32) for s in (256, 1024) for causal in (False, True)]
+    """The CPU rows: B=1, H=8, D=64 (the hardening issue's shape), float32, S in {1k, 4k}, causal and
+    not; GQA 8/2 at 4k, causal and not; a causal sliding window of CPU_WINDOW keys at 4k (SDPA: a
+    dense mask); the 1k causal row in bf16."""
+    shapes = [Shape(1, 8, s, 64, causal, torch.float32) for s in (1024, 4096) for causal in (False, True)]
+    shapes += [Shape(1, 8, 4096, 64, causal, torch.float32, heads_kv=2) for causal in (False, True)]
+    shapes.append(Shape(1, 8, 4096, 64, True, torch.float32, window=CPU_WINDOW))
+    shapes.append(Shape(1, 8, 1024, 64, True, torch.bfloat16))
+    return shapes
 
 
 def _progress(items, desc):
@@ -134,12 +149,18 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
     """One system on one shape: (row, its forward output for checking the others)."""
     row = dict(system=system.name, case=shape.name, B=shape.batch, H=shape.heads, Hkv=shape.kv_heads, Sq=shape.seqlen,
                Sk=shape.seqlen, D=shape.head_dim, causal=shape.causal, dtype=str(shape.dtype).replace("torch.", ""))
+    if shape.window:
+        row["window"] = shape.window
+    if system.backend:
+        row["backend"] = system.backend(shape)
     out = None
     try:
         fn = system.make(shape)
         q, k, v, dout = _inputs(shape, device, system.layout)
         with torch.no_grad():
             out = fn(q, k, v)
+            if baseline_out is not None:  # before any timing: a wrong answer is known before its time
+                row.update(agreement(out, baseline_out))
             fwd_ms = _median_ms(lambda: fn(q, k, v))
         leaves = [t.requires_grad_() for t in (q, k, v)]
 
@@ -165,8 +186,6 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if baseline_out is not None:
-        row.update(agreement(out, baseline_out))
     row.update(fwd_ms=fwd_ms, fwdbwd_ms=fwdbwd_ms)
     row.update(_rates(row))
     return row, out
@@ -190,6 +209,9 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["cudnn"] = torch.backends.cudnn.version()
         env["cuda"] = torch.version.cuda
+    else:
+        env["threads"] = torch.get_num_threads()
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     return env
 
 
@@ -229,7 +251,7 @@ def merge_rounds(measured: list[dict]) -> dict:
 
 def _rates(row: dict) -> dict:
     """TFLOP/s and the backward alone (fwd+bwd less fwd) from a row's times."""
-    shape = Shape(row["B"], row["H"], row["Sq"], row["D"], row["causal"], heads_kv=row["Hkv"])
+    shape = Shape(row["B"], row["H"], row["Sq"], row["D"], row["causal"], heads_kv=row["Hkv"], window=row.get("window"))
     rates = {}
     for prefix in ("", "graph_"):
         fwd, fwdbwd = row.get(prefix + "fwd_ms"), row.get(prefix + "fwdbwd_ms")
@@ -286,6 +308,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(rows: list[dict], peer: str = "sdpa") -> str:
+    """The CPU run: each row's times for fusedattn and ``peer``, and the peer's time over ours, forward
+    and forward+backward (> 1: ours is faster)."""
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["system"]] = r
+    lines = [f"{'case':<38}{'dtype':<10}{'ours fwd':>10}{peer + ' fwd':>10}{'ratio':>8}"
+             f"{'ours f+b':>10}{peer + ' f+b':>10}{'ratio':>8}  {peer + ' backend':<18}(ms; ratio = {peer} / ours)"]
+    for case, systems in by_case.items():
+        mine, theirs = systems.get("fusedattn", {}), systems.get(peer, {})
+        dtype = mine.get("dtype", theirs.get("dtype", ""))
+        if "fwd_ms" not in mine or "fwd_ms" not in theirs:
+            notes = "; ".join(f"{name}: {r.get('note', '')}" for name, r in systems.items() if "fwd_ms" not in r)
+            lines.append(f"{case:<38}{dtype:<10}  {notes}")
+            continue
+        lines.append(f"{case:<38}{dtype:<10}{mine['fwd_ms']:>10.1f}{theirs['fwd_ms']:>10.1f}"
+                     f"{theirs['fwd_ms'] / mine['fwd_ms']:>7.2f}x{mine['fwdbwd_ms']:>10.1f}{theirs['fwdbwd_ms']:>10.1f}"
+                     f"{theirs['fwdbwd_ms'] / mine['fwdbwd_ms']:>7.2f}x  {theirs.get('backend', ''):<18}".rstrip()
+                     + disagreement(theirs))
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path, title: str) -> bool:
     try:
         import matplotlib
@@ -324,7 +368,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seqlens", default=None, help="e.g. 1024,4096 (default: SPEC 5's 1k, 4k, 16k)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="measure every system this many times per shape, in rotated order, and keep the "
-                             "medians (default: 3 on a GPU, 1 on the CPU)")
+                             "medians (default: 3)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     parser.add_argument("--variants", action="store_true",
@@ -376,7 +420,7 @@ def _main(args, parser) -> None:
     stem = result_stem(env)
     out_dir, json_path = Path(args.out), Path(args.out) / f"{stem}.json"
 
-    rounds = args.rounds or (3 if on_gpu else 1)
+    rounds = args.rounds or 3
 
     def save(rows):
         if not args.no_save:
@@ -385,11 +429,11 @@ def _main(args, parser) -> None:
                                                  systems={s.name: s.detail for s in systems}, rows=rows), indent=1))
 
     rows = run(shapes, systems, device, on_row=save, rounds=rounds)
-    print(table(rows))
+    print(table(rows) if on_gpu else cpu_table(rows))
     if args.no_save:
         return
     print(f"wrote {json_path}")
-    if plot(rows, out_dir / f"{stem}.png", f"{env['device']}: forward+backward, bf16, 16k tokens"):
+    if on_gpu and plot(rows, out_dir / f"{stem}.png", f"{env['device']}: forward+backward, bf16, 16k tokens"):
         print(f"wrote {out_dir / f'{stem}.png'}")
 
 

@@ -29,6 +29,7 @@ class Shape:
     causal: bool
     dtype: torch.dtype = torch.bfloat16
     heads_kv: int | None = None  # grouped-query attention: fewer key/value heads than query heads
+    window: int | None = None  # a causal sliding window: the keys each query sees, itself included
 
     @property
     def kv_heads(self) -> int:
@@ -41,12 +42,18 @@ class Shape:
     @property
     def name(self) -> str:
         group = f"-gqa{self.heads}/{self.kv_heads}" if self.grouped else ""
-        return f"D{self.head_dim}-S{self.seqlen}{group}-{'causal' if self.causal else 'full'}"
+        window = f"-window{self.window}" if self.window else ""
+        dtype = "" if self.dtype == torch.bfloat16 else f"-{str(self.dtype).replace('torch.', '')}"
+        return f"D{self.head_dim}-S{self.seqlen}{group}{window}-{'causal' if self.causal else 'full'}{dtype}"
 
     def flops(self, mode: str) -> float:
-        """SPEC 5: forward 4*B*H*S*S*D (H: query heads), halved for causal; backward 2.5x forward."""
-        fwd = 4 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
-        fwd = fwd / 2 if self.causal else fwd
+        """SPEC 5: forward 4*B*H*S*S*D (H: query heads), halved for causal (with a window: 4*B*H*D per
+        kept pair); backward 2.5x forward."""
+        pairs = self.seqlen * self.seqlen
+        if self.window:
+            pairs = sum(min(i + 1, self.window) for i in range(self.seqlen))
+        fwd = 4 * self.batch * self.heads * pairs * self.head_dim
+        fwd = fwd / 2 if self.causal and not self.window else fwd
         return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[mode]
 
 
@@ -83,6 +90,8 @@ class System:
     # How q, k, v and dout are stored: "bhsd", or "bshd" for a peer whose kernels take (B, S, H, D)
     # (it gets (B, H, S, D) views of such tensors: no copy of its inputs in its timed step).
     layout: str = "bhsd"
+    # For a peer whose own dispatcher picks a kernel: the one it picks for a shape (recorded in its rows).
+    backend: Callable[[Shape], str] | None = None
 
 
 def stored_as(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -92,7 +101,8 @@ def stored_as(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 def _fusedattn(deterministic: bool):
     def make(shape: Shape):
-        return lambda q, k, v: fusedattn.attention(q, k, v, layout="bhsd", causal=shape.causal,
+        window = (shape.window - 1, 0) if shape.window else None
+        return lambda q, k, v: fusedattn.attention(q, k, v, layout="bhsd", causal=shape.causal, window=window,
                                                    deterministic=deterministic)
 
     return make
@@ -113,6 +123,30 @@ def _sdpa(backend_name: str):
         return fn
 
     return make
+
+
+def sdpa_cpu_backend(shape: Shape) -> str:
+    """The backend SDPA's dispatcher picks for this shape's CPU call (its default, no context manager)."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.zeros(1, shape.heads, 8, shape.head_dim, dtype=shape.dtype)
+    k = torch.zeros(1, shape.kv_heads, 8, shape.head_dim, dtype=shape.dtype)
+    mask = torch.ones(8, 8, dtype=torch.bool) if shape.window else None
+    choice = torch._fused_sdp_choice(q, k, k, mask, 0.0, shape.causal and not shape.window, enable_gqa=shape.grouped)
+    return SDPBackend(choice).name
+
+
+def _sdpa_cpu(shape: Shape):
+    """SDPA as a CPU caller gets it: its default backend (``sdpa_cpu_backend``), ``is_causal``,
+    ``enable_gqa``; a window only as a dense boolean (S, S) mask (SDPA has no window), built once."""
+    mask = None
+    if shape.window:
+        from fusedattn.spec import keep_mask
+
+        mask = keep_mask(shape.seqlen, shape.seqlen, shape.window - 1, 0)
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                          is_causal=shape.causal and mask is None,
+                                                          enable_gqa=shape.grouped)
 
 
 def _flex(shape: Shape):
@@ -245,6 +279,8 @@ SYSTEMS = [
     System("flash-sparse-attn", _flash_sparse_dense, "flash_sparse_attn.flash_dense_attn_func (Triton)", "bshd"),
 ]
 CPU_SYSTEMS = [
-    System("fusedattn", _fusedattn(False), "fusedattn.attention on CPU (chunked PyTorch path)"),
-    System("sdpa-math", _sdpa("MATH"), "torch SDPA, math backend"),
+    System("fusedattn", _fusedattn(False), "fusedattn.attention on CPU tensors (the PyTorch path, fusedattn/cpu.py)"),
+    System("sdpa", _sdpa_cpu, "torch SDPA, its default CPU backend (its rows' `backend`: FLASH_ATTENTION is torch's "
+                              "fused CPU kernel), is_causal, enable_gqa; the window row as a dense bool mask",
+           backend=sdpa_cpu_backend),
 ]
