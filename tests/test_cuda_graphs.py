@@ -31,6 +31,21 @@ CASES = [
 ]
 
 
+def _capture(step):
+    """(graph, outputs) of ``step`` captured after two warm-up runs on a side stream (compiles, and
+    the caching allocator's pools, outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_a_captured_step_replays_on_new_inputs(case: Case):
     q, k, v, dout, dlse = make_inputs(case, "cuda", seed=1)
@@ -48,15 +63,7 @@ def test_a_captured_step_replays_on_new_inputs(case: Case):
             outputs, grads = (out,), (dout,)
         return (out, lse, *torch.autograd.grad(outputs, leaves + extras, grads))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = _capture(step)
 
     def reference(q_, k_, v_, sinks_=None, bias_=None):
         return reference_attention(q_, k_, v_, sinks=sinks_, mask=dense_mask(mask), return_lse=True,
@@ -78,19 +85,6 @@ def test_a_captured_step_replays_on_new_inputs(case: Case):
         ref64 = forward_backward(reference, *fresh, dtype=torch.float64, **kw)
         for name, ours, lowp_t, ref_t in zip(names, captured, lowp, ref64):
             assert_close_to_reference(f"{case.id} replay {seed} {name}", ours, lowp_t, ref_t)
-
-
-def _capture(step):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    return graph, captured
 
 
 def test_varlen_with_offsets_on_the_gpu_captures_and_replays_new_lengths():
