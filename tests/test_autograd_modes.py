@@ -263,3 +263,29 @@ def test_compiled_double_backward_is_a_clear_error(backend):
         (dq,) = torch.autograd.grad(out.float().square().sum(), q, create_graph=True)
         with pytest.raises(RuntimeError, match="double backward"):
             torch.autograd.grad(dq.float().sum(), k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_under_vmap_and_func_grad(backend):
+    """torch.func.vmap over a stack of packed batches and torch.func.grad through varlen_attention."""
+    gen = torch.Generator().manual_seed(6)
+    stacks = [torch.randn(3, *t.shape, generator=gen, dtype=torch.float64) for t in _packed(gen, torch.float64)[:3]]
+    _, _, _, cu_q, cu_k, max_q, max_k = _packed(gen, torch.float64)
+
+    def ours(q_, k_, v_):
+        with fusedattn.use_backend(backend):
+            return fusedattn.varlen_attention(q_, k_, v_, cu_q.to(DEVICE), cu_k.to(DEVICE), max_q, max_k, causal=True)
+
+    def reference(q_, k_, v_):
+        return _varlen_reference(q_, k_, v_, cu_q, cu_k, causal=True)[0]
+
+    def both(fn, dtype):
+        args = [t.to(DEVICE, dtype) for t in stacks]
+        outs = torch.func.vmap(fn)(*args)
+        grads = torch.func.vmap(torch.func.grad(lambda a, b, c: fn(a, b, c).float().square().sum(),
+                                                argnums=(0, 1, 2)))(*args)
+        return (outs, *grads)
+
+    for name, a, l, r in zip(["out", "dq", "dk", "dv"], both(ours, DTYPE), both(reference, DTYPE),
+                             both(reference, torch.float64)):
+        assert_close_to_reference(f"varlen vmap {name}", a, l, r)
