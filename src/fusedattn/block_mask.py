@@ -16,9 +16,9 @@ blocks (block-sparse attention): no (Sq, Sk) tensor exists at all; the kernels r
 
 from __future__ import annotations
 
-import numbers
-
 import torch
+
+from .spec import is_integer
 
 # Tile states (int8), as tile_lists.py and the kernels' tile lists use them.
 EMPTY, FULL, PARTIAL = 0, 1, 2
@@ -70,14 +70,10 @@ def classify_with_torch(mask: torch.Tensor, cell_q: int, cell_k: int) -> torch.T
     return torch.where(all_kept, FULL, torch.where(any_kept, PARTIAL, EMPTY)).to(torch.int8)
 
 
-def _is_integer(value) -> bool:  # checks.is_integer (checks imports this module)
-    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
-
-
 def block_sizes(block_size, caller: str) -> tuple[int, int]:
     """(block_q, block_k) from an int (square blocks) or a pair of ints, each a power of two >= 16."""
-    pair = (block_size, block_size) if _is_integer(block_size) else block_size
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(_is_integer(b) for b in pair):
+    pair = (block_size, block_size) if is_integer(block_size) else block_size
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(is_integer(b) for b in pair):
         raise TypeError(f"{caller}: `block_size` must be an int or a (block_q, block_k) pair of ints, got "
                         f"{block_size!r}")
     for name, b in zip(("block_q", "block_k"), pair):
@@ -146,7 +142,7 @@ class BlockMask:
             raise TypeError("fusedattn.BlockMask.from_blocks: `keep` must be a bool tensor")
         block_q, block_k = block_sizes(block_size, "fusedattn.BlockMask.from_blocks")
         for name, n in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
-            if not _is_integer(n) or n < 1:
+            if not is_integer(n) or n < 1:
                 raise ValueError(f"fusedattn.BlockMask.from_blocks: `{name}` must be an int >= 1, got {n!r}")
         seqlen_q, seqlen_k = int(seqlen_q), int(seqlen_k)
         if not 2 <= keep.dim() <= 4:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .block_mask import BlockMask
-from .spec import LAYOUTS
+from .spec import LAYOUTS, is_integer
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
@@ -31,12 +31,6 @@ def _layout_names(layout: str) -> str:
     return "(B, S, H, D)" if layout == "bshd" else "(B, H, S, D)"
 
 
-def is_integer(value) -> bool:
-    """A Python or NumPy integer, not a bool: what a user means by an int (``np.int64`` from an array's
-    ``.max()``, a config loaded with NumPy)."""
-    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
-
-
 def is_real(value) -> bool:
     """A Python or NumPy real number (``np.float32`` included), not a bool."""
     return type(value) is float or type(value) is int or (isinstance(value, numbers.Real)
@@ -49,7 +43,7 @@ def check_bool(name: str, value, caller: str = "fusedattn.attention") -> None:
 
 
 def check_window(window, caller: str = "fusedattn.attention") -> None:
-    """None, or a (left, right) pair of ints, each >= 0 or -1 for unbounded (SPEC 3.2)."""
+    """None, or a (left, right) pair of ints, each >= 0 or -1 for unbounded on that side."""
     if window is None:
         return
     if not isinstance(window, (tuple, list)) or len(window) != 2:

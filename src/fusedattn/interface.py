@@ -272,11 +272,16 @@ def _differentiable_backward(ctx, dout, dlse, needs: tuple) -> tuple:
     layout = ctx.options[0]
     spec = _spec(*ctx.options[:6])
     block_mask = _block_mask(mask, mask_states, ctx.mask_grid, q, k, layout)
-    inputs = (q, k, v, sinks, bias)
-    wanted = [t for t, need in zip(inputs, needs) if need]
     with torch.enable_grad():
         out, lse = cpu.chunked_forward(q, k, v, spec, sinks, block_mask, bias)
-    pairs = [(o, g) for o, g in ((out, dout), (lse, dlse)) if g is not None]
+    return differentiable_grads((out, lse), (dout, dlse), (q, k, v, sinks, bias), needs)
+
+
+def differentiable_grads(outputs: tuple, cotangents: tuple, inputs: tuple, needs: tuple) -> tuple:
+    """The gradients of ``inputs`` (None where ``needs`` is False) from ``outputs`` recomputed under
+    autograd and their ``cotangents`` (None: not used), themselves differentiable (create_graph)."""
+    pairs = [(o, g) for o, g in zip(outputs, cotangents) if g is not None]
+    wanted = [t for t, need in zip(inputs, needs) if need]
     if not pairs or not wanted:
         return tuple(None for _ in needs)
     grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,

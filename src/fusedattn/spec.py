@@ -8,6 +8,7 @@ no code path has a separate causal branch.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -150,6 +151,12 @@ def bhsd_stride(t: torch.Tensor, layout: str) -> tuple:
     """``to_bhsd(t, layout).stride()`` without making the view."""
     stride = t.stride()
     return (stride[0], stride[2], stride[1], stride[3]) if layout == "bshd" else stride
+
+
+def is_integer(value) -> bool:
+    """A Python or NumPy integer, not a bool: what a user means by an int (``np.int64`` from an array's
+    ``.max()``, a config loaded with NumPy)."""
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def gradient_like(t: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import Optional
 
 from .checks import check_options, check_qkv, check_sinks, is_integer
 from .interface import (_backward_impl, _forward_impl, _resolve_backend, _unit_stride_head_dim, attention,
-                        beyond_first_order)
-from .kernels.bwd import attention_backward, sink_gradient_from_outputs
+                        beyond_first_order, differentiable_grads)
+from .kernels.bwd import attention_backward
 from .kernels import packed_tiles
 from .kernels.fwd import attention_forward, hopper_supports
 from .spec import AttentionSpec, Packing, gradient_like, resolve_spec
@@ -147,10 +147,8 @@ def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: P
     dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout)
     if dlse is not None:
         dlse = dlse.float().contiguous()
-    if q.shape[0] == 0 or k.shape[0] == 0 and sinks is None:  # nothing attends: every gradient is 0
-        dsinks = None
-        if sinks_grad:
-            dsinks = sink_gradient_from_outputs(sinks, out[None], dout[None], lse, dlse, "bshd")
+    if q.shape[0] == 0:  # no query at all: every gradient is 0
+        dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=q.device) if sinks_grad else None
         return gradient_like(q).zero_(), gradient_like(k).zero_(), gradient_like(v).zero_(), dsinks
     if backend == "torch":
         dq, dk, dv = (gradient_like(t).zero_() for t in (q, k, v))
@@ -276,16 +274,9 @@ def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse) -> tuple:
     spec = ctx.spec
     options = dict(window=(spec.window_left, spec.window_right), scale=spec.scale,
                    softcap=spec.softcap if spec.has_softcap else None)
-    inputs = (q, k, v, sinks)
-    wanted = [t for t, need in zip(inputs, ctx.needs_input_grad[:4]) if need]
     with torch.enable_grad():
         out, lse = _per_sequence(q, k, v, ctx.packing, sinks, options, q.shape[1])
-    pairs = [(o, g) for o, g in ((out, dout), (lse, dlse)) if g is not None]
-    if not pairs or not wanted:
-        return (None,) * 4
-    grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
-                                     allow_unused=True))
-    return tuple(next(grads) if need else None for need in ctx.needs_input_grad[:4])
+    return differentiable_grads((out, lse), (dout, dlse), (q, k, v, sinks), ctx.needs_input_grad[:4])
 
 
 def _prepare_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs) -> None:

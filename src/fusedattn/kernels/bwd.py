@@ -920,7 +920,7 @@ def sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout: str) -> torc
 
 def row_bias_gradient(bias, out, dout, lse, dlse, sinks, layout: str) -> torch.Tensor:
     """The gradient of a bias constant along the keys (its Sk dim 1), from row statistics, in fp32,
-    rounded once to the bias's dtype and summed to its shape (SPEC 3.3).
+    rounded once to the bias's dtype and summed over the dims it broadcasts.
 
     Summing the softmax gradient ds_ij = p_ij (dp_ij - delta_i) over a whole row cancels: with
     A_i = sum_j p_ij dp_ij = dout_i . out_i (exact out) and B_i = sum_j p_ij (1 - p_sink, 0 for a row
@@ -942,8 +942,8 @@ def row_bias_gradient(bias, out, dout, lse, dlse, sinks, layout: str) -> torch.T
     b, h, sq = bias.shape[:3]
     if h != heads_q:  # one value per KV group (h = Hkv) or per call (h = 1): sum the query heads onto it
         row = row.reshape(batch, h, heads_q // h, seqlen_q).sum(2)
-    dims = [d for d, (size, full) in enumerate(zip((b, sq), (batch, seqlen_q))) if size == 1 and full != 1]
-    row = row.sum(dim=[(0, 2)[d] for d in dims], keepdim=True) if dims else row
+    broadcast = [axis for axis, size, full in ((0, b, batch), (2, sq, seqlen_q)) if size == 1 and full != 1]
+    row = row.sum(dim=broadcast, keepdim=True) if broadcast else row
     return row.reshape(bias.shape).to(bias.dtype)
 
 

@@ -339,7 +339,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
     if out.numel() == 0:
         return out, lse
-    if seqlen_k == 0 or k.numel() == 0:  # every row is empty (SPEC 3.1): only the sink, if any, is in the softmax
+    if seqlen_k == 0 or k.numel() == 0:  # no row sees a key: only the sink, if any, is in the softmax
         return out.zero_(), lse.copy_(sinks.view(heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
