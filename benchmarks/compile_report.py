@@ -28,7 +28,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fusedattn.kernels import bwd, fwd, hopper, hopper_bwd, hopper_fwd, kvcache  # noqa: E402
+from fusedattn.kernels.gluon import bwd as hopper_bwd  # noqa: E402
+from fusedattn.kernels.gluon import common as hopper  # noqa: E402
+from fusedattn.kernels.gluon import fwd as hopper_fwd  # noqa: E402
+from fusedattn.kernels.triton import bwd, fwd, kvcache  # noqa: E402
 from fusedattn.spec import UNBOUNDED, AttentionSpec  # noqa: E402
 from fusedattn.tuning.configs import KernelConfig, _cuda_configs  # noqa: E402
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import fusedattn
-from fusedattn.kernels import launch as launch_mod
+from fusedattn.kernels.shared import launch as launch_mod
 
 PIECES = [  # (module, attribute): functions timed in ``pieces`` mode (those a tree lacks are skipped)
     ("fusedattn.interface", "_forward_impl"),
@@ -40,16 +40,16 @@ PIECES = [  # (module, attribute): functions timed in ``pieces`` mode (those a t
     ("fusedattn.interface", "attention_backward"),
     ("fusedattn.interface", "attention_forward"),
     ("fusedattn.interface", "select_configs"),
-    ("fusedattn.kernels.bwd", "backward_plan"),
-    ("fusedattn.kernels.bwd", "hopper_dkdv_pass"),
-    ("fusedattn.kernels.hopper_bwd", "dkdv_pass"),
-    ("fusedattn.kernels.bwd", "_triton_passes"),
-    ("fusedattn.kernels.launch", "Launcher.__call__"),
-    ("fusedattn.kernels.hopper_bwd", "descriptor"),
-    ("fusedattn.kernels.hopper_fwd", "descriptor"),
-    ("fusedattn.kernels.hopper", "tma_addressable"),
-    ("fusedattn.kernels.launch", "_DirectLaunch.__call__"),
-    ("fusedattn.kernels.launch", "_DirectLaunch.launch_expanded"),
+    ("fusedattn.kernels.triton.bwd", "backward_plan"),
+    ("fusedattn.kernels.triton.bwd", "hopper_dkdv_pass"),
+    ("fusedattn.kernels.gluon.bwd", "dkdv_pass"),
+    ("fusedattn.kernels.triton.bwd", "_triton_passes"),
+    ("fusedattn.kernels.shared.launch", "Launcher.__call__"),
+    ("fusedattn.kernels.gluon.bwd", "descriptor"),
+    ("fusedattn.kernels.gluon.fwd", "descriptor"),
+    ("fusedattn.kernels.gluon.common", "tma_addressable"),
+    ("fusedattn.kernels.shared.launch", "_DirectLaunch.__call__"),
+    ("fusedattn.kernels.shared.launch", "_DirectLaunch.launch_expanded"),
     ("fusedattn.checks", "check_qkv"),
     ("torch", "empty"),
     ("torch", "Tensor.to"),

@@ -149,7 +149,7 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
 def launcher_constexprs(monkeypatch, kernel, pick) -> list:
     """``pick(constexprs)`` of every launch of ``kernel`` made through a per-problem
     ``launch.Launcher`` (the Gluon kernels, the backward's pre-pass), in order."""
-    from fusedattn.kernels.launch import Launcher
+    from fusedattn.kernels.shared.launch import Launcher
 
     seen, real_call = [], Launcher.__call__
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from fusedattn.kernels import bwd
-from fusedattn.kernels.launch import launch
+from fusedattn.kernels.triton import bwd
+from fusedattn.kernels.shared.launch import launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -11,8 +11,8 @@ import torch
 
 import fusedattn
 from fusedattn.block_mask import EMPTY, FULL, PARTIAL, BlockMask, classify
-from fusedattn.kernels import tile_lists
-from fusedattn.kernels.tile_lists import (column_lists, row_lists, rows_even, rule_states, tile_states, tiles_whole,
+from fusedattn.kernels.shared import tile_lists
+from fusedattn.kernels.shared.tile_lists import (column_lists, row_lists, rows_even, rule_states, tile_states, tiles_whole,
                                           whole_and_even)
 from fusedattn.reference import reference_attention
 from fusedattn.spec import keep_mask, resolve_spec
@@ -266,7 +266,7 @@ def test_classify_kernel_matches_torch_reductions(shape):
     """The one-pass Triton kernel the GPU uses (here: the interpreter) on a strided (transposed)
     mask, against the torch reductions and brute force."""
     from fusedattn.block_mask import classify_with_torch
-    from fusedattn.kernels.classify import classify_cells
+    from fusedattn.kernels.triton.classify import classify_cells
 
     mask = random_cells(shape[:2] + shape[:1:-1], 8, seed=sum(shape)).to(DEVICE).transpose(2, 3)  # strided
     states = classify_cells(mask, 16, 16)
@@ -292,7 +292,8 @@ def test_masks_by_elements_are_read_through_tma_where_aligned(monkeypatch, make_
     and both backward passes (MASK_TMA); the other forms by pointers; every one matches the
     reference (random entries: every tile partial, so the mask is read on every visited tile)."""
     from attention_runner import launcher_constexprs
-    from fusedattn.kernels import bwd, fwd
+    from fusedattn.kernels.triton import bwd
+    from fusedattn.kernels.triton import fwd
 
     flags = []
 

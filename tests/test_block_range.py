@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedattn.kernels.block_range import key_blocks_for_query_block, query_blocks_for_key_block
+from fusedattn.kernels.shared.block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from fusedattn.spec import fold_window, keep_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

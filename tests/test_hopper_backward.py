@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fusedattn
-from fusedattn.kernels import bwd
+from fusedattn.kernels.triton import bwd
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
 from attention_runner import check_case, launcher_constexprs, make_inputs, record_launches
@@ -59,7 +59,7 @@ def schedule_id(c: KernelConfig) -> str:
 
 @pytest.fixture
 def gluon_launches(monkeypatch):
-    from fusedattn.kernels import hopper_bwd
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
 
     return record_launches(monkeypatch, hopper_bwd, "dkdv_pass")
 
@@ -67,7 +67,7 @@ def gluon_launches(monkeypatch):
 @pytest.fixture
 def group_sum_launches(monkeypatch):
     """GROUP_SUM of every Gluon dK/dV launch (True: one program per query head, fp32 group sums)."""
-    from fusedattn.kernels import hopper_bwd
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
 
     return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel, lambda constexprs: constexprs["GROUP_SUM"])
 
@@ -106,7 +106,8 @@ def test_every_program_order_gives_the_same_bits(chunk, atomic_dq, gluon_launche
     """With one program per KV head's group (the group sums off, as in deterministic mode), every
     launch order, and a second run, gives the default's dK and dV bits, and the same dQ bits where a
     dQ pass sums it (reduce-adds sum in arrival order)."""
-    from fusedattn.kernels import hopper, hopper_bwd
+    from fusedattn.kernels.gluon import common as hopper
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
 
     monkeypatch.setattr(hopper_bwd, "GROUP_SUMS", False)
     case = Case(2, 6, 2, 400, 400, 128, causal=True, dtype=torch.bfloat16)
@@ -141,7 +142,7 @@ GROUP_SUM_CASES = [
 def test_gqa_group_sums_match_reference(case, chunk, atomic_dq, group_sum_launches, monkeypatch):
     """Causal GQA outside deterministic mode: a program per query head adds its dK/dV into fp32
     sums over the group (TMA reduce-adds staged in the K/V tiles and the ring), in every order."""
-    from fusedattn.kernels import hopper
+    from fusedattn.kernels.gluon import common as hopper
 
     monkeypatch.setattr(hopper, "CHUNK_HEADS", chunk)
     with pinned_dkdv(case, dkdv(2, 1), atomic_dq=atomic_dq, dq_tma=atomic_dq):
@@ -265,7 +266,7 @@ def test_masks_with_partial_tiles_run_the_triton_pass(gluon_launches):
 @pytest.fixture
 def bias_launches(monkeypatch):
     """(BIAS, DBIAS) of every Gluon dK/dV launch."""
-    from fusedattn.kernels import hopper_bwd
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
 
     return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel,
                                lambda constexprs: (constexprs["BIAS"], constexprs["DBIAS"]))
@@ -312,7 +313,7 @@ def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
     """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not); at
     D=128 outside deterministic mode it sums dQ too (no Triton launch); in deterministic mode the
     Gluon dQ pass (hopper_fwd.dq_pass) runs; at D=64 the Triton dQ pass."""
-    from fusedattn.kernels import hopper_fwd
+    from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     triton_launches = launcher_constexprs(monkeypatch, bwd._backward_kernel,
                                           lambda constexprs: (constexprs["RUN_DKDV"], constexprs["RUN_DQ"]))

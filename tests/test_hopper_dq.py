@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fusedattn
-from fusedattn.kernels import bwd
+from fusedattn.kernels.triton import bwd
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
 from attention_runner import check_case, launcher_constexprs, make_inputs, record_launches
@@ -63,7 +63,7 @@ CASE_SCHEDULES = [(case, config) for case in CASES for config in SCHEDULES if fi
 
 @pytest.fixture
 def dq_launches(monkeypatch):
-    from fusedattn.kernels import hopper_fwd
+    from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     return record_launches(monkeypatch, hopper_fwd, "dq_pass")
 
@@ -89,7 +89,7 @@ def test_gluon_dq_pass_gives_the_same_bits_in_every_order(chunk, dq_launches, mo
     """Each dQ row is summed by one warpgroup in key order: a second run, and any launch order of
     the programs, gives the same bits (deterministic=True's promise); the Triton dQ pass, summing
     in another order and tiling, agrees within the tolerance only."""
-    from fusedattn.kernels import hopper
+    from fusedattn.kernels.gluon import common as hopper
 
     case = Case(2, 6, 2, 400, 400, 128, causal=True, deterministic=True, dtype=torch.bfloat16)
     q, k, v, dout, _ = make_inputs(case, "cuda")
@@ -129,7 +129,7 @@ def test_without_a_gluon_dq_config_the_triton_dq_pass_runs(dq_launches, monkeypa
 @pytest.fixture
 def group_sum_launches(monkeypatch):
     """GROUP_SUM of every Gluon dK/dV launch (True: one program per query head, fp32 group sums)."""
-    from fusedattn.kernels import hopper_bwd
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
 
     return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel, lambda constexprs: constexprs["GROUP_SUM"])
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fusedattn
-from fusedattn.kernels import fwd
+from fusedattn.kernels.triton import fwd
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
@@ -52,7 +52,7 @@ def schedule_id(c: KernelConfig) -> str:
 
 @pytest.fixture
 def gluon_launches(monkeypatch):
-    from fusedattn.kernels import hopper_fwd
+    from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     return record_launches(monkeypatch, hopper_fwd, "attention_forward")
 
@@ -82,7 +82,7 @@ ORDER_CASES = [Case(2, 5, 5, 700, 700, 128, causal=True, dtype=torch.bfloat16),
 def test_every_program_order_gives_the_same_bits(case, forward, gluon_launches, monkeypatch):
     """Programs started in chunks of head rows, heaviest query block first in each: every chunk
     size covers every tile once -- the reference's output and lse, and head-major order's bits."""
-    from fusedattn.kernels import hopper
+    from fusedattn.kernels.gluon import common as hopper
 
     q, k, v, _, _ = make_inputs(case, "cuda")
     results = {}
@@ -110,7 +110,7 @@ PERSISTENT_CASES = [(case, schedule) for case in ORDER_CASES for schedule in (SC
 def test_persistent_launches_give_the_same_bits(case, forward, gluon_launches, monkeypatch):
     """5 and 13 programs over every tile: the same output and lse bits as one program per tile, and
     the reference's values."""
-    from fusedattn.kernels import hopper_fwd
+    from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     q, k, v, _, _ = make_inputs(case, "cuda")
     extras = dict(bias=make_bias(case, "cuda"), mask=make_mask(case, "cuda"))
@@ -130,7 +130,7 @@ def test_even_tile_lists_run_the_forward_persistent(gluon_launches, monkeypatch)
     runs persistent (tile_lists.rows_even, NOTES.md v52) -- the reference's output, lse and
     gradients, and the bits of one program per tile. A causal-shaped block mask's lists and a
     bias keep one program per tile."""
-    from fusedattn.kernels import hopper_fwd
+    from fusedattn.kernels.gluon import fwd as hopper_fwd
     from fusedattn.reference import reference_attention
     from attention_runner import forward_backward, launcher_constexprs
     from numerics import assert_close_to_reference
@@ -230,7 +230,10 @@ def test_cached_launches_run_the_kernel_each_problem_compiled():
     (the Gluon forward and dK/dV pass, the Triton pre-pass): problems of different kernels, flags
     and head dims, interleaved, each give the bits of their first launch (the one through Triton),
     forward and dK/dV, add no compiled kernel after their first step and match the reference."""
-    from fusedattn.kernels import bwd, hopper_bwd, hopper_fwd, launch
+    from fusedattn.kernels.triton import bwd
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
+    from fusedattn.kernels.gluon import fwd as hopper_fwd
+    from fusedattn.kernels.shared import launch
 
     cases = [Case(1, 2, 2, 300, 300, 128, causal=True, dtype=torch.bfloat16),
              Case(1, 4, 2, 200, 333, 64, softcap=5.0, dtype=torch.bfloat16),

@@ -227,7 +227,7 @@ def test_kvcache_combination_launched_early_waits_for_the_splits(monkeypatch):
     """The split combination is launched while the decoding grid runs (programmatic dependent
     launch) and must wait for its stores: across repeated steps, with and without the early launch,
     the bits are the same every time -- a race would read some split's part before it is written."""
-    from fusedattn.kernels import kvcache as kernels
+    from fusedattn.kernels.triton import kvcache as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     batch, size, page = 2, 8192, 16
@@ -254,7 +254,7 @@ def test_kvcache_decoding_launched_early_waits_for_the_previous_kernels(monkeypa
     eager call reads the lengths on the host to check them, which waits for the GPU). With and
     without the early launch, 20 steps give the same bits -- a race would read the query, the
     lengths or the appended rows unwritten."""
-    from fusedattn.kernels import kvcache as kernels
+    from fusedattn.kernels.triton import kvcache as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     batch, size, page, steps = 2, 4096, 16, 20

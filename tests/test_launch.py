@@ -11,7 +11,7 @@ import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.nvidia.compiler import CUDABackend
 
-from fusedattn.kernels.launch import _specialisation
+from fusedattn.kernels.shared.launch import _specialisation
 
 _storage = torch.empty(64, dtype=torch.float32)
 ARGUMENTS = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 1, 2**31, -2**31, -2**31 - 1, 0.0, 1.5, 1e300, True, False,
@@ -40,7 +40,7 @@ def test_descriptors_key_by_block_and_dtype_and_become_triton_descriptors():
     dtype, and goes to Triton as the TensorDescriptor Triton would have built over the same tensor."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fusedattn.kernels.memory import Descriptor
+    from fusedattn.kernels.triton.memory import Descriptor
 
     t = torch.empty(2, 3, 40, 64, dtype=torch.float16)
     view = t.transpose(1, 2)  # strided: (2, 40, 3, 64) with the head dim still unit-stride
@@ -58,7 +58,7 @@ def test_descriptors_key_by_block_and_dtype_and_become_triton_descriptors():
 def test_host_grid_arithmetic_agrees_with_triton():
     import triton
 
-    from fusedattn.kernels.launch import cdiv, next_power_of_2
+    from fusedattn.kernels.shared.launch import cdiv, next_power_of_2
 
     for a in (0, 1, 2, 15, 16, 17, 1000, 4096, 2**31 + 5):
         assert next_power_of_2(a) == triton.next_power_of_2(a), a
@@ -78,7 +78,7 @@ def _scaled_sum(out, a, scale, b, n, BLOCK: tl.constexpr):
 def test_launcher_fills_its_slots_in_order_call_after_call():
     """A Launcher keeps the problem's arguments and takes each call's in the order of its SLOTs: a
     second call with other tensors (and another alignment: a new specialisation) computes with them."""
-    from fusedattn.kernels.launch import SLOT, Launcher
+    from fusedattn.kernels.shared.launch import SLOT, Launcher
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = 37
@@ -104,8 +104,8 @@ def test_launcher_reads_each_calls_descriptor():
     """A Launcher's descriptor argument, call after call: another tensor of the same geometry, one of
     another length (same specialisation, another tensor map), then the first again -- each call
     reads its own tensor (on the GPU: the kept argument list of the direct launch, _BoundLaunch)."""
-    from fusedattn.kernels.launch import SLOT, Launcher
-    from fusedattn.kernels.memory import Descriptor
+    from fusedattn.kernels.shared.launch import SLOT, Launcher
+    from fusedattn.kernels.triton.memory import Descriptor
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launcher = Launcher(_doubled_rows, None, (SLOT, SLOT), BLOCK_ROWS=16, COLS=32)

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from fusedattn.kernels import packed_tiles
+from fusedattn.kernels.shared import packed_tiles
 from fusedattn.spec import Packing, keep_mask, resolve_spec
 
 CASES = [

@@ -277,7 +277,7 @@ def test_every_backward_schedule_matches_reference(schedule, loads, case):
 def test_tma_loads_fall_back_to_pointers_where_tma_cannot_address(layout):
     """TMA needs 16-byte aligned bases and strides: a view one element into its storage, and a
     head dim of 12 (24-byte rows), must still give the right answer with TMA loads switched on."""
-    from fusedattn.kernels.memory import block_descriptor
+    from fusedattn.kernels.triton.memory import block_descriptor
     from fusedattn.tuning.configs import pinned_configs, select_configs
 
     device = "cuda" if ON_GPU else "cpu"
@@ -382,7 +382,7 @@ def test_one_problem_with_alternating_strides_matches_reference(deterministic):
 def test_dkdv_program_order_changes_no_result(block_major, monkeypatch):
     """GQA causal: either order of the dK/dV programs matches the reference, and the gradients are
     bitwise those of the other order (each program sums its own key block; order only schedules)."""
-    from fusedattn.kernels import bwd
+    from fusedattn.kernels.triton import bwd
 
     device = "cuda" if ON_GPU else "cpu"
     case = Case(1, 4, 2, 37, 53, 32, causal=True, dtype=_dtype(device))
@@ -436,8 +436,8 @@ def test_softcap_tanh_form_follows_dtype_and_device():
     Gluon ones by their inputs' dtype (hopper.log2_scores), so that a call mixing the two kinds
     recomputes in its backward the scores its forward normalised --, the exact form for fp16
     (whose rounding is as fine as the approximation's error), fp32 and the CPU interpreter."""
-    from fusedattn.kernels.fwd import softcap_mode
-    from fusedattn.kernels.softmax import TANH_APPROX
+    from fusedattn.kernels.triton.fwd import softcap_mode
+    from fusedattn.kernels.triton.softmax import TANH_APPROX
     from fusedattn.spec import resolve_spec
 
     def spec(softcap):

@@ -178,7 +178,8 @@ def test_varlen_kernels_match_per_sequence_reference(case):
 def test_varlen_gluon_kernels_match_per_sequence_reference(case, monkeypatch):
     """The Gluon forward and dK/dV pass over packed sequences (each program's tile from the host's
     map of the blocks that exist) against the per-sequence reference; both must have run."""
-    from fusedattn.kernels import hopper_bwd, hopper_fwd
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
+    from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     from attention_runner import record_launches
 
@@ -219,7 +220,7 @@ def test_varlen_maps_kept_across_calls_are_not_used_under_graph_capture(monkeypa
     (kernels/packed_tiles.py), but not while a CUDA graph is being captured: the graph would go on
     reading a kept map's memory after it left the cache and was reused. With capture reported, a
     call for lengths whose maps are kept must neither read nor add to them, and make the same maps."""
-    from fusedattn.kernels import packed_tiles
+    from fusedattn.kernels.shared import packed_tiles
     from fusedattn.spec import Packing, resolve_spec
 
     lengths = (300, 17, 1000)
@@ -255,11 +256,13 @@ def test_varlen_maps_kept_across_calls_are_not_used_under_graph_capture(monkeypa
 @pytest.mark.skipif(not ON_GPU, reason="compiles only on a GPU")
 def test_varlen_new_lengths_compile_nothing_new():
     """A new set of lengths (and a new longest one) reuses the compiled kernels."""
-    from fusedattn.kernels import bwd, fwd
+    from fusedattn.kernels.triton import bwd
+    from fusedattn.kernels.triton import fwd
 
     kernels = (fwd._forward_kernel, bwd._preprocess_kernel, bwd._backward_kernel)
     if torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernels run the packed problem there
-        from fusedattn.kernels import hopper_bwd, hopper_fwd
+        from fusedattn.kernels.gluon import bwd as hopper_bwd
+        from fusedattn.kernels.gluon import fwd as hopper_fwd
 
         kernels += (hopper_fwd._attn_fwd_ws_kernel, hopper_bwd._dkdv_ws_kernel)
 

@@ -50,7 +50,7 @@ def classify(mask: torch.Tensor, cell_q: int, cell_k: int) -> torch.Tensor:
     reads the mask once (kernels/classify.py); elsewhere torch reductions do."""
     # (Under a torch.func transform the tensors have no storage a kernel could read: torch reductions.)
     if mask.is_cuda and mask.numel() and not torch._C._are_functorch_transforms_active():
-        from .kernels.classify import classify_cells
+        from .kernels.triton.classify import classify_cells
 
         return classify_cells(mask, cell_q, cell_k)
     return classify_with_torch(mask, cell_q, cell_k)

@@ -19,7 +19,7 @@ import torch
 
 from .checks import check_heads_and_dims, check_options, check_sinks, check_tensors, is_integer
 from .interface import _resolve_backend, attention, beyond_first_order
-from .kernels.kvcache import kvcache_forward
+from .kernels.triton.kvcache import kvcache_forward
 from .spec import AttentionSpec, resolve_spec
 
 _NAME = "fusedattn.kvcache_attention"

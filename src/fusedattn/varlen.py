@@ -16,9 +16,9 @@ from typing import Optional
 from .checks import check_options, check_qkv, check_sinks, is_integer
 from .interface import (_backward_impl, _forward_impl, _resolve_backend, _unit_stride_head_dim, attention,
                         beyond_first_order, differentiable_grads)
-from .kernels.bwd import attention_backward
-from .kernels import packed_tiles
-from .kernels.fwd import attention_forward, hopper_supports
+from .kernels.triton.bwd import attention_backward
+from .kernels.shared import packed_tiles
+from .kernels.triton.fwd import attention_forward, hopper_supports
 from .spec import AttentionSpec, Packing, gradient_like, resolve_spec
 from .tuning.configs import band_window, select_configs
 
@@ -285,7 +285,7 @@ def _prepare_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, conf
     GPU waits on in a short step) spends nothing on it (kernels/packed_tiles.py)."""
     if packing.offsets_q is None or not hopper_supports(q4, k4, v4, spec, sinks):
         return
-    from .kernels.hopper import WG_ROWS  # Gluon: imported only where it runs (not under the interpreter)
+    from .kernels.gluon.common import WG_ROWS  # Gluon: imported only where it runs (not under the interpreter)
 
     forward, dkdv = configs.forward, configs.dkdv
     query_block = WG_ROWS * forward.hopper_split if forward.hopper_overlap is not None and forward.hopper_split \

@@ -36,8 +36,8 @@ def cache_path() -> Path:
 @functools.lru_cache(maxsize=1)
 def kernel_source_hash() -> str:
     digest = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.glob("*.py")):
-        digest.update(path.name.encode())
+    for path in sorted(KERNEL_DIR.rglob("*.py")):
+        digest.update(path.relative_to(KERNEL_DIR).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

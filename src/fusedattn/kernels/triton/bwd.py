@@ -44,15 +44,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..block_mask import EMPTY, BlockMask
-from ..spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, gradient_like, to_bhsd
-from ..tuning.configs import SHORT_KEYS, AttentionConfigs, KernelConfig
-from .block_range import key_blocks_for_query_block, query_blocks_for_key_block
-from . import tile_lists
+from ...block_mask import EMPTY, BlockMask
+from ...spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, gradient_like, to_bhsd
+from ...tuning.configs import SHORT_KEYS, AttentionConfigs, KernelConfig
+from ..shared.block_range import key_blocks_for_query_block, query_blocks_for_key_block
+from ..shared import tile_lists
 from .fwd import (bhs_strides, broadcast_args, dot_precision, gluon_mask_dkdv, gluon_reads_bias, hopper_supports,
                   mask_args, mask_descriptor, padded_dim, padded_dims, row_list_args, score_constants, sequence_args,
                   softcap_mode)
-from .launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, per_problem, per_problem_dict
+from ..shared.launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, per_problem, per_problem_dict
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
@@ -1123,7 +1123,7 @@ def gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, configs: Atte
     config = configs.gluon_dq
     if not takes_gluon_dq(config, spec, mask, bias, packing) or not hopper_supports(q, k, v, spec):
         return None
-    from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
+    from ..gluon import fwd as hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
     dq = gradient_like(q)
     return dq if hopper_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config) else None
@@ -1155,7 +1155,7 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
     if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias,
                                                             reads_bias=reads_bias):
         return False
-    from . import hopper_bwd
+    from ..gluon import bwd as hopper_bwd
 
     return hopper_bwd.computes_dq(q.shape[-1], config)
 
@@ -1173,7 +1173,7 @@ def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, pl
     ``hopper_bwd.sums_over_group`` says so, unless the plan walks the group (``group_walk``)."""
     if not plan.gluon_dkdv:
         return False
-    from . import hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
+    from ..gluon import bwd as hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
     heads_q = bhsd_shape(q, spec.layout)[1]
     heads_kv = bhsd_shape(k, spec.layout)[1]

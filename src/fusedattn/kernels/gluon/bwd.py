@@ -66,17 +66,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 
-from ..spec import AttentionSpec, to_bhsd
-from ..tuning.configs import KernelConfig
-from . import hopper
-from .block_range import query_blocks_for_key_block
-from .fwd import score_constants
-from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
+from ...spec import AttentionSpec, to_bhsd
+from ...tuning.configs import KernelConfig
+from . import common as hopper
+from ..shared.block_range import query_blocks_for_key_block
+from ..triton.fwd import score_constants
+from .common import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, packed_chunk_heads, packed_tile, row_stats_descriptor, store_sequence_rows,
                      tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
-from .launch import SLOT, Launcher, cdiv, per_problem
-from .memory import tma_addressable
-from . import packed_tiles
+from ..shared.launch import SLOT, Launcher, cdiv, per_problem
+from ..triton.memory import tma_addressable
+from ..shared import packed_tiles
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from ..spec import AttentionSpec, Packing
+from ...spec import AttentionSpec, Packing
 
 SEQUENCE, BLOCK, Q_START, SEQ_Q, K_START, SEQ_K = range(6)
 FIELDS = 6

@@ -19,8 +19,9 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..spec import UNBOUNDED, AttentionSpec
-from . import memory, packed_tiles
+from ...spec import UNBOUNDED, AttentionSpec
+from ..shared import packed_tiles
+from ..triton import memory
 
 LOG2E = 1.4426950408889634
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}

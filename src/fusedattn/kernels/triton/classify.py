@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, next_power_of_2
+from ..shared.launch import cdiv, next_power_of_2
 
 # As block_mask.py; tl.constexpr so that compiled kernels may read them (the interpreter reads any global).
 EMPTY, FULL, PARTIAL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)

@@ -24,7 +24,7 @@ import torch
 from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 
-from .memory import Descriptor
+from ..triton.memory import Descriptor
 
 _compiled: dict = {}
 DIRECT = True  # experiments: False launches every cached kernel through Triton's runner

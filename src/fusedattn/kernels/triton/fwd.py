@@ -16,16 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..block_mask import BlockMask
-from ..spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride
-from ..tuning.configs import KernelConfig
-from .block_range import key_blocks_for_query_block
-from .launch import cdiv, launch, next_power_of_2
+from ...block_mask import BlockMask
+from ...spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride
+from ...tuning.configs import KernelConfig
+from ..shared.block_range import key_blocks_for_query_block
+from ..shared.launch import cdiv, launch, next_power_of_2
 from .masking import ONE_ROW, adjust_scores, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
                      score_tiles_addressable, sequence_pair, store_tile, tile_ptrs)
 from .softmax import TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
-from .tile_lists import row_lists, rows_even, whole_and_even
+from ..shared.tile_lists import row_lists, rows_even, whole_and_even
 
 
 @triton.jit
@@ -306,7 +306,7 @@ def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=No
     (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``)."""
     if not q.is_cuda or sinks is not None or bias is not None and not (reads_bias and gluon_reads_bias(bias)):
         return False
-    from . import hopper  # Gluon: imported only where it runs (not under the interpreter)
+    from ..gluon import common as hopper  # Gluon: imported only where it runs (not under the interpreter)
 
     if not hopper.supports(q, k, v, spec):
         return False
@@ -344,12 +344,12 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
             else lse.fill_(float("-inf"))
     if config.hopper_overlap is not None:
         if packing is not None and hopper_supports(q, k, v, spec, sinks):
-            from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
+            from ..gluon import fwd as hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             if hopper_fwd.attention_forward(q, k, v, out, lse, spec, config, packing=packing):
                 return out, lse
         elif hopper_supports(q, k, v, spec, sinks, mask, bias, reads_bias=True):
-            from . import hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
+            from ..gluon import fwd as hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
             gluon_config, lists, even = config, None, False
             if mask is not None or bias is not None:

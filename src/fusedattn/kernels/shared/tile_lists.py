@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..block_mask import EMPTY, FULL, PARTIAL, BlockMask, reduce_chunks
-from ..spec import AttentionSpec
+from ...block_mask import EMPTY, FULL, PARTIAL, BlockMask, reduce_chunks
+from ...spec import AttentionSpec
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..spec import AttentionSpec
-from .block_range import key_blocks_for_rows, split_key_blocks
+from ...spec import AttentionSpec
+from ..shared.block_range import key_blocks_for_rows, split_key_blocks
 from .fwd import dot_precision, padded_dims, score_constants, softcap_mode
-from .launch import cdiv, launch, next_power_of_2
+from ..shared.launch import cdiv, launch, next_power_of_2
 from .masking import adjust_scores
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 

@@ -56,16 +56,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..spec import AttentionSpec, to_bhsd
-from ..tuning.configs import KernelConfig
-from .block_range import key_blocks_for_query_block
-from . import hopper
-from .fwd import score_constants
-from .hopper import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
+from ...spec import AttentionSpec, to_bhsd
+from ...tuning.configs import KernelConfig
+from ..shared.block_range import key_blocks_for_query_block
+from . import common as hopper
+from ..triton.fwd import score_constants
+from .common import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
                      log2_scores, packed_tile, sm_count, store_sequence_rows, turn_pass, turn_wait, window_bounds,
                      ws_registers)
-from .launch import SLOT, Launcher, cdiv, per_problem
-from . import packed_tiles
+from ..shared.launch import SLOT, Launcher, cdiv, per_problem
+from ..shared import packed_tiles
 
 
 # --------------------------------------------------------------------------- helpers

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..spec import bhsd_shape, bhsd_stride
+from ...spec import bhsd_shape, bhsd_stride
 
 
 @triton.jit
