@@ -28,6 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from fusedattn import dispatch  # noqa: E402
 from fusedattn.kernels.gluon import bwd as hopper_bwd  # noqa: E402
 from fusedattn.kernels.gluon import common as hopper  # noqa: E402
 from fusedattn.kernels.gluon import fwd as hopper_fwd  # noqa: E402
@@ -123,11 +124,11 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     # a mask of partial tiles (read through TMA or pointers) keeps the Triton kernels
     gluon_forward_runs = gluon_forward_runs and not (flags["HAS_MASK"] and flags["HAS_BIAS"])
     if (flags["HAS_MASK"] or flags["HAS_BIAS"]) and gluon_dkdv.hopper_overlap is not None:
-        gluon_forward = fwd.gluon_mask_forward(gluon_forward)
+        gluon_forward = dispatch.gluon_mask_forward(gluon_forward)
     if flags["HAS_MASK"] and gluon_dkdv.hopper_overlap is not None:
-        gluon_dkdv = fwd.gluon_mask_dkdv(gluon_dkdv)
+        gluon_dkdv = dispatch.gluon_mask_dkdv(gluon_dkdv)
     if gluon_dkdv.hopper_overlap is not None:  # the Triton kernel then runs the fallback's tiles
-        configs = replace(configs, dkdv=bwd.triton_dkdv_fallback(gluon_dkdv))
+        configs = replace(configs, dkdv=dispatch.triton_dkdv_fallback(gluon_dkdv))
     dq_atomic = {"dq_desc": f"tensordesc<fp32[1,{configs.dkdv.block_m},{block_d}]>"}
     dkdv_descs = descs(configs.dkdv.block_m, "q_desc", "do_desc")
     dq_descs = descs(configs.dq.block_n, "k_desc", "v_desc")
@@ -135,7 +136,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     # to a constant, as Triton does at launch for MHA), the same for GQA (group_size a runtime
     # value), the fused launch, the TMA-atomic launch.
     split = dict(ATOMIC_DQ=False, DQ_TMA=False)
-    triton_forward = fwd.triton_fallback(configs.forward) if configs.forward.hopper_overlap is not None \
+    triton_forward = dispatch.triton_fallback(configs.forward) if configs.forward.hopper_overlap is not None \
         else configs.forward
     if flags["HAS_BIAS"]:  # as fwd.attention_forward launches it
         triton_forward = replace(triton_forward, block_n=min(triton_forward.block_n, 64))

@@ -19,8 +19,7 @@ from dataclasses import replace
 import torch
 import triton.testing
 
-from fusedattn.kernels.triton.bwd import attention_backward
-from fusedattn.kernels.triton.fwd import attention_forward
+from fusedattn.dispatch import attention_backward, attention_forward
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import select_configs
 from fusedattn.tuning.search import DKDV_CANDIDATES, DQ_CANDIDATES, FORWARD_CANDIDATES, candidate_config

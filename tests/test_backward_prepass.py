@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from fusedattn import dispatch
 from fusedattn.kernels.triton import bwd
 from fusedattn.kernels.shared.launch import launch
 
@@ -81,6 +82,6 @@ def test_statistics_rows_are_padded_to_every_tile_height(gluon_rows):
     configs = replace(INTERPRETER_CONFIGS, dq=KernelConfig(128, 64, 8, 3), gluon_dq=gluon)
     q, k, v, out, dout = (torch.randn(1, 2, 100, 16) for _ in range(5))  # one 192-row tile: not 128-divisible
     spec = resolve_spec(16, layout="bhsd", causal=False, window=None, scale=None, softcap=None, deterministic=True)
-    plan = bwd._decide_backward(q, k, v, out, dout, None, spec, configs, None, None, bwd.DBIAS_OFF, None)
+    plan = dispatch._decide_backward(q, k, v, out, dout, None, spec, configs, None, None, bwd.DBIAS_OFF, None)
     heights = [configs.preprocess_block_m, configs.dkdv.block_m, configs.dq.block_m] + [gluon_rows] * bool(gluon_rows)
     assert plan.padded_rows >= 100 and all(plan.padded_rows % h == 0 for h in heights), (plan.padded_rows, heights)

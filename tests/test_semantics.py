@@ -382,16 +382,16 @@ def test_one_problem_with_alternating_strides_matches_reference(deterministic):
 def test_dkdv_program_order_changes_no_result(block_major, monkeypatch):
     """GQA causal: either order of the dK/dV programs matches the reference, and the gradients are
     bitwise those of the other order (each program sums its own key block; order only schedules)."""
-    from fusedattn.kernels.triton import bwd
+    from fusedattn import dispatch
 
     device = "cuda" if ON_GPU else "cpu"
     case = Case(1, 4, 2, 37, 53, 32, causal=True, dtype=_dtype(device))
     inputs = make_inputs(case, device)
-    monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", block_major)
+    monkeypatch.setattr(dispatch, "DKDV_BLOCK_MAJOR", block_major)
     check_case(case, "triton", device, inputs=inputs)
 
     def grads(major):
-        monkeypatch.setattr(bwd, "DKDV_BLOCK_MAJOR", major)
+        monkeypatch.setattr(dispatch, "DKDV_BLOCK_MAJOR", major)
         with fusedattn.use_backend("triton"):
             return forward_backward(lambda *t: fusedattn.attention(*t, causal=True, return_lse=True), *inputs)[2:]
 

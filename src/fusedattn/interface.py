@@ -21,8 +21,9 @@ from torch.autograd import forward_ad
 from . import cpu
 from .block_mask import BlockMask
 from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
-from .kernels.triton.bwd import attention_backward, row_bias_gradient, sink_gradient_from_outputs
-from .kernels.triton.fwd import attention_forward, _forward_kernel
+from .dispatch import attention_backward, attention_forward
+from .kernels.triton.bwd import row_bias_gradient, sink_gradient_from_outputs
+from .kernels.triton.fwd import _forward_kernel
 from .spec import AttentionSpec, bhsd_shape, gradient_like, resolve_spec
 from .tuning.configs import band_window, select_configs
 

@@ -16,9 +16,8 @@ from typing import Optional
 from .checks import check_options, check_qkv, check_sinks, is_integer
 from .interface import (_backward_impl, _forward_impl, _resolve_backend, _unit_stride_head_dim, attention,
                         beyond_first_order, differentiable_grads)
-from .kernels.triton.bwd import attention_backward
 from .kernels.shared import packed_tiles
-from .kernels.triton.fwd import attention_forward, hopper_supports
+from .dispatch import attention_backward, attention_forward, hopper_supports
 from .spec import AttentionSpec, Packing, gradient_like, resolve_spec
 from .tuning.configs import band_window, select_configs
 

@@ -19,8 +19,7 @@ from typing import Callable
 
 import torch
 
-from ..kernels.triton.bwd import attention_backward
-from ..kernels.triton.fwd import attention_forward
+from ..dispatch import attention_backward, attention_forward
 from ..reference import reference_attention
 from ..spec import AttentionSpec, resolve_spec
 from ..validate import compare_to_reference
