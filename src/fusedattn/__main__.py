@@ -1,7 +1,7 @@
 """``python -m fusedattn``: the quick tour on whatever device is here.
 
 1. A correctness check: fusedattn against the float64 reference on a few shapes that
-   exercise every feature of this release, forward and backward (SPEC 4 rule).
+   exercise every feature of this release, forward and backward (docs/SEMANTICS.md, "Correctness rule").
 2. A small benchmark next to torch SDPA (on a GPU: D=128, S=1k and 4k; on a CPU: the
    PyTorch path against SDPA's default CPU backend, B=1, H=8, D=64, S=1k).
 """

@@ -1,4 +1,4 @@
-"""Boolean masks classified by tile, built once and shared (SPEC 3.3; issue 4).
+"""Boolean masks classified by tile, built once and shared (docs/SEMANTICS.md, "`BlockMask`").
 
 A ``BlockMask`` holds, for a boolean attention mask broadcastable to (B, Hq, Sq, Sk), the
 state of every (query tile, key tile) of a fine grid -- ``EMPTY`` (no entry kept), ``FULL``

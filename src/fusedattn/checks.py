@@ -1,4 +1,4 @@
-"""Input validation (SPEC 3.7): every bad input becomes a ValueError or TypeError that
+"""Input validation (docs/SEMANTICS.md, "Errors"): every bad input becomes a ValueError or TypeError that
 names the argument, what was given and what was expected -- never a Triton compile
 error, an illegal memory access or a silently wrong result."""
 
@@ -17,7 +17,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 8, 256
 
 
-class Shapes(NamedTuple):  # a tuple: made on every call (a frozen dataclass took 5x the host time)
+class Shapes(NamedTuple):  # a tuple: made on every call (a frozen dataclass measured slower)
     batch: int
     heads_q: int
     heads_kv: int
@@ -75,9 +75,9 @@ def check_options(*, layout, causal, window, scale, softcap, deterministic, retu
 
 
 def check_qkv(q, k, v, layout: str, caller: str = "fusedattn.attention", packed: bool = False) -> Shapes:
-    """The shapes of q, k, v checked (SPEC 3.6, 3.7); ``packed``: the (total tokens, heads, head dim)
+    """The shapes of q, k, v checked; ``packed``: the (total tokens, heads, head dim)
     tensors of ``varlen_attention``, checked as one batch. The messages are made only on failure:
-    every call runs these checks (a short step's host time, NOTES.md v48)."""
+    every call runs these checks (they count in a short step's host time)."""
     rank = 3 if packed else 4
 
     def dims() -> str:
@@ -145,7 +145,7 @@ def check_heads_and_dims(caller: str, heads_q: int, heads_kv: int, head_dim: int
 
 
 def check_sinks(sinks, q: torch.Tensor, heads_q: int) -> None:
-    """sinks: None or a floating (Hq,) tensor on q's device (SPEC 2, 3.5)."""
+    """sinks: None or a floating (Hq,) tensor on q's device."""
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor):
@@ -161,7 +161,7 @@ def check_sinks(sinks, q: torch.Tensor, heads_q: int) -> None:
 
 
 def check_broadcast_4d(name: str, t, shapes: Shapes, q: torch.Tensor) -> torch.Tensor:
-    """A mask or bias broadcastable to (B, Hq, Sq, Sk) (SPEC 3.3), returned as a 4-D view: fewer
+    """A mask or bias broadcastable to (B, Hq, Sq, Sk), returned as a 4-D view: fewer
     dims are leading 1s (as torch broadcasting); B, Sq, Sk each 1 or full, H one of 1, Hkv, Hq."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fusedattn.attention: `{name}` must be a torch.Tensor, got {type(t).__name__}")

@@ -1,4 +1,4 @@
-"""Attention for CPU tensors (SPEC 3.8): the same semantics, forward/backward split and autograd as
+"""Attention for CPU tensors: the same semantics, forward/backward split and autograd as
 the Triton kernels, in O(B * H * Sq * chunk) memory (never an (Sq, Sk) buffer), computed in float32
 whatever the input dtype.
 
@@ -106,7 +106,7 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
 
 def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
             bias: torch.Tensor | None = None):
-    """(out, lse) of SPEC 3 for CPU tensors: out in q's layout and dtype, lse (B, Hq, Sq) float32."""
+    """(out, lse) of attention for CPU tensors: out in q's layout and dtype, lse (B, Hq, Sq) float32."""
     if q.is_cpu and uses_fused_kernel(spec, mask, bias):
         return _fused_forward(q, k, v, spec, sinks)
     return _math_forward(q, k, v, spec, sinks, mask, bias)
@@ -127,7 +127,7 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
     if sinks is None:
         row_max = qg.new_full((b, hkv, g, seqlen_q, 1), float("-inf"))
         row_sum = qg.new_zeros((b, hkv, g, seqlen_q, 1))
-    else:  # the sink is one more logit of every row (SPEC 3.5): start as if it had been seen
+    else:  # the sink is one more logit of every row: start as if it had been seen
         row_max = sinks.float().view(1, hkv, g, 1, 1).expand(b, hkv, g, seqlen_q, 1)
         row_sum = qg.new_ones((b, hkv, g, seqlen_q, 1))
     acc = qg.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
@@ -161,7 +161,7 @@ def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: BlockMask
 
 
 def rows_with_keys(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int) -> tuple[int, int]:
-    """[first, end): the query rows that see at least one key under the causal/window rule (SPEC 3.2);
+    """[first, end): the query rows that see at least one key under the causal/window rule;
     the rows outside it see none (out 0, lse -inf). Window sides are >= 0 or UNBOUNDED."""
     if seqlen_k == 0:
         return 0, 0
@@ -173,7 +173,7 @@ def rows_with_keys(seqlen_q: int, seqlen_k: int, window_left: int, window_right:
 
 def visible_keys(query_start: int, query_end: int, seqlen_q: int, seqlen_k: int, window_left: int,
                  window_right: int) -> tuple[int, int, int, int]:
-    """(lo, hi, full_lo, full_hi) for the rows [query_start, query_end) (SPEC 3.2, clipped to the keys):
+    """(lo, hi, full_lo, full_hi) for the rows [query_start, query_end) (clipped to the keys):
     [lo, hi) holds every key some row of them sees, [full_lo, full_hi) the keys all of them see (empty
     when full_hi <= full_lo). Both ends of a row's range grow with the row, so the block's first and
     last rows bound them."""
@@ -423,7 +423,7 @@ def _fused_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None):
     if out is None:  # no row sees a key
         out = qh.new_zeros((batch, heads_q, seqlen_q, width), dtype=torch.float32)
         lse = qh.new_full((batch, heads_q, seqlen_q), float("-inf"), dtype=torch.float32)
-    if sinks is not None:  # the sink: one more logit, of output 0 (SPEC 3.5)
+    if sinks is not None:  # the sink: one more logit, of output 0
         _merge_into(out, lse, None, sinks.float().view(1, heads_q, 1).expand_as(lse))
     return _in_layout(out, spec.layout, q.dtype, head_dim_v), lse.contiguous()
 
@@ -564,7 +564,7 @@ def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias):
         shape = (b, hkv, g, q1 - q0, 1)
         if sinks is None:
             row_max, row_sum = q_rows.new_full(shape, float("-inf")), q_rows.new_zeros(shape)
-        else:  # the sink is one more logit of every row (SPEC 3.5): start as if it had been seen
+        else:  # the sink is one more logit of every row: start as if it had been seen
             row_max, row_sum = lse[..., q0:q1].unsqueeze(-1).clone(), q_rows.new_ones(shape)
         acc = q_rows.new_zeros((*shape[:-1], head_dim_v))
         for k0, k1, whole in key_tiles:

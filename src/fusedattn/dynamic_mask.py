@@ -1,4 +1,4 @@
-"""Dynamic masks in the spirit of Flash Dynamic Mask Attention (issue 4, SPEC 2).
+"""Dynamic masks in the spirit of Flash Dynamic Mask Attention (docs/SEMANTICS.md, "Top-k masks").
 
 ``topk_mask`` keeps, per query row, the k allowed keys with the largest score::
 
@@ -9,7 +9,7 @@
 the largest pooled score, as a ``BlockMask`` of whole blocks, so the kernels skip every other
 tile without reading any mask.
 
-"Allowed" is the keep rule of SPEC 3.2 (``causal`` / ``window``, bottom-right aligned), the
+"Allowed" is the keep rule (``causal`` / ``window``, bottom-right aligned), the
 same one ``attention`` applies. Scores of -inf or NaN are never kept; a row (or query block)
 with fewer than k allowed, finite candidates keeps all of them. Ties are broken by
 ``torch.topk`` (unspecified order). Both work on row chunks, so temporaries stay small next to

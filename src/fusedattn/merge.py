@@ -6,7 +6,7 @@ lse_i = log of its softmax denominator. The whole is
 
     lse = log(sum_i exp(lse_i)),    out = sum_i exp(lse_i - lse) * out_i
 
-computed in fp32 (float64 for float64 inputs). A part that saw no key (lse_i = -inf, out_i = 0, SPEC 3.1) weighs 0; a row no
+computed in fp32 (float64 for float64 inputs). A part that saw no key (lse_i = -inf, out_i = 0) weighs 0; a row no
 part saw gets out = 0, lse = -inf, and zero gradients (never NaN). Plain PyTorch ops: autograd
 gives the gradients of every out_i and lse_i.
 """

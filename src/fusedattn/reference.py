@@ -1,8 +1,8 @@
-"""The semantics of SPEC 3 in plain PyTorch: the specification in code.
+"""The semantics of docs/SEMANTICS.md in plain PyTorch: the specification in code.
 
 Materialises the (B, H, Sq, Sk) score matrix, so it is for tests and small inputs.
 Run it in float64 for the ground truth, or in the input dtype for the "eager
-low-precision" error that sets the test tolerance (SPEC 4). Differentiable through
+low-precision" error that sets the test tolerance (docs/SEMANTICS.md, "Correctness rule"). Differentiable through
 autograd, including ``lse``.
 """
 
@@ -72,7 +72,7 @@ def reference_attention(
 
 
 def _expand_heads(t: torch.Tensor, heads_q: int) -> torch.Tensor:
-    """Broadcast a (B|1, H|Hkv|1, Sq|1, Sk|1) tensor's head dim to Hq (SPEC 3.3)."""
+    """Broadcast a (B|1, H|Hkv|1, Sq|1, Sk|1) tensor's head dim to Hq."""
     heads = t.shape[1]
     if heads not in (1, heads_q):
         t = t.repeat_interleave(heads_q // heads, dim=1)

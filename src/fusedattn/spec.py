@@ -22,7 +22,7 @@ class AttentionSpec:
     """Resolved options of one attention call.
 
     ``window_left`` / ``window_right`` bound the keys a query may see around the
-    bottom-right aligned diagonal (SPEC 3.2); ``UNBOUNDED`` (-1) means no bound.
+    bottom-right aligned diagonal; ``UNBOUNDED`` (-1) means no bound.
     ``softcap`` is 0.0 when off.
     """
 
@@ -117,7 +117,7 @@ def keep_mask(
     query_end: int | None = None,
 ) -> torch.Tensor:
     """(query_end - query_start, key_end - key_start) bool, by default (Sq, Sk): query i may
-    attend key j (SPEC 3.2, bottom-right aligned).
+    attend key j (bottom-right aligned).
 
     The host-side statement of the rule, used by the reference, the CPU path and the dynamic
     masks; the kernels' ``masking.apply_mask`` computes the same predicate per tile.
@@ -142,7 +142,7 @@ def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 def bhsd_shape(t: torch.Tensor, layout: str) -> tuple:
     """``to_bhsd(t, layout).shape`` without making the view (a host-time matter: a short training
-    step asks for shapes and strides dozens of times, ~3 us a view on the GPU machine's host)."""
+    step asks for shapes and strides dozens of times, and every view costs host time)."""
     shape = t.shape
     return (shape[0], shape[2], shape[1], shape[3]) if layout == "bshd" else tuple(shape)
 

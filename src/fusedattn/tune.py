@@ -5,7 +5,7 @@
     python -m fusedattn.tune --head-dims 128 --causal --softcap 30
 
 Times candidate launch configs on this GPU (tuning/search.py: every candidate must pass the
-SPEC 4 correctness rule first) and writes the fastest into the tuning cache
+correctness rule first) and writes the fastest into the tuning cache
 (``$FUSEDATTN_TUNING_CACHE`` or ``~/.cache/fusedattn/tuning.json``), keyed by everything that
 changes the compiled kernels. Later processes use those entries automatically; one changed
 kernel source, package version, Triton version or GPU makes them stale (never used). Delete

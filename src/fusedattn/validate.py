@@ -1,4 +1,4 @@
-"""The correctness rule of SPEC 4, shared by the test-suite and ``python -m fusedattn``:
+"""The correctness rule (docs/SEMANTICS.md, "Correctness rule"), shared by the test-suite and ``python -m fusedattn``:
 
     max|ours - ref64| <= 2 * max|eager_lowp - ref64| + 1e-5
 

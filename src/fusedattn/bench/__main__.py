@@ -1,6 +1,6 @@
 """Benchmark fusedattn against its peers, side by side in one process.
 
-    python -m fusedattn.bench                 # SPEC 5 standard shapes, all installed peers
+    python -m fusedattn.bench                 # the standard shapes, all installed peers
     python -m fusedattn.bench --quick         # D=128, S in {1k, 4k}
     python -m fusedattn.bench --systems fusedattn,sdpa-cudnn,flex
     python -m fusedattn.bench --variants      # bias, softcap, window, sinks, GQA, mask, top-k rows (bench/variants.py)
@@ -32,7 +32,6 @@ import json
 import platform
 import re
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -41,15 +40,17 @@ import fusedattn
 
 from . import gpu_state
 from .systems import CPU_SYSTEMS, SYSTEMS, Shape, Unavailable, agreement, disagreement, failure_note, stored_as
+from .timing import graph_ms, median_ms, progress
 
-TOKENS, HIDDEN = 16384, 2048  # SPEC 5: B * S = 16k tokens, H * D = 2048
+TOKENS, HIDDEN = 16384, 2048  # the standard shapes: B * S = 16k tokens, H * D = 2048
 
 
-GQA_HEADS = (16, 2)  # BENCHMARKS.md's grouped-query case: B=4, 16 query heads / 2 key-value heads, S=4k, D=128
+GQA_HEADS = (16, 2)  # the grouped-query case: B=4, 16 query heads / 2 key-value heads, S=4k, D=128
 
 
 def standard_shapes(quick: bool = False, head_dims=None, seqlens=None) -> list[Shape]:
-    """SPEC 5's shapes, then the grouped-query shapes where D=128 and S=4k are among them."""
+    """The standard shapes (docs/PERFORMANCE.md, "Method"), then the grouped-query
+    shapes where D=128 and S=4k are among them."""
     head_dims = head_dims or ((128,) if quick else (64, 128))
     seqlens = seqlens or ((1024, 4096) if quick else (1024, 4096, 16384))
     shapes = [Shape(TOKENS // s, HIDDEN // d, s, d, causal) for d in head_dims for s in seqlens for causal in (False, True)]
@@ -63,7 +64,7 @@ CPU_WINDOW = 1024  # the CPU window row's keys per query (bench/variants.py's sl
 
 
 def cpu_shapes() -> list[Shape]:
-    """The CPU rows: B=1, H=8, D=64 (the hardening issue's shape), float32, S in {1k, 4k}, causal and
+    """The CPU rows: B=1, H=8, D=64, float32, S in {1k, 4k}, causal and
     not; GQA 8/2 at 4k, causal and not; a causal sliding window of CPU_WINDOW keys at 4k (SDPA: a
     dense mask); the 1k causal row in bf16."""
     shapes = [Shape(1, 8, s, 64, causal, torch.float32) for s in (1024, 4096) for causal in (False, True)]
@@ -71,68 +72,6 @@ def cpu_shapes() -> list[Shape]:
     shapes.append(Shape(1, 8, 4096, 64, True, torch.float32, window=CPU_WINDOW))
     shapes.append(Shape(1, 8, 1024, 64, True, torch.bfloat16))
     return shapes
-
-
-def _progress(items, desc):
-    try:
-        from tqdm import tqdm
-
-        return tqdm(items, desc=desc, unit="run", dynamic_ncols=True)
-    except ImportError:
-        return items
-
-
-def _median_ms(fn, grad_to_none=None) -> float:
-    if torch.cuda.is_available():
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
-    fn()  # warm up
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-        if grad_to_none:
-            for t in grad_to_none:
-                t.grad = None
-    return sorted(times)[len(times) // 2]
-
-
-def capture_graph(step, warmups: int = 3, before_each=None) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``step``, captured after ``warmups`` calls on a side stream (as
-    torch.cuda.graphs asks: compilation and allocator warm-up stay out of the graph);
-    ``before_each`` runs before every warm-up call and before the capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            if before_each:
-                before_each()
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    if before_each:
-        before_each()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
-def _graph_ms(step, grad_to_none=None) -> float:
-    """Median time of replays of a CUDA graph of ``step`` (captured after warm-up on a side stream,
-    as torch.cuda.graphs asks): the GPU's time for the step, without the host's launch time."""
-    def clear_grads():
-        for t in grad_to_none or ():
-            t.grad = None
-
-    # gradients cleared before the capture: captured as fresh tensors in the graph's pool, rewritten by each replay
-    graph = capture_graph(step, before_each=clear_grads)
-    try:
-        return _median_ms(graph.replay)
-    finally:
-        clear_grads()
-        del graph
 
 
 def _inputs(shape: Shape, device, layout: str = "bhsd"):
@@ -161,20 +100,20 @@ def measure(system, shape: Shape, device, baseline_out=None) -> tuple[dict, torc
             out = fn(q, k, v)
             if baseline_out is not None:  # before any timing: a wrong answer is known before its time
                 row.update(agreement(out, baseline_out))
-            fwd_ms = _median_ms(lambda: fn(q, k, v))
+            fwd_ms = median_ms(lambda: fn(q, k, v))
         leaves = [t.requires_grad_() for t in (q, k, v)]
 
         def step():
             fn(*leaves).backward(dout)
 
-        fwdbwd_ms = _median_ms(step, grad_to_none=leaves)
+        fwdbwd_ms = median_ms(step, grad_to_none=leaves)
         if torch.cuda.is_available():
             # the clock the sustained fwd+bwd timing ended at, and what limited it (gpu_state.py)
             row["gpu_state"] = gpu_state.query()
             try:
                 with torch.no_grad():
-                    row["graph_fwd_ms"] = _graph_ms(lambda: fn(q, k, v))
-                row["graph_fwdbwd_ms"] = _graph_ms(step, grad_to_none=leaves)
+                    row["graph_fwd_ms"] = graph_ms(lambda: fn(q, k, v))
+                row["graph_fwdbwd_ms"] = graph_ms(step, grad_to_none=leaves)
             except Exception as e:  # noqa: BLE001  a peer that cannot be captured keeps its eager times
                 row["graph_note"] = f"graph capture fails: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     except Unavailable as e:
@@ -272,7 +211,7 @@ def run(shapes, systems, device, on_row=None, rounds: int = 1) -> list[dict]:
             for system in systems[r % len(systems):] + systems[:r % len(systems)]]
     rows, baseline = [], {}
     measured = {(shape.name, system.name): [] for shape in shapes for system in systems}
-    for shape, system in _progress(work, "benchmark"):
+    for shape, system in progress(work, "benchmark"):
         row, out = measure(system, shape, device, baseline.get(shape.name))
         if system.name == "fusedattn" and out is not None:
             baseline.setdefault(shape.name, out)
@@ -364,8 +303,8 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="D=128, S in {1k, 4k} only")
     parser.add_argument("--systems", default=None, help="comma-separated subset of system names")
-    parser.add_argument("--head-dims", default=None, help="e.g. 64,128 (default: SPEC 5's 64 and 128)")
-    parser.add_argument("--seqlens", default=None, help="e.g. 1024,4096 (default: SPEC 5's 1k, 4k, 16k)")
+    parser.add_argument("--head-dims", default=None, help="e.g. 64,128 (default: the standard 64 and 128)")
+    parser.add_argument("--seqlens", default=None, help="e.g. 1024,4096 (default: the standard 1k, 4k, 16k)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="measure every system this many times per shape, in rotated order, and keep the "
                              "medians (default: 3)")
@@ -377,18 +316,18 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default=None,
                         help="with --variants: comma-separated words; the rows whose name contains one of them")
     parser.add_argument("--packed", action="store_true",
-                        help="issue 5's rows: varlen training on 16 packed documents (vs Flex's document mask and "
+                        help="varlen training on 16 packed documents (vs Flex's document mask and "
                              "SDPA on the padded batch)")
     parser.add_argument("--backward-on-caller", action="store_true",
                         help="run every system's backward on the calling thread "
                              "(torch.autograd.set_multithreading_enabled(False)) instead of the autograd engine's "
                              "device thread: what a short step's host time is without the engine's thread hand-off")
     parser.add_argument("--decode", action="store_true",
-                        help="issue 5's rows: decoding over a KV cache, contiguous and paged (bandwidth vs the "
+                        help="decoding over a KV cache, contiguous and paged (bandwidth vs the "
                              "device-to-device copy; vs SDPA and Flex)")
     args = parser.parse_args(argv)
     # Thread-local: the whole run happens on this thread. A graph's replay runs no Python, so only the
-    # eager times can change (NOTES.md v50).
+    # eager times can change.
     with torch.autograd.set_multithreading_enabled(not args.backward_on_caller):
         return _main(args, parser)
 

@@ -1,4 +1,4 @@
-"""Issue 5's decoding rows: one new query token per sequence over a KV cache, side by side in one process.
+"""The decoding rows: one new query token per sequence over a KV cache, side by side in one process.
 
     python -m fusedattn.bench --decode
 
@@ -11,12 +11,12 @@ contiguous cache, at the cache sizes in ``PEER_CACHES``.
 Time of a step (``step_us``): the GPU's time from a clean L2, as a serving loop's graph runs it --
 the difference between a CUDA graph of 10 x (L2 flush, step) and one of 10 x (L2 flush), over 10.
 The flush *reads* 256 MB, leaving L2 full of clean lines. Two things this keeps out of a small
-step's time (B=1 at 8k reads 34 MB in ~20 us): a whole graph's launch latency (~4 us on the H100,
-paid once per model step, not per layer), and the write-back of the ~50 MB of dirty lines that a
+step's time (B=1 at 8k reads only 34 MB): a whole graph's launch latency (paid once per model
+step, not per layer), and the write-back of the ~50 MB of dirty lines that a
 writing flush (``triton.testing.do_bench``'s ``zero_``) leaves in L2. The do_bench figure of a
 one-step graph is reported beside it (``us_dobench``) for every row.
 
-Bandwidth = bytes of K and V read / time. The bar (issue 5): at least 70% of the device-to-device copy
+Bandwidth = bytes of K and V read / time. The bar: at least 70% of the device-to-device copy
 bandwidth at caches of 8k and more, the copy counted as bytes read plus bytes written (a large
 ``copy_`` measured in the same run).
 """
@@ -29,8 +29,8 @@ import torch
 
 import fusedattn
 
-from .__main__ import _graph_ms, _progress, capture_graph
 from .systems import failure_note
+from .timing import capture_graph, graph_ms, progress
 
 HQ, HKV, D = 32, 8, 128
 BATCHES = (1, 8, 64)
@@ -44,7 +44,7 @@ def copy_bandwidth(gib: int = 2) -> float:
     """Device-to-device copy bandwidth in GB/s, bytes read + bytes written (a graph of one copy_)."""
     src = torch.empty(gib * 2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = _graph_ms(lambda: dst.copy_(src))
+    ms = graph_ms(lambda: dst.copy_(src))
     del src, dst
     torch.cuda.empty_cache()
     return 2 * gib * 2**30 / ms / 1e6
@@ -139,7 +139,7 @@ def measure(name: str, make, cache: Cache, copy_gbps: float, reference: torch.Te
         if reference is not None:
             row["max_diff_vs_ours"] = (out.float() - reference.float()).abs().max().item()
         us = step_us(step, flush)
-        row["us_dobench"] = _graph_ms(step) * 1e3
+        row["us_dobench"] = graph_ms(step) * 1e3
     except Exception as e:  # a peer failing on a shape is a result
         row["note"] = failure_note(e)
         return row
@@ -158,7 +158,7 @@ def run(on_row=None) -> list[dict]:
     flush = L2Flush()
     rows = []
     jobs = [(b, s) for s in CACHES for b in BATCHES]
-    for batch, size in _progress(jobs, "decode"):
+    for batch, size in progress(jobs, "decode"):
         cache = Cache(batch, size)
         ours = None
         for page in PAGES:

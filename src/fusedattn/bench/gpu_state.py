@@ -1,8 +1,8 @@
 """The GPU's clock and power state, read with ``nvidia-smi`` next to the bench's timings.
 
 Why: under a sustained load an H100 runs at its board power limit (700 W), and its SM clock then
-falls from 1980 MHz to 1550-1800 MHz depending on how much power the running kernels draw
-(benchmarks/NOTES.md v43). Two kernels with the same SM cycles can then take different times, and
+falls from its 1980 MHz boost clock, the further the more power the running kernels draw.
+Two kernels with the same SM cycles can then take different times, and
 a ratio measured in a short burst (boost clock) differs from one measured at the cap by a few %.
 Each bench row records the state right after its fwd+bwd timing, so a reader sees which regime a
 ratio was measured in. Nothing here changes a clock or a limit.

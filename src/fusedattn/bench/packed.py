@@ -1,4 +1,4 @@
-"""Issue 5's rows: training on packed documents (varlen), side by side in one process.
+"""The packed rows: training on packed documents (varlen), side by side in one process.
 
     python -m fusedattn.bench --packed
 
@@ -23,6 +23,7 @@ import fusedattn
 
 from . import gpu_state
 from .systems import Unavailable, failure_note
+from .timing import progress
 from .variants import time_step
 
 DOCS, TOTAL, H, D = 16, 16384, 16, 128
@@ -37,7 +38,7 @@ def document_lengths(seed: int = 0) -> list[int]:
 
 
 def causal_flops(lengths: list[int]) -> float:
-    """Forward FLOPs of causal attention within each document (SPEC 5's convention: 4*S*S*D*H/2,
+    """Forward FLOPs of causal attention within each document (the bench's FLOP convention: 4*S*S*D*H/2,
     counted exactly as the kept pairs: S*(S+1)/2)."""
     return sum(4.0 * H * D * n * (n + 1) / 2 for n in lengths)
 
@@ -174,12 +175,10 @@ def check_agreement(data: Packed) -> float:
 
 
 def run(on_row=None) -> list[dict]:
-    from .__main__ import _progress
-
     data = Packed(document_lengths())
     diff = check_agreement(data)
     rows = []
-    for name in _progress(list(SYSTEMS), "packed"):
+    for name in progress(list(SYSTEMS), "packed"):
         row = measure(name, data)
         if name.startswith("fusedattn-varlen"):
             row["max_diff_vs_padded_dense"] = diff

@@ -47,7 +47,7 @@ class Shape:
         return f"D{self.head_dim}-S{self.seqlen}{group}{window}-{'causal' if self.causal else 'full'}{dtype}"
 
     def flops(self, mode: str) -> float:
-        """SPEC 5: forward 4*B*H*S*S*D (H: query heads), halved for causal (with a window: 4*B*H*D per
+        """FLOPs: forward 4*B*H*S*S*D (H: query heads), halved for causal (with a window: 4*B*H*D per
         kept pair); backward 2.5x forward."""
         pairs = self.seqlen * self.seqlen
         if self.window:
@@ -202,8 +202,8 @@ _TRITON_KERNELS_NAMES = {"triton_kernels.matmul_ogs": ("matmul_ogs", "PrecisionC
 
 # flash-sparse-attn autotunes each kernel per problem on its first call and keeps the winner in a
 # launch-config folder of its own (one JSON per GPU name), which it reads before autotuning again.
-# Its autotune took up to ~3 minutes a kernel on the GPU machine, its configurations compiled
-# beforehand (NOTES.md v50): longer than a bench run can give every row. So the bench points it at
+# Its autotune took minutes a kernel, even with its configurations compiled
+# beforehand: longer than a bench run can give every row. So the bench points it at
 # winners kept with the results (it autotunes, and adds to the folder, any problem not in there
 # yet); FLASH_SPARSE_ATTENTION_LAUNCH_CONFIG_DIR set by the caller wins.
 FSA_LAUNCH_CONFIGS = Path("benchmarks/fsa_launch_config")
@@ -219,7 +219,7 @@ def flash_sparse_bias_attn_func():
     """flash-sparse-attn's Triton kernel with a trainable bias, or Unavailable:
     ``triton_sparse_attn_func(q, k, v, attn_bias, is_causal)``, (B, S, H, D) tensors, a (B, H, Sq|1,
     Sk) bias in their dtype, its gradient returned. 2.0.6 keeps it under ``deprecated`` (the
-    flash-dmattn kernel BENCHMARKS.md names); its dense kernels take no bias."""
+    flash-dmattn kernel); its dense kernels take no bias."""
     return _flash_sparse_attn("flash_sparse_attn.deprecated.flash_sparse_attn_triton", "triton_sparse_attn_func")
 
 

@@ -1,4 +1,4 @@
-"""The variant rows of BENCHMARKS.md: fusedattn with a feature on, next to its own plain kernel
+"""The variant rows: fusedattn with a feature on, next to its own plain kernel
 and the peers that can run the same variant, side by side in one process.
 
     python -m fusedattn.bench --variants
@@ -7,10 +7,10 @@ B=4, H=16, S=4096, D=128, bf16. Each row times the forward and forward+backward 
 every trainable input: q, k, v and the bias or sinks) and records the peak memory the step
 allocates beyond its inputs. Mask structures are built once per input, outside the timed steps, as
 a training step shares them across layers: Flex's block mask, fusedattn's BlockMask (a bool mask
-passed per call is classified per call instead: +1 to +3 ms at this shape, benchmarks/NOTES.md
-v23). TFLOP/s count only the kept fraction of the score matrix (causal,
-window, mask), as BENCHMARKS.md does. Each peer's output is checked against fusedattn's on the
-same inputs (``output_agrees``). Bars (issue 4): a variant keeps >= 0.8x the plain kernel
+passed per call is classified per call instead, which would add that work to every timed step).
+TFLOP/s count only the kept fraction of the score matrix (causal,
+window, mask), so a kernel that skips masked tiles gets credit for it. Each peer's output is
+checked against fusedattn's on the same inputs (``output_agrees``). Bars: a variant keeps >= 0.8x the plain kernel
 and >= 1.5x FlexAttention on the same variant; a trainable (B,H,S,S) bias >= 0.6x plain and
 >= 2x FlexAttention; top-k 1024 with a trainable bias >= 3x the best peer; block-sparse top-k at
 25% density >= 3x faster than the dense plain kernel (its "vs plain" ratio).
@@ -29,6 +29,7 @@ import fusedattn
 from . import gpu_state
 from .systems import (Unavailable, agreement, disagreement, failure_note, flaggems_attention, flash_dense_attn_func,
                       flash_sparse_bias_attn_func, stored_as)
+from .timing import progress
 
 B, H, S, D = 4, 16, 4096, 128
 WINDOW = 1024  # keys each query sees in the sliding-window row, itself included
@@ -347,11 +348,9 @@ def run(on_row=None, only: list[str] | None = None) -> list[dict]:
     """Every variant on every system (``only``: the variants whose name contains one of the words);
     each peer's output checked against fusedattn's on the same inputs (the plain kernel's inputs
     differ: it is not checked)."""
-    from .__main__ import _progress
-
     chosen = [v for v in VARIANTS if only is None or any(word in v.name for word in only)]
     rows, ours = [], {}
-    for variant, system in _progress([(v, s) for v in chosen for s in SYSTEMS], "variants"):
+    for variant, system in progress([(v, s) for v in chosen for s in SYSTEMS], "variants"):
         checked = system not in ("fusedattn", "fusedattn-plain")
         row, out = measure(variant, system, ours.get(variant.name) if checked else None)
         if system == "fusedattn":

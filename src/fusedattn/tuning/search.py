@@ -4,7 +4,7 @@ For one cache key (dtype, head dims, window/softcap flags, key-length class) it 
 forward, then the dK/dV pass, then the Triton dQ pass, then the Gluon dQ pass against it (each
 with the winners so far, i.e. a coordinate search starting from the heuristic), and stores the
 result with
-``TuningCache.put``. A candidate is timed only after it passed the SPEC 4 correctness rule on
+``TuningCache.put``. A candidate is timed only after it passed the correctness rule on
 a small problem with odd lengths and the same features (a tuned config can never be a wrong
 one); one that does not compile (shared memory, registers) is skipped.
 
@@ -26,7 +26,7 @@ from ..validate import compare_to_reference
 from .configs import SHORT_KEYS, AttentionConfigs, KernelConfig
 
 # (block_m, block_n, num_warps, num_stages) candidates per kernel: the H200 sweeps of
-# benchmarks/tune.py (NOTES.md v8-v12) kept every config that won or came within 5% somewhere.
+# benchmarks/tune.py kept every config that won or came close to winning somewhere.
 # Further entries pick a Gluon kernel: (hopper_overlap[, hopper_split, hopper_pingpong]); where
 # the problem is not one it supports, the Triton kernel runs (tuning/configs.py,
 # fwd.triton_fallback, bwd.triton_dkdv_fallback).
@@ -51,7 +51,7 @@ DQ_CANDIDATES = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 
 # dQ has a pass of its own on Hopper: deterministic mode), as (block_m, block_n, num_warps,
 # num_stages, hopper_overlap, hopper_split, hopper_pingpong): 128-row tiles of 2 warpgroups taking
 # turns (the heuristic's, 64-key steps and 3 stages), 128-key steps, no turns, and 192-row tiles of
-# 3 warpgroups (NOTES.md v45, v46). None -- the Triton dQ pass -- is always a candidate.
+# 3 warpgroups. None -- the Triton dQ pass -- is always a candidate.
 GLUON_DQ_CANDIDATES = [(128, 64, 4, 3, 0, 2, 1), (128, 64, 4, 2, 0, 2, 1), (128, 128, 4, 2, 0, 2, 1),
                        (128, 64, 4, 3, 0, 2, 0), (192, 64, 4, 3, 0, 3, 1)]
 KERNELS = ("forward", "dkdv", "dq", "gluon_dq")
@@ -66,7 +66,7 @@ def candidate_config(candidate: tuple, tma_loads: bool) -> KernelConfig:
 
 @dataclass(frozen=True)
 class TuningProblem:
-    """What one cache entry is tuned on: SPEC 5's token and hidden budget at one key length."""
+    """What one cache entry is tuned on: the standard benchmark shapes' token and hidden budget at one key length."""
 
     head_dim: int
     head_dim_v: int
@@ -130,7 +130,7 @@ CHECK_LENGTHS = (157, 203)  # off every tile size; queries and keys of different
 
 
 def correctness_failure(configs: AttentionConfigs, problem: TuningProblem, device, lengths=CHECK_LENGTHS) -> str:
-    """'' if ``configs`` meet the SPEC 4 rule on a small odd-length problem, else what failed."""
+    """'' if ``configs`` meet the correctness rule on a small odd-length problem, else what failed."""
     q, k, v, dout = problem.inputs(device, batch=2, heads=2, seqlen_q=lengths[0], seqlen_k=lengths[1], seed=1)
     ours = run_kernels(configs, mode_spec(problem, configs), q, k, v, dout)
 
@@ -153,10 +153,10 @@ def default_timer(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
-MIN_GAIN = 0.02  # a candidate replaces the current config only when this much faster (timing noise ~1-3%)
+MIN_GAIN = 0.02  # a candidate replaces the current config only when this much faster (timing noise is of this order)
 # A stage's fastest candidate is timed again against the current config, alternately, before it
-# replaces it: one timing each, taken in sequence between compilations, once picked a schedule 8%
-# "faster" that alternate profiles put level (the Gluon dQ pass's 3 warpgroups, NOTES.md v46).
+# replaces it: one timing each, taken in sequence between compilations, once picked a schedule clearly
+# "faster" that alternate profiles put level (the Gluon dQ pass's 3 warpgroups).
 CONFIRM_PAIRS = 3
 
 
@@ -235,7 +235,7 @@ def tune(problem: TuningProblem, start: AttentionConfigs, device, *, candidates=
 
 
 def length_class_seqlen(short_keys: bool) -> int:
-    """The key length a cache entry of that class is tuned at (SPEC 5's 1k and 4k)."""
+    """The key length a cache entry of that class is tuned at (the standard benchmark shapes' 1k and 4k)."""
     seqlen = 1024 if short_keys else 4096
     assert (seqlen <= SHORT_KEYS) == short_keys, "the tuning lengths must fall in their class"
     return seqlen

@@ -9,7 +9,7 @@ runs them without any mask math; blocks in ``[begin, full_begin)`` and
 ``[full_end, end)`` are *boundary* tiles that go through ``masking.apply_mask``;
 blocks outside ``[begin, end)`` hold no kept pair and are skipped.
 
-Rules (SPEC 3.2, bottom-right aligned, ``diag = seqlen_k - seqlen_q``): query i keeps
+Rules (bottom-right aligned, ``diag = seqlen_k - seqlen_q``): query i keeps
 key j iff ``j < seqlen_k`` and ``-window_left <= j - i - diag <= window_right`` (a
 side is unbounded when its HAS_* flag is off). Interior classification may be
 conservative (a fully-kept tile may be called boundary) but never the reverse.
@@ -66,8 +66,7 @@ def split_key_blocks(begin, end, split, num_splits):
     ``[begin, end)`` (``key_blocks_for_rows``), as (first, end, step): blocks ``begin + split``,
     ``begin + split + num_splits``, ... below ``end`` -- interleaved, so the shares differ by at most
     one block (with more splits than blocks some are empty) and at any moment the splits read
-    neighbouring blocks. Runs of whole blocks took 0.3-0.9 us longer at B=1 / 8k (paged: 19.41 ->
-    18.55-19.10 us; benchmarks/NOTES.md v40)."""
+    neighbouring blocks. Runs of whole blocks measured slower at B=1 / 8k."""
     return begin + split, end, num_splits
 
 

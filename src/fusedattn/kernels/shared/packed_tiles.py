@@ -2,7 +2,7 @@
 map of (sequence, block) entries that the Gluon kernels take their tiles from.
 
 A grid that covered the longest sequence for every sequence would start mostly empty programs (16
-documents of 61-3589 tokens: ~70% of a 192-row forward grid, each empty warp-specialised program
+documents of 61-3589 tokens: most of a 192-row forward grid, each empty warp-specialised program
 still allocating its barriers and exiting). The host reads the offsets once a call anyway
 (``varlen.check_packing``), so it lists the blocks that exist instead, heaviest first -- the
 longest-processing-time order: with documents of very different lengths a grid in sequence order
@@ -41,8 +41,8 @@ def key_block_map(packing: Packing, block_n: int, spec: AttentionSpec, device: t
 
 # Maps made for earlier calls, by the lengths they were made from: every layer of a training step
 # (and the backward of each) takes the same packing, so the first call makes the maps and the
-# others find them (making two cost ~270 us of a ~600 us forward call on the GPU machine's host,
-# NOTES.md v40). Keyed by the stream too: a map is copied to the device on the stream current when
+# others find them (making two took a large share of a forward call's host time). Keyed by the
+# stream too: a map is copied to the device on the stream current when
 # it is made, and a kernel on another stream could read it before that copy lands.
 _shared: OrderedDict = OrderedDict()
 SHARED_MAPS = 64  # maps kept (each a few KB: 6 x (tokens / block + sequences) int32)
@@ -90,8 +90,8 @@ def _stream(device: torch.device) -> int:
 
 
 def _block_map(packing: Packing, block: int, spec: AttentionSpec, by_queries: bool) -> np.ndarray:
-    # NumPy on a few hundred entries: ~30 us a map where the same in torch CPU ops took ~200 us (a
-    # varlen call pays it between its offsets' host read and its first launch; NOTES.md v39).
+    # NumPy on a few hundred entries: measured several times faster than the same in torch CPU ops (a
+    # varlen call pays it between its offsets' host read and its first launch).
     if packing.offsets_q is None:
         raise ValueError("packed_tiles: the packing carries no host offsets (varlen.check_packing reads them)")
     offsets_q = np.asarray(packing.offsets_q, dtype=np.int64)
@@ -111,7 +111,7 @@ def _block_map(packing: Packing, block: int, spec: AttentionSpec, by_queries: bo
 def _visited(index: np.ndarray, block: int, sq: np.ndarray, sk: np.ndarray, spec: AttentionSpec,
              by_queries: bool) -> np.ndarray:
     """How many keys a query block's rows see (``by_queries``), or how many queries see a key
-    block's keys: the span between the window's bounds (SPEC 3.2, bottom-right aligned) clipped to
+    block's keys: the span between the window's bounds (bottom-right aligned) clipped to
     the sequence -- the block's work, up to the diagonal's partial tiles."""
     diag = sk - sq
     first = index * block

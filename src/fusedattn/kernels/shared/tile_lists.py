@@ -2,7 +2,7 @@
 
 Without a mask, ``block_range.py`` decides in the kernel (ranges of blocks). With one, the
 launchers call this module once per pass: the mask's tile states (``block_mask.BlockMask``)
-are brought to the pass's tile sizes and merged with the keep rule of SPEC 3.2 (causal,
+are brought to the pass's tile sizes and merged with the keep rule (causal,
 window, sequence bounds), and each program gets a list:
 
     [number of FULL tiles, number of PARTIAL tiles, the FULL tiles..., the PARTIAL tiles...]
@@ -10,7 +10,7 @@ window, sequence bounds), and each program gets a list:
 FULL tiles (every pair kept and in bounds) run with no mask math and no mask load; PARTIAL
 tiles apply the keep rule and load the mask; EMPTY tiles are not in the list. Full tiles come
 first, as the interior stretch does without a mask: a masked loop ahead of the pipelined one
-made ptxas serialise the backward's wgmmas (benchmarks/NOTES.md v11). The order is fixed, so
+made ptxas serialise the backward's wgmmas. The order is fixed, so
 results stay bitwise reproducible.
 
 - ``row_lists``: for the forward and the dQ pass, per (batch, head, query block): key blocks.
@@ -19,7 +19,7 @@ results stay bitwise reproducible.
 
 Lists are cached on the mask's states tensor (weakly: they go when the BlockMask does), keyed by
 everything they depend on, so a BlockMask reused by every layer of a step builds each list once
-(some 50 small torch ops, ~0.4 ms of host time). A BlockMask is therefore not to be changed in
+(some 50 small torch ops, all host time). A BlockMask is therefore not to be changed in
 place once used.
 """
 
@@ -52,7 +52,7 @@ def _regrid(states: torch.Tensor, dim: int, cell: int, block: int, blocks: int) 
 
 def rule_states(seqlen_q: int, seqlen_k: int, spec: AttentionSpec, block_q: int, block_k: int,
                 device) -> torch.Tensor:
-    """int8 (query blocks, key blocks): the keep rule of SPEC 3.2 per tile. Over a tile, the
+    """int8 (query blocks, key blocks): the causal/window keep rule per tile. Over a tile, the
     offset from the diagonal ``j - i - (Sk - Sq)`` takes every value of [dmin, dmax], so a tile is
     EMPTY iff that range misses [-window_left, window_right], and FULL iff it lies inside it and
     the tile is whole (not cut by Sq or Sk)."""

@@ -1,6 +1,6 @@
 """One pass over a boolean mask: the state of each (cell_q x cell_k) cell (block_mask.py).
 
-Torch reductions over 16-byte groups of a (B, H, S, S) bool mask took ~20 ms at S=4k (several
+Torch reductions over 16-byte groups of a (B, H, S, S) bool mask were slow (several
 passes, narrow rows): here each program reads a (CELL_Q, CELLS * CELL_K) strip of the mask once
 and writes CELLS states, so the cost is one read of the mask at memory speed.
 """

@@ -1,5 +1,5 @@
 """The masking functions: ``adjust_scores`` applies, to a score tile, the user's bias, the keep
-rule of SPEC 3.2 (``apply_mask``) and the user's boolean mask (SPEC 3.3); forward and both
+rule of ``causal`` / ``window`` (``apply_mask``) and the user's boolean mask; forward and both
 backward passes call it, so every path modifies scores the same way.
 
 Interior tiles (see ``block_range``) skip the keep rule. The backward's dK/dV pass holds
@@ -88,7 +88,7 @@ def load_bias_tile(desc, base, bias_batch, bias_head, start_q, start_k, offs_q, 
     ``USE_DESC``: ``desc`` is a TMA descriptor over the bias's own (B|1, H|Hkv|1, Sq, Sk) shape with
     block (1, 1, queries, keys), read at (``bias_batch``, ``bias_head``): the copy engine does the
     addressing and the zero fill, so no tile of pointers lives in registers (with pointers the D=128
-    kernels spilled hundreds of bytes, benchmarks/NOTES.md v22). Otherwise pointers from ``base``,
+    kernels spilled registers). Otherwise pointers from ``base``,
     this (batch, head)'s start, with broadcast dims at stride 0."""
     if USE_DESC:
         tile = desc.load([bias_batch, bias_head, start_q, start_k])
@@ -109,12 +109,12 @@ def load_mask_tile(desc, base, mask_batch, mask_head, start_q, start_k, offs_q, 
 
     ``USE_DESC``: ``desc`` is a TMA descriptor over the mask's own (B|1, H|Hkv|1, Sq, Sk) bytes with
     block (1, 1, queries, keys), read at (``mask_batch``, ``mask_head``) -- no tile of 64-bit offsets
-    in registers (with them the top-k forward sat at 255 registers and spilled, benchmarks/NOTES.md
-    v31). Otherwise entry (i, j) at (i >> SHIFT_Q, j >> SHIFT_K) of this (batch, head)'s slice at
+    in registers (with them the top-k forward ran out of registers and spilled). Otherwise entry
+    (i, j) at (i >> SHIFT_Q, j >> SHIFT_K) of this (batch, head)'s slice at
     ``base``; the shifts are constexprs: 0 folds away, so the key offsets stay provably contiguous
-    and the bytes load as vectors (runtime shifts made the top-k forward 1.9x slower, NOTES.md v23).
+    and the bytes load as vectors (runtime shifts made the top-k forward measurably slower).
     Either way the tile is read with keys along the fast axis and transposed in registers for the
-    dK/dV pass: a transposed gather of single bytes cost that pass ~3 ms at S=4k.
+    dK/dV pass: a transposed gather of single bytes measured much slower in that pass.
     SHIFT_Q = ``ONE_ROW``: the mask has one query row, read as a key vector (the returned keep is
     (1, keys), or (keys, 1) when ``TRANSPOSED``, and broadcasts over the queries)."""
     if USE_DESC:
@@ -124,7 +124,7 @@ def load_mask_tile(desc, base, mask_batch, mask_head, start_q, start_k, offs_q, 
             keep = tl.trans(keep)
     elif SHIFT_Q == ONE_ROW:
         # One row for every query (a (B|1, H|1, 1, Sk) mask): a vector of the tile's keys, broadcast
-        # over its queries -- no (queries x keys) tile of offsets (the random key mask row, v32).
+        # over its queries -- no (queries x keys) tile of offsets (the random key mask row).
         keys = tl.load(base + (offs_k >> SHIFT_K).to(tl.int64) * stride_k, mask=offs_k < seqlen_k, other=0)
         if TRANSPOSED:
             keep = keys[:, None]
@@ -147,7 +147,7 @@ def adjust_scores(
     stride_bq, stride_bk, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
-    """Everything SPEC 3 does to a log2-domain score tile after scale and softcap: the user's
+    """Everything attention does to a log2-domain score tile after scale and softcap: the user's
     bias (times log2 e; -inf entries mask), the keep rule (boundary tiles only: ``IS_MASKED``)
     and the user's boolean mask (True = attend). ``mask_base`` / ``bias_base`` point at this
     (batch, head) of their 4-D tensor; either may instead come through a descriptor read at its

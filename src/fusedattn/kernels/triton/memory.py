@@ -105,7 +105,7 @@ def _addressable(address: int, strides: tuple, element_size: int) -> bool:
 @functools.lru_cache(maxsize=1024)
 def _strides_addressable(strides: tuple, element_size: int) -> bool:
     """Unit last stride, the others multiples of 16 bytes: kept per strides (a short step checks
-    ~15 tensors, NOTES.md v48)."""
+    ~15 tensors)."""
     return strides[-1] == 1 and all(s * element_size % 16 == 0 for s in strides[:-1])
 
 
@@ -113,7 +113,7 @@ class Descriptor:
     """A TMA descriptor over a whole tensor as a compiled kernel's launcher reads it (base, shape,
     strides, padding) with the key ``launch.launch`` specialises on, and its ``geometry`` (address,
     shape, strides), by which the launcher keeps the tensor maps it encodes. Triton's
-    TensorDescriptor checks its fields on every construction (~5 us of host time each, a dozen a
+    TensorDescriptor checks its fields on every construction (host time paid on each, a dozen a
     training step); the one check that can fail here is TMA's addressing (``if_addressable``), and a
     real TensorDescriptor is built only for a launch through Triton (``for_triton``: a first launch,
     the interpreter)."""
@@ -133,7 +133,7 @@ class Descriptor:
         """The descriptor, or None where TMA cannot address ``base`` (``tma_addressable``): the
         address and strides read once for both (a short step makes ~15 descriptors). ``layout``
         "bshd": over the 4-D ``base`` in (B, H, S, D) order, as over ``spec.to_bhsd(base, "bshd")``
-        but without making that view (~3-5 us of host time each, NOTES.md v42)."""
+        but without making that view (each view costs host time)."""
         address, strides = base.data_ptr(), base.stride()
         if not _addressable(address, strides, base.element_size()):  # the same in either order
             return None
