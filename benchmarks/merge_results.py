@@ -1,7 +1,7 @@
 """Merge the JSONs of several `python -m fusedattn.bench` runs of one session (one device call
 holds at most ~10 minutes, a full run with rounds takes longer) into one, and plot it.
 
-    python benchmarks/merge_results.py benchmarks/results/NVIDIA-H200-2026-11-22.json part1.json part2.json
+    python benchmarks/merge_results.py benchmarks/results/full-<gpu>-<date>.json part1.json part2.json
 
 Rows are taken as they are; a (system, shape) measured in two parts is refused, so that no row is
 silently replaced. The environment is the first part's, with every part's device, date and rounds

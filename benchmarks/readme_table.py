@@ -1,14 +1,15 @@
-"""Print the README's performance tables (markdown) from a `python -m fusedattn.bench` JSON.
+"""Print the standard-shape tables (markdown) of docs/PERFORMANCE.md from a `python -m fusedattn.bench` JSON.
 
-    python benchmarks/readme_table.py benchmarks/results/NVIDIA-H200-2026-11-21.json
+    python benchmarks/readme_table.py benchmarks/results/full-v51-NVIDIA-H100-80GB-HBM3-2026-11-26.json
 
 First table: forward / forward+backward / backward-alone TFLOP/s of every system (backward alone
 is the fwd+bwd time less the forward time of the same run). Second table: fusedattn's ratios,
 all from times of the same run (> 1 means fusedattn is faster; "graph": both steps replayed from
 CUDA graphs, the GPU's time without the host's), and the cost of
 ``deterministic=True`` (its fwd+bwd time over the default's). Where FlagGems was not measured
-in the run, its column compares our forward with the H200 forward figures of
-../shared/BENCHMARKS.md (same shapes and convention), copied below and marked *.
+in the run, its column compares our forward with the forward figures FlagGems reached on an H200
+on 2026-11-21 (same shapes and convention, measured outside this repository), copied below and
+marked *.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
-# Forward TFLOP/s of FlagGems on an H200, BENCHMARKS.md "Plain attention": (D, S, causal) -> fwd.
+# Forward TFLOP/s of FlagGems on an H200 (2026-11-21, the standard shapes): (D, S, causal) -> fwd.
 FLAGGEMS_FWD = {
     (128, 1024, False): 380, (128, 1024, True): 309, (128, 4096, False): 397, (128, 4096, True): 364,
     (128, 16384, False): 442, (128, 16384, True): 435,
