@@ -334,7 +334,7 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
-    group_sums = (False, True) if causal and hopper_bwd.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists) else (False,)
+    group_sums = (False, True) if causal and dispatch.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists) else (False,)
     for group_sum in group_sums:
         try:
             r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,

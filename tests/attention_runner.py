@@ -175,3 +175,12 @@ def record_launches(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, spy)
     return calls
+
+
+def set_knobs(monkeypatch, **changes) -> None:
+    """Set experiment switches (``kernels.shared.knobs.Knobs`` fields) for the rest of the test."""
+    from dataclasses import replace
+
+    from fusedattn.kernels.shared import knobs
+
+    monkeypatch.setattr(knobs, "_current", replace(knobs.knobs(), **changes))

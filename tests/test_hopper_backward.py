@@ -20,7 +20,7 @@ import fusedattn
 from fusedattn.kernels.triton import bwd
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-from attention_runner import check_case, launcher_constexprs, make_inputs, record_launches
+from attention_runner import check_case, launcher_constexprs, make_inputs, record_launches, set_knobs
 from cases import WHOLE_TILE_MASK_CASES, Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -106,10 +106,7 @@ def test_every_program_order_gives_the_same_bits(chunk, atomic_dq, gluon_launche
     """With one program per KV head's group (the group sums off, as in deterministic mode), every
     launch order, and a second run, gives the default's dK and dV bits, and the same dQ bits where a
     dQ pass sums it (reduce-adds sum in arrival order)."""
-    from fusedattn.kernels.gluon import common as hopper
-    from fusedattn.kernels.gluon import bwd as hopper_bwd
-
-    monkeypatch.setattr(hopper_bwd, "GROUP_SUMS", False)
+    set_knobs(monkeypatch, group_sums=False)
     case = Case(2, 6, 2, 400, 400, 128, causal=True, dtype=torch.bfloat16)
     q, k, v, dout, _ = make_inputs(case, "cuda")
 
@@ -120,7 +117,7 @@ def test_every_program_order_gives_the_same_bits(chunk, atomic_dq, gluon_launche
 
     with pinned_dkdv(case, dkdv(2, 1), atomic_dq=atomic_dq, dq_tma=atomic_dq):
         default = grads()
-        monkeypatch.setattr(hopper, "CHUNK_HEADS", chunk)
+        set_knobs(monkeypatch, chunk_heads=chunk)
         first, second = grads(), grads()
     reproducible = slice(1 if atomic_dq else 0, 3)
     assert all(torch.equal(a, b) for a, b in zip(first[reproducible], second[reproducible]))
@@ -142,9 +139,7 @@ GROUP_SUM_CASES = [
 def test_gqa_group_sums_match_reference(case, chunk, atomic_dq, group_sum_launches, monkeypatch):
     """Causal GQA outside deterministic mode: a program per query head adds its dK/dV into fp32
     sums over the group (TMA reduce-adds staged in the K/V tiles and the ring), in every order."""
-    from fusedattn.kernels.gluon import common as hopper
-
-    monkeypatch.setattr(hopper, "CHUNK_HEADS", chunk)
+    set_knobs(monkeypatch, chunk_heads=chunk)
     with pinned_dkdv(case, dkdv(2, 1), atomic_dq=atomic_dq, dq_tma=atomic_dq):
         check_case(case, "triton", "cuda")
     assert group_sum_launches == [True]

@@ -16,7 +16,7 @@ import fusedattn
 from fusedattn.kernels.triton import bwd
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-from attention_runner import check_case, launcher_constexprs, make_inputs, record_launches
+from attention_runner import check_case, launcher_constexprs, make_inputs, record_launches, set_knobs
 from cases import Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -89,8 +89,6 @@ def test_gluon_dq_pass_gives_the_same_bits_in_every_order(chunk, dq_launches, mo
     """Each dQ row is summed by one warpgroup in key order: a second run, and any launch order of
     the programs, gives the same bits (deterministic=True's promise); the Triton dQ pass, summing
     in another order and tiling, agrees within the tolerance only."""
-    from fusedattn.kernels.gluon import common as hopper
-
     case = Case(2, 6, 2, 400, 400, 128, causal=True, deterministic=True, dtype=torch.bfloat16)
     q, k, v, dout, _ = make_inputs(case, "cuda")
 
@@ -101,7 +99,7 @@ def test_gluon_dq_pass_gives_the_same_bits_in_every_order(chunk, dq_launches, mo
 
     with pinned_dq(case, dq_config(2, 1)):
         default = dq()
-        monkeypatch.setattr(hopper, "CHUNK_HEADS", chunk)
+        set_knobs(monkeypatch, chunk_heads=chunk)
         first, second = dq(), dq()
     assert torch.equal(first, second) and torch.equal(first, default)
     assert dq_launches == [True] * 3

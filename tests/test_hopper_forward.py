@@ -15,7 +15,7 @@ from fusedattn import dispatch
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-from attention_runner import check_case, make_bias, make_inputs, make_mask, record_launches
+from attention_runner import check_case, make_bias, make_inputs, make_mask, record_launches, set_knobs
 from cases import WHOLE_TILE_MASK_CASES, Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -82,13 +82,11 @@ ORDER_CASES = [Case(2, 5, 5, 700, 700, 128, causal=True, dtype=torch.bfloat16),
 def test_every_program_order_gives_the_same_bits(case, forward, gluon_launches, monkeypatch):
     """Programs started in chunks of head rows, heaviest query block first in each: every chunk
     size covers every tile once -- the reference's output and lse, and head-major order's bits."""
-    from fusedattn.kernels.gluon import common as hopper
-
     q, k, v, _, _ = make_inputs(case, "cuda")
     results = {}
     with pinned_forward(case, forward):
         for name, chunk in ORDERS.items():
-            monkeypatch.setattr(hopper, "CHUNK_HEADS", chunk)
+            set_knobs(monkeypatch, chunk_heads=chunk)
             results[name] = fusedattn.attention(q, k, v, **case.options(), return_lse=True)
         check_case(case, "triton", "cuda")  # the last order, block-major, against the reference
     want = results["head-major"]
@@ -110,14 +108,12 @@ PERSISTENT_CASES = [(case, schedule) for case in ORDER_CASES for schedule in (SC
 def test_persistent_launches_give_the_same_bits(case, forward, gluon_launches, monkeypatch):
     """5 and 13 programs over every tile: the same output and lse bits as one program per tile, and
     the reference's values."""
-    from fusedattn.kernels.gluon import fwd as hopper_fwd
-
     q, k, v, _, _ = make_inputs(case, "cuda")
     extras = dict(bias=make_bias(case, "cuda"), mask=make_mask(case, "cuda"))
     results = {}
     with pinned_forward(case, forward):
         for programs in (0, 5, 13):
-            monkeypatch.setattr(hopper_fwd, "PROGRAMS", programs)
+            set_knobs(monkeypatch, programs=programs)
             results[programs] = fusedattn.attention(q, k, v, **case.options(), **extras, return_lse=True)
         check_case(case, "triton", "cuda")  # 13 programs against the reference
     for programs, got in results.items():
@@ -165,7 +161,7 @@ def test_even_tile_lists_run_the_forward_persistent(gluon_launches, monkeypatch)
         assert_close_to_reference(f"top-k blocks {name}", ours_t, lowp_t, ref_t)
     persistent.clear()
     persistent_launch = ours(*bf16)
-    monkeypatch.setattr(hopper_fwd, "PROGRAMS", 0)  # one program per tile: the same bits
+    set_knobs(monkeypatch, programs=0)  # one program per tile: the same bits
     one_per_tile = ours(*bf16)
     assert persistent == [True, False]
     assert all(torch.equal(a, b) for a, b in zip(persistent_launch, one_per_tile))

@@ -18,6 +18,7 @@ import fusedattn
 from fusedattn import kvcache
 from fusedattn.reference import reference_attention
 
+from attention_runner import set_knobs
 from numerics import assert_close_to_reference
 
 ON_GPU = torch.cuda.is_available()
@@ -227,8 +228,6 @@ def test_kvcache_combination_launched_early_waits_for_the_splits(monkeypatch):
     """The split combination is launched while the decoding grid runs (programmatic dependent
     launch) and must wait for its stores: across repeated steps, with and without the early launch,
     the bits are the same every time -- a race would read some split's part before it is written."""
-    from fusedattn.kernels.triton import kvcache as kernels
-
     gen = torch.Generator(device="cuda").manual_seed(3)
     batch, size, page = 2, 8192, 16
     q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -238,7 +237,7 @@ def test_kvcache_combination_launched_early_waits_for_the_splits(monkeypatch):
     lengths = torch.tensor([size, size - 77], dtype=torch.int32, device="cuda")
     outputs = {}
     for early in (False, True):
-        monkeypatch.setattr(kernels, "PDL", early)
+        set_knobs(monkeypatch, pdl=early)
         outputs[early] = [fusedattn.kvcache_attention(q, k, v, lengths, block_table=table, causal=True,
                                                       return_lse=True) for _ in range(20)]
     first_out, first_lse = outputs[False][0]
@@ -254,8 +253,6 @@ def test_kvcache_decoding_launched_early_waits_for_the_previous_kernels(monkeypa
     eager call reads the lengths on the host to check them, which waits for the GPU). With and
     without the early launch, 20 steps give the same bits -- a race would read the query, the
     lengths or the appended rows unwritten."""
-    from fusedattn.kernels.triton import kvcache as kernels
-
     gen = torch.Generator(device="cuda").manual_seed(4)
     batch, size, page, steps = 2, 4096, 16, 20
     base_q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -277,7 +274,7 @@ def test_kvcache_decoding_launched_early_waits_for_the_previous_kernels(monkeypa
 
     outputs = {}
     for early in (False, True):
-        monkeypatch.setattr(kernels, "EARLY_START", early)
+        set_knobs(monkeypatch, early_start=early)
         lengths.copy_(first_lengths)
         steps_of_a_layer()  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()

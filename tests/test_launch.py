@@ -36,11 +36,11 @@ def test_launch_keys_refuse_arguments_they_have_no_rule_for():
 
 
 def test_descriptors_key_by_block_and_dtype_and_become_triton_descriptors():
-    """memory.Descriptor (built per call without Triton's checks) keys a launch by its block and
+    """descriptors.Descriptor (built per call without Triton's checks) keys a launch by its block and
     dtype, and goes to Triton as the TensorDescriptor Triton would have built over the same tensor."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from fusedattn.kernels.triton.memory import Descriptor
+    from fusedattn.kernels.shared.descriptors import Descriptor
 
     t = torch.empty(2, 3, 40, 64, dtype=torch.float16)
     view = t.transpose(1, 2)  # strided: (2, 40, 3, 64) with the head dim still unit-stride
@@ -105,7 +105,7 @@ def test_launcher_reads_each_calls_descriptor():
     another length (same specialisation, another tensor map), then the first again -- each call
     reads its own tensor (on the GPU: the kept argument list of the direct launch, _BoundLaunch)."""
     from fusedattn.kernels.shared.launch import SLOT, Launcher
-    from fusedattn.kernels.triton.memory import Descriptor
+    from fusedattn.kernels.shared.descriptors import Descriptor
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     launcher = Launcher(_doubled_rows, None, (SLOT, SLOT), BLOCK_ROWS=16, COLS=32)

@@ -1,12 +1,13 @@
 """The on-disk cache of tuned launch configs (tuning/cache.py): an entry is found again, is used
 only when every field of its key matches, and lengths of one class share one entry."""
 
+import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 
-import fusedattn
+import fusedattn._version
 from fusedattn.tuning import cache, configs
 from fusedattn.tuning.configs import AttentionConfigs, KernelConfig
 
@@ -36,15 +37,19 @@ def test_key_changes_with_every_field_that_changes_the_choice(field, value):
 def test_key_changes_with_package_triton_and_kernel_sources(monkeypatch, tmp_path):
     base = cache.config_key(**KEY_ARGS)
     with monkeypatch.context() as m:
-        m.setattr(fusedattn, "__version__", "9.9.9")
+        m.setattr(fusedattn._version, "__version__", "9.9.9")
         assert cache.config_key(**KEY_ARGS) != base
     with monkeypatch.context() as m:
         m.setattr(cache.triton, "__version__", "0.0.1")
         assert cache.config_key(**KEY_ARGS) != base
     edited = tmp_path / "kernels"
-    edited.mkdir()
-    for source in cache.KERNEL_DIR.glob("*.py"):
-        (edited / source.name).write_text(source.read_text() + ("\n# edited\n" if source.name == "bwd.py" else ""))
+    shutil.copytree(cache.KERNEL_DIR, edited, ignore=shutil.ignore_patterns("__pycache__"))
+    with monkeypatch.context() as m:  # the same sources elsewhere: the same key
+        m.setattr(cache, "KERNEL_DIR", edited)
+        cache.kernel_source_hash.cache_clear()
+        assert cache.config_key(**KEY_ARGS) == base
+    backward = edited / "triton" / "bwd.py"  # one kernel file one level down, edited
+    backward.write_text(backward.read_text() + "\n# edited\n")
     with monkeypatch.context() as m:
         m.setattr(cache, "KERNEL_DIR", edited)
         cache.kernel_source_hash.cache_clear()

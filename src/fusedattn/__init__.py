@@ -2,11 +2,12 @@
 
 from .block_mask import BlockMask
 from .dynamic_mask import topk_block_mask, topk_mask
-from .interface import attention, use_backend
+from .interface import attention, explain, use_backend
 from .kvcache import kvcache_attention
 from .merge import merge_attention
 from .varlen import varlen_attention
 
-__version__ = "0.1.0"
+from ._version import __version__
+
 __all__ = ["attention", "varlen_attention", "kvcache_attention", "merge_attention", "BlockMask", "topk_mask", "topk_block_mask",
-           "use_backend", "__version__"]
+           "use_backend", "explain", "__version__"]

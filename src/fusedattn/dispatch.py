@@ -1,30 +1,154 @@
-"""The planner: which kernel runs each pass of a call, with which config, and why.
+"""The planner: which backend and which kernel run each pass of a call, with which config, and why.
 
-Every choice between the kernel families is made here and nowhere else: the Gluon kernels
-(warp-specialised, sm_90 only, imported only where they run) where the problem and tensors fit
-them, the Triton kernels otherwise. Kernel modules hold kernels and their launchers; they
-decide nothing about which of them runs.
+Every choice between implementations is made here and nowhere else:
+
+- the backend: ``"triton"`` (the fused kernels: CUDA tensors, or CPU tensors under Triton's
+  interpreter) or ``"torch"`` (``cpu.py``: plain PyTorch, torch's fused CPU kernel where it fits);
+- within the kernels, the Gluon kernels (warp-specialised, sm_90 only, imported only where they
+  run) where the problem, the tensors and the launch config allow, the Triton kernels otherwise;
+- in the backward, how dQ is summed (by the dK/dV pass's atomics, by a pass of its own -- the Gluon
+  dQ pass or the Triton dQ programs), and how the bias gradient is formed.
+
+``plan_forward`` and ``plan_backward`` return frozen plans that name each pass's kernel, its config
+and, for every faster path not taken, the reason (``Support``); ``forward`` and ``backward`` run
+them. ``explain`` prints the plans a call would run. Kernel modules hold kernels and launchers
+only: they decide nothing about which of them runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import cpu
 from .block_mask import BlockMask
-from .kernels.shared.launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, per_problem_dict
+from .kernels import gluon
+from .kernels.shared.knobs import knobs
+from .kernels.shared.launch import MAX_PROBLEMS, Launcher, cdiv, per_problem_dict
+from .kernels.shared.support import TAKEN, Support, refused
 from .kernels.shared.tile_lists import rows_even, whole_and_even
-from .kernels.triton.bwd import (DBIAS_ATOMIC, DBIAS_OFF, DBIAS_PASS, DBIAS_STORE, _bias_grad_pass, _dq_descriptor,
-                                 _dq_from_sums, _kernel_flags, _preprocess_kernel, _triton_passes, column_list_args,
-                                 sink_gradient, sink_gradient_from_outputs)
-from .kernels.triton.fwd import (_forward_kernel, bhs_strides, broadcast_args, dot_precision, mask_args, mask_descriptor,
-                                 padded_dim, padded_dims, row_list_args, score_constants, sequence_args, softcap_mode)
-from .kernels.triton.memory import all_or_placeholders, loop_descriptors, score_tile_descriptor, score_tiles_addressable
-from .kernels.shared.launch import launch
+from .kernels.triton import bwd as triton_bwd
+from .kernels.triton import fwd as triton_fwd
+from .kernels.triton.bwd import DBIAS_ATOMIC, DBIAS_OFF, DBIAS_PASS, DBIAS_STORE
+from .kernels.shared.descriptors import score_tiles_addressable, tma_addressable
+from .row_gradients import row_bias_gradient, sink_gradient, sink_gradient_from_outputs
 from .spec import AttentionSpec, Packing, bhsd_shape, gradient_like
-from .tuning.configs import SHORT_KEYS, AttentionConfigs, KernelConfig
+from .tuning.configs import SHORT_KEYS, AttentionConfigs, KernelConfig, band_window, select_configs
+
+# ----------------------------------------------------------------------------- backend
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = os.environ.get("FUSEDATTN_BACKEND", "auto")
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Choose the backend inside the block: ``"auto"`` (Triton on CUDA, PyTorch on CPU),
+    ``"triton"`` (also CPU tensors, when the process was started with ``TRITON_INTERPRET=1``)
+    or ``"torch"``. The environment variable ``FUSEDATTN_BACKEND`` sets the default."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"fusedattn.use_backend: expected one of {BACKENDS}, got {name!r}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def kernels_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton_fwd._forward_kernel, InterpretedFunction)
+
+
+def resolve_backend(device: torch.device) -> str:
+    """The backend a call on ``device`` runs: the one ``use_backend`` names, ``"auto"`` resolved."""
+    if _backend not in BACKENDS:
+        raise ValueError(f"FUSEDATTN_BACKEND must be one of {BACKENDS}, got {_backend!r}")
+    if _backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if _backend == "triton" and device.type == "cpu" and not kernels_interpreted():
+        raise RuntimeError(
+            "fusedattn: the Triton kernels run on CPU tensors only under Triton's interpreter; "
+            "set TRITON_INTERPRET=1 before importing fusedattn"
+        )
+    return _backend
+
+
+def configs_for(q, v, spec: AttentionSpec, seqlen_k: int) -> AttentionConfigs:
+    """The launch configs of a problem (tuning/configs.py: tuned entries, else the heuristics)."""
+    head_dim = q.shape[-1]
+    return select_configs(q.device, q.dtype, head_dim, v.shape[-1], seqlen_k, band_window(spec, head_dim),
+                          spec.has_window_right, spec.has_softcap)
+
+
+def packed_configs(q, v, spec: AttentionSpec) -> AttentionConfigs:
+    """The launch configs of packed sequences: one for every set of lengths (the long-keys class),
+    since a new longest length must not switch configs, which would compile new kernels."""
+    return select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], has_left=band_window(spec, q.shape[-1]),
+                          has_right=spec.has_window_right, has_softcap=spec.has_softcap)
+
+
+# ----------------------------------------------------------------------------- what the Gluon kernels take
+
+# The tiles the Gluon kernels walk a mask's lists with: 128-row forward programs on two consumer
+# warpgroups, 128-key dK/dV programs (two warpgroups of 64 keys). A mask is taken where none of its
+# own tiles at this size is partial (tile_lists.tiles_whole): the kernels then never read it.
+GLUON_MASK_TILE = 128
+
+
+def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
+    """Whether the Gluon kernels can read a bias (the forward always; the dK/dV pass under the
+    further terms of ``gluon_dkdv_takes_bias``): 16-bit, one value per query and key (a broadcast
+    query or key dim reads a row or column: pointers), tiles TMA can address
+    (``memory.score_tiles_addressable``). fp32 biases take the Triton kernel: their tiles would not
+    fit beside K and V in shared memory."""
+    if bias.dtype not in (torch.float16, torch.bfloat16):
+        return refused(f"a {bias.dtype} bias; the Gluon kernels read 16-bit biases (fp32 tiles do not fit beside K, V)")
+    if not score_tiles_addressable(bias):
+        return refused("a bias broadcast over queries or keys, or not 16-byte aligned: its tiles cannot come "
+                       "through TMA")
+    return TAKEN
+
+
+def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> Support:
+    """Whether the Gluon kernels take the problem: no sinks; a bias only in a kernel that reads one
+    (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
+    (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
+    q, k, v addressable by TMA (16-byte aligned)."""
+    if not q.is_cuda:
+        return refused("not a CUDA tensor")
+    if sinks is not None:
+        return refused("sinks: the Gluon kernels have no sink term")
+    if bias is not None:
+        if not reads_bias:
+            return refused("a bias, which this pass's Gluon form does not read")
+        reads = gluon_reads_bias(bias)
+        if not reads:
+            return reads
+    problem = gluon.problem_support(q, k, v, spec)
+    if not problem:
+        return problem
+    if not (tma_addressable(q) and tma_addressable(k) and tma_addressable(v)):
+        return refused("q, k or v is not 16-byte aligned (address or strides): TMA cannot address it")
+    if mask is None:
+        return TAKEN
+    seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
+    # whether the forward's lists are even is read in the same host sync (tile_lists.whole_and_even)
+    if not whole_and_even(mask, spec, seqlen_q, seqlen_k, GLUON_MASK_TILE, GLUON_MASK_TILE)[0]:
+        return refused(f"the mask leaves partial {GLUON_MASK_TILE}x{GLUON_MASK_TILE} tiles, which the Gluon "
+                       "kernels would have to read")
+    return TAKEN
+
+
+def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> bool:
+    """``gluon_support`` as a plain bool."""
+    return gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias).ok
 
 
 def triton_fallback(config: KernelConfig) -> KernelConfig:
@@ -33,10 +157,14 @@ def triton_fallback(config: KernelConfig) -> KernelConfig:
     return KernelConfig(128, config.block_n, 8, config.num_stages, config.tma_loads)
 
 
-# The tiles the Gluon kernels walk a mask's lists with: 128-row forward programs on two consumer
-# warpgroups, 128-key dK/dV programs (two warpgroups of 64 keys). A mask is taken where none of its
-# own tiles at this size is partial (tile_lists.tiles_whole): the kernels then never read it.
-GLUON_MASK_TILE = 128
+def triton_forward_config(config: KernelConfig, bias: torch.Tensor | None) -> KernelConfig:
+    """The config the Triton forward runs: a Gluon config's fallback tiles, and with a bias at most
+    64 keys a tile (a 128x128 bias tile per stage on top of the K/V stages would overflow shared memory)."""
+    if config.family == "gluon":
+        config = triton_fallback(config)
+    if bias is not None and config.block_n > 64:
+        config = replace(config, block_n=64)
+    return config
 
 
 def gluon_mask_forward(config: KernelConfig) -> KernelConfig:
@@ -52,45 +180,66 @@ def gluon_mask_dkdv(config: KernelConfig) -> KernelConfig:
     return replace(config, block_n=GLUON_MASK_TILE, hopper_split=2)
 
 
-def gluon_reads_bias(bias: torch.Tensor | None) -> bool:
-    """Whether the Gluon kernels can read a bias (the forward always; the dK/dV pass under the
-    further terms of ``bwd.gluon_dkdv_takes_bias``): 16-bit, one value per query and key (a broadcast
-    query or key dim reads a row or column: pointers), tiles TMA can address
-    (``memory.score_tiles_addressable``). fp32 biases take the Triton kernel: their tiles would not
-    fit beside K and V in shared memory."""
-    return bias is not None and bias.dtype in (torch.float16, torch.bfloat16) and score_tiles_addressable(bias)
+def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
+    """The Triton dK/dV programs' tiles where a Gluon dK/dV config cannot run (problem, tensors or
+    dQ by atomics): its query step and depth, 64-key tiles on 4 warps (the Triton default)."""
+    return KernelConfig(config.block_m, 64, 4, config.num_stages, config.tma_loads)
 
 
-def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> bool:
-    """Whether the Gluon kernels take the problem: no sinks; a bias only in a kernel that reads one
-    (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
-    (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``)."""
-    if not q.is_cuda or sinks is not None or bias is not None and not (reads_bias and gluon_reads_bias(bias)):
-        return False
-    from .kernels.gluon import common as hopper  # Gluon: imported only where it runs (not under the interpreter)
+def _config_names(config: KernelConfig, q, k, v, spec: AttentionSpec) -> Support:
+    """Whether a launch config names a Gluon kernel; where it does not, why: the problem itself
+    where the Gluon kernels cannot compute it (no mask is read here: no host sync), else the config."""
+    if config.family == "gluon":
+        return TAKEN
+    problem = gluon.problem_support(q, k, v, spec)
+    if not problem:
+        return problem
+    return refused("the launch config for this problem names the Triton kernel (tuning/configs.py)")
 
-    if not hopper.supports(q, k, v, spec):
-        return False
-    if mask is None:
-        return True
-    seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
-    # whether the forward's lists are even is read in the same host sync (tile_lists.whole_and_even)
-    return whole_and_even(mask, spec, seqlen_q, seqlen_k, GLUON_MASK_TILE, GLUON_MASK_TILE)[0]
+
+# ----------------------------------------------------------------------------- forward
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The forward's kernel and config, and why (``plan_forward``)."""
+
+    kernel: str  # "gluon" or "triton"
+    config: KernelConfig  # what the kernel compiles with
+    why: str  # for the Triton kernel: why not the Gluon one
+    fallback: KernelConfig  # the Triton config, should a tensor turn out not to be TMA-addressable at launch
+
+
+def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None, mask=None, bias=None,
+                 packing: Packing | None = None) -> ForwardPlan:
+    fallback = triton_forward_config(config, bias)
+    named = _config_names(config, q, k, v, spec)
+    if not named:  # decided without looking at the mask: no host sync where no Gluon kernel could run
+        return ForwardPlan("triton", fallback, named.reason, fallback)
+    if packing is not None:
+        support = gluon_support(q, k, v, spec, sinks)
+        if support and not config.hopper_split:
+            support = refused("packed sequences run the warp-specialised Gluon forward only; the config names "
+                              "the 8-warp one")
+        if support and packing.offsets_q is None:
+            support = refused("the packing's offsets cannot be read on the host (CUDA-graph capture): no map of "
+                              "the blocks can be made")
+        if not support:
+            return ForwardPlan("triton", fallback, support.reason, fallback)
+        return ForwardPlan("gluon", config, "", fallback)
+    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True)
+    if not support:
+        return ForwardPlan("triton", fallback, support.reason, fallback)
+    gluon_config = gluon_mask_forward(config) if mask is not None or bias is not None else config
+    return ForwardPlan("gluon", gluon_config, "", fallback)
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
                       mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None):
-    """Returns (out in the user layout, lse (B, Hq, Sq) float32). ``config.hopper_overlap`` set:
-    the Gluon kernel of hopper_fwd.py where it supports the problem, else this Triton kernel.
-    ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator (SPEC 3.5).
-    ``mask``: the user's boolean mask with its tile states (block_mask.BlockMask): empty tiles are
-    skipped, full ones run without the mask (tile_lists.py).
-    ``bias``: the user's additive bias, 4-D and broadcast the same way, any float dtype.
-    ``packing``: q, k, v are (1, total, H, D) "bshd" views of packed sequences (spec.Packing; no
-    mask or bias); lse is then (Hq, total_q). The Gluon forward runs them where it takes the
-    problem (over the host's map of the blocks that exist, packed_tiles.py), else the Triton kernel
-    with pointer loads."""
-    batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, spec.layout)
+    """(out in the user layout, lse (B, Hq, Sq) float32; packed sequences: (Hq, total_q)) by the
+    kernels ``plan_forward`` picks. ``sinks``, ``mask``, ``bias``, ``packing``: as
+    ``kernels.triton.fwd.forward`` takes them."""
+    batch, heads_q, seqlen_q, _ = bhsd_shape(q, spec.layout)
     heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, spec.layout)[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -103,188 +252,40 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     if seqlen_k == 0 or k.numel() == 0:  # no row sees a key: only the sink, if any, is in the softmax
         return out.zero_(), lse.copy_(sinks.view(heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
-    if config.hopper_overlap is not None:
-        if packing is not None and hopper_supports(q, k, v, spec, sinks):
-            from .kernels.gluon import fwd as hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
-
-            if hopper_fwd.attention_forward(q, k, v, out, lse, spec, config, packing=packing):
-                return out, lse
-        elif hopper_supports(q, k, v, spec, sinks, mask, bias, reads_bias=True):
-            from .kernels.gluon import fwd as hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
-
-            gluon_config, lists, even = config, None, False
-            if mask is not None or bias is not None:
-                gluon_config = gluon_mask_forward(config)
-            if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
-                tiles = (gluon_config.block_m, gluon_config.block_n)
-                lists = row_list_args(mask, spec, seqlen_q, seqlen_k, *tiles, heads_q, heads_kv, lse)
-                # (a cache hit: hopper_supports read it; the launcher adds the no-bias condition)
-                even = rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
-            if hopper_fwd.attention_forward(q, k, v, out, lse, spec, gluon_config, lists, bias, even_lists=even):
-                return out, lse
-        config = triton_fallback(config)
-    if bias is not None and config.block_n > 64:
-        # A 128x128 bias tile per stage on top of the K/V stages would overflow shared memory.
-        config = replace(config, block_n=64)
-    bias_desc = score_tile_descriptor(bias, config.block_m, config.block_n)
-    mask_desc = mask_descriptor(mask, config.block_m, config.block_n)
-    qk_scale, softcap_log2 = score_constants(spec)
-    block_d, block_dv = padded_dims(head_dim, head_dim_v)
-    descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n,
-                             config.tma_loads and packing is None)
-    grid = (cdiv(seqlen_q, config.block_m), batch * heads_q)
-    user_mask = mask_args(mask, heads_q, heads_kv, lse)
-    tile_lists = row_list_args(mask, spec, seqlen_q, seqlen_k, config.block_m, config.block_n, heads_q, heads_kv, lse)
-    launch(
-        _forward_kernel, grid, (
-            q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
-            tile_lists[0], *sequence_args(packing, lse), *(descs or (k, v)),
-            bias_desc if bias_desc is not None else lse, mask_desc if mask_desc is not None else lse,
-            *bhs_strides(q, spec.layout, packing), *bhs_strides(k, spec.layout, packing),
-            *bhs_strides(v, spec.layout, packing), *bhs_strides(out, spec.layout, packing), *user_mask[1:],
-            *tile_lists[1:], *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
-            seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
-            lse.shape[-1] if packing is not None else 0, qk_scale, softcap_log2,
-        ),
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
-        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
-        HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
-        HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
-        DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    plan = plan_forward(q, k, v, spec, config, sinks, mask, bias, packing)
+    if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing):
+        return out, lse
+    triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing)
     return out, lse
 
 
-def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
-                       mask: BlockMask | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
-                       packing: Packing | None = None, sinks: torch.Tensor | None = None):
-    """Returns (dq, dk, dv, dbias, dsinks), dq/dk/dv each in the layout and dtype of its input.
-    ``mask``, ``bias``, ``packing``: as for ``fwd.attention_forward``. ``dbias`` (with ``bias_grad``,
-    else None) has the bias's 4-D shape and dtype: the gradient summed over the bias's broadcast dims
-    (SPEC 3.3). ``sinks`` (Hq,), whose gradient is wanted: ``dsinks`` (float32, else None), from the
-    pre-pass's row statistics (``sink_gradient``).
-    Packed sequences run the Gluon dK/dV pass where it takes the problem (over the host's map of the
-    key blocks that exist, packed_tiles.py), else the Triton passes with pointer loads."""
-    layout = spec.layout
-    batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, layout)
-    heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, layout)[1:]
-    total_q = seqlen_q
+def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, mask, bias, packing) -> bool:
+    """The Gluon forward into ``out``, ``lse``; False, nothing launched, where TMA cannot address a
+    tensor after all (the Triton kernel then runs)."""
+    from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs (not under the interpreter)
+
     if packing is not None:
-        batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
-    # Gradients in their inputs' strides where those are dense (``empty_like``), else contiguous:
-    # what AccumulateGrad keeps without a copy, and what the custom op's fake declares.
-    dk = gradient_like(k)
-    dv = gradient_like(v)
-    # nothing attends (packed sequences: no query or no key at all, whatever the longest lengths say)
-    if batch * heads_q * seqlen_q * seqlen_k == 0 or q.numel() == 0 or k.numel() == 0:
-        dbias = torch.zeros_like(bias) if bias_grad else None
-        dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
-        return gradient_like(q).zero_(), dk.zero_(), dv.zero_(), dbias, dsinks
-    dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
-                                       skips_tiles=mask is not None)
-    plan = backward_plan(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
-    dkdv_cfg, dq_cfg, atomic_dq, padded_d = plan.dkdv, configs.dq, plan.atomic_dq, plan.padded_d
-    if atomic_dq:
-        # dQ is summed over key blocks in an fp32 (B, Hq, Sq, D) buffer -- packed sequences: (1, Hq,
-        # total_q, D) --, rows padded to 16 bytes for TMA. The pre-pass zeroes it.
-        rows = (batch, heads_q, seqlen_q) if packing is None else (1, heads_q, total_q)
-        dq_buffer = torch.empty((*rows, padded_d), dtype=torch.float32, device=q.device)
-    # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
-    padded_rows = plan.padded_rows
-    lse2, delta = torch.empty((2, batch * heads_q, padded_rows), dtype=torch.float32, device=q.device).unbind()
-    plan.preprocess(out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
-                    dq_buffer if plan.zero_dq else lse, sequence_args(packing, lse)[0])
-    dsinks = None if sinks is None else sink_gradient(sinks, lse2, delta, heads_q)
+        return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, packing=packing)
+    lists, even = None, False
+    if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
+        batch, heads_q, seqlen_q, _ = bhsd_shape(q, spec.layout)
+        heads_kv, seqlen_k = bhsd_shape(k, spec.layout)[1:3]
+        tiles = (config.block_m, config.block_n)
+        lists = triton_fwd.row_list_args(mask, spec, seqlen_q, seqlen_k, *tiles, heads_q, heads_kv, lse)
+        # (a cache hit: gluon_support read it; the launcher adds the no-bias condition)
+        even = rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
+    return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, lists, bias, even_lists=even)
 
-    # The Gluon pass, where the config names it and it takes the problem: dK, dV, and with atomic_dq
-    # also dQ (5 matmuls, D=128), else the dQ pass below sums dQ.
-    gluon_dkdv = hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan, dq_buffer if atomic_dq else None,
-                                  mask, bias, dbias, packing)
-    if gluon_dkdv and atomic_dq:  # the Gluon pass computed every gradient, the bias's too
-        return _dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
-    if gluon_dkdv and not atomic_dq:  # dQ by the Gluon dQ pass, where it takes the problem
-        dq = gluon_dq_pass(q, k, v, dout, lse2, delta, spec, configs, mask, bias, packing)
-        if dq is not None:
-            return dq, dk, dv, dbias, dsinks
-    if dkdv_cfg.hopper_overlap is not None:  # what the Triton kernel compiles with, from here on
-        dkdv_cfg = triton_dkdv_fallback(dkdv_cfg)
-    dq_tma = atomic_dq and configs.dq_tma and packing is None
-    if atomic_dq:
-        dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if dq_tma else dq_buffer
-    else:
-        dq_buffer = gradient_like(q)
-        dq_target = dq_buffer
-    block_d, block_dv = padded_dims(head_dim, head_dim_v)
-    # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass, unless the Gluon pass ran it),
-    # K, V (dQ pass, unless the dK/dV programs sum dQ by atomics).
-    dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m,
-                                  dkdv_cfg.tma_loads and packing is None and not gluon_dkdv)
-    dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n,
-                                dq_cfg.tma_loads and packing is None and not atomic_dq)
-    user_mask = mask_args(mask, heads_q, heads_kv, lse2)
-    # With a mask, the tiles each program visits (tile_lists.py): per key block for dK/dV, per
-    # query block for dQ, at each pass's own tile sizes.
-    column_lists = column_list_args(None if gluon_dkdv else mask, spec, seqlen_q, seqlen_k, dkdv_cfg, heads_q,
-                                    heads_kv, lse2)
-    row_lists = row_list_args(None if atomic_dq else mask, spec, seqlen_q, seqlen_k, dq_cfg.block_m,
-                              dq_cfg.block_n, heads_q, heads_kv, lse2)
-    bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
-    dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
-    # The bias (and its gradient) through TMA where all three descriptors can be made; else pointers.
-    writes_dbias = dbias_mode in (DBIAS_STORE, DBIAS_ATOMIC)
-    bias_descs, bias_tma = all_or_placeholders(
-        [score_tile_descriptor(bias, dkdv_cfg.block_m, dkdv_cfg.block_n),
-         score_tile_descriptor(bias, dq_cfg.block_m, dq_cfg.block_n),
-         score_tile_descriptor(dbias, dkdv_cfg.block_m, dkdv_cfg.block_n) if writes_dbias else lse2], lse2)
-    # The mask's bytes through TMA likewise, at each pass's tiles (fwd.mask_descriptor).
-    mask_descs, mask_tma = all_or_placeholders(
-        [mask_descriptor(mask, dkdv_cfg.block_m, dkdv_cfg.block_n),
-         mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)], lse2)
-    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
-               column_lists[0], row_lists[0], *sequence_args(packing, lse2))
 
-    def call_arguments(run_dkdv: bool, run_dq: bool) -> tuple:
-        """The kernel's leading arguments, the call's tensors and descriptors (its others follow)."""
-        dkdv_loads = run_dkdv and dkdv_descs is not None
-        dq_loads = run_dq and dq_descs is not None
-        return (*tensors, *(dkdv_descs if dkdv_loads else (q, dout)), *(dq_descs if dq_loads else (k, v)), dq_target,
-                *bias_descs, *mask_descs)
-
-    # The launches depend on the call's tensors only through these where no mask, bias or packing
-    # takes part: kept with the plan (the scalars and constexprs below cost a short step ~100 us).
-    plain = mask is None and bias is None and packing is None
-    if plain:
-        passes_key = (q.stride(), k.stride(), v.stride(), gluon_dkdv, dkdv_descs is None, dq_descs is None)
-    passes = plan.triton_passes.get(passes_key) if plain else None
-    if passes is None:
-        passes = _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec, configs, plan, dkdv_cfg, dq_tma, gluon_dkdv,
-                                mask, bias, dbias_mode, packing, user_mask, column_lists, row_lists, bias_args,
-                                dbias_args, bias_tma, mask_tma, dkdv_descs is not None, dq_descs is not None,
-                                call_arguments)
-        if plain:
-            if len(plan.triton_passes) >= 8:
-                plan.triton_passes.clear()
-            plan.triton_passes[passes_key] = passes
-    for launcher, run_dkdv, run_dq in passes:
-        launcher(*call_arguments(run_dkdv, run_dq))
-    if dbias_mode == DBIAS_PASS:
-        _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec, dq_cfg,
-                        _kernel_flags(q, v, spec, mask, bias))
-    elif dbias_mode == DBIAS_ATOMIC:
-        dbias = dbias.to(bias.dtype)
-    if atomic_dq:
-        dq_buffer = _dq_from_sums(dq_buffer, q, layout)
-    return dq_buffer, dk, dv, dbias, dsinks
+# ----------------------------------------------------------------------------- backward
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    """What ``attention_backward`` decides before launching anything: the dK/dV pass's config, dQ
-    by atomics or by a pass of its own, the bias in the Gluon pass, the Triton dK/dV programs'
-    order, the padded widths of dQ's accumulator and of the row statistics, and the pre-pass's
-    launch (``backward_plan``)."""
+    """What ``attention_backward`` decides before launching anything: the dK/dV pass's kernel and
+    config, how dQ is summed, the bias in the Gluon pass, the Triton dK/dV programs' order, the
+    padded widths of dQ's accumulator and of the row statistics, the pre-pass's launch, and the
+    reasons (``plan_backward``)."""
 
     dkdv: KernelConfig
     atomic_dq: bool
@@ -297,27 +298,33 @@ class BackwardPlan:
     padded_rows: int
     zero_dq: bool
     preprocess: Launcher  # (out, dout, lse, dlse, lse2, delta, dQ accumulator, cu_seqlens_q)
-    # The Gluon dK/dV pass takes the problem (``fwd.hopper_supports``: metadata only; the tensors' TMA
-    # addresses are checked at launch).
+    # The Gluon dK/dV pass takes the problem (``gluon_support``); the tensors' TMA addresses are
+    # checked again at launch.
     gluon_dkdv: bool
-    # The Triton passes' launches of the problem (``_triton_passes``), by the inputs' strides and
+    # dQ by the Gluon dQ pass (the warp-specialised forward's kernel in its dQ mode).
+    gluon_dq: bool
+    # Why the dK/dV pass is not the Gluon one ("" where it is), and how dQ is summed and why.
+    dkdv_why: str
+    dq_why: str
+    # The Triton passes' launches of the problem (``triton_bwd.run_passes``), by the inputs' strides and
     # what the call could run (the Gluon pass, TMA loads); filled by calls without mask, bias or packing.
     triton_passes: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
-_plain_plans = per_problem_dict()  # problem metadata -> BackwardPlan (``backward_plan``)
+_plain_plans = per_problem_dict()  # problem metadata -> BackwardPlan (``plan_backward``)
 
 
-def backward_plan(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
+def plan_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
                   dbias_mode: int, packing: Packing | None) -> BackwardPlan:
     """The backward's decisions for one call, kept per problem where the problem's metadata alone
     decides them (no mask or bias, whose contents take part; packed sequences by their count and
-    longest length, not their offsets): a short training step spends its host time on them
-    otherwise (benchmarks/NOTES.md v38, v39)."""
+    longest length, not their offsets): a short training step would spend its host time on them
+    otherwise. The experiment switches (``knobs``) are part of the key."""
     if mask is not None or bias is not None:
         return _decide_backward(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
     key = (q.shape, k.shape, v.shape, q.dtype, q.device, out.stride(), dout.stride(), dlse is not None, spec, configs,
-           DKDV_BLOCK_MAJOR, None if packing is None else (packing.sequences, packing.max_seqlen_q))
+           knobs(), None if packing is None else (packing.sequences, packing.max_seqlen_q),
+           tma_addressable(q) and tma_addressable(k) and tma_addressable(v))
     plan = _plain_plans.get(key)
     if plan is None:
         if len(_plain_plans) >= MAX_PROBLEMS:
@@ -325,6 +332,9 @@ def backward_plan(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Attent
         plan = _plain_plans[key] = _decide_backward(q, k, v, out, dout, dlse, spec, configs, None, None, dbias_mode,
                                                     packing)
     return plan
+
+
+backward_plan = plan_backward  # the name the host-time tools profile
 
 
 def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
@@ -336,19 +346,20 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     if packing is not None:
         batch, seqlen_q = packing.sequences, packing.max_seqlen_q
     dkdv_cfg = configs.dkdv
-    atomic_dq_config = configs.atomic_dq
-    if mask is not None and dkdv_cfg.hopper_overlap is not None:  # the tiles a Gluon pass walks lists with
+    named = _config_names(dkdv_cfg, q, k, v, spec)
+    if mask is not None and named:  # the tiles a Gluon pass walks lists with
         dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
     group_walk = walks_group_with_dq_pass(q, k, spec, configs, mask, bias, packing)
-    atomic_dq = atomic_dq_config and not spec.deterministic and not group_walk
+    atomic_dq = configs.atomic_dq and not spec.deterministic and not group_walk
     # The Gluon pass reads a bias (and stores its gradient) in its 5-matmul form only.
     bias_in_gluon = atomic_dq and gluon_dkdv_takes_bias(q, spec, bias, dbias_mode)
-    if dkdv_cfg.hopper_overlap is not None and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias,
-                                                                      bias_in_gluon):
+    if named and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias, bias_in_gluon):
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     bias_in_gluon = bias_in_gluon and atomic_dq
-    gluon_dkdv = dkdv_cfg.hopper_overlap is not None and hopper_supports(q, k, v, spec, mask=mask, bias=bias,
-                                                                         reads_bias=bias_in_gluon)
+    support = named and gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=bias_in_gluon)
+    gluon_dkdv = support.ok
+    gluon_dq = gluon_dkdv and not atomic_dq and takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing)
+    dq_why = _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing)
     padded_d = cdiv(head_dim, 4) * 4 if atomic_dq else 0
     pre_block_m = configs.preprocess_block_m
     gluon_dq_rows = configs.gluon_dq.hopper_split * 64 if configs.gluon_dq is not None else 0
@@ -356,15 +367,32 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     row_multiple = math.lcm(pre_block_m, configs.dkdv.block_m, configs.dq.block_m, gluon_dq_rows or 16, 16)
     padded_rows = cdiv(seqlen_q, row_multiple) * row_multiple
     zero_dq = atomic_dq
-    preprocess = Launcher(
-        _preprocess_kernel, (padded_rows // pre_block_m, batch * heads_q),
-        ((SLOT,) * 8 + (*bhs_strides(out, layout, packing), *bhs_strides(dout, layout, packing), seqlen_q, heads_q,
-                        padded_rows, padded_d if zero_dq else 0, total_q if packing is not None else 0)),
-        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dims(head_dim, head_dim_v)[1], BLOCK_M=pre_block_m,
-        HAS_DLSE=dlse is not None, ZERO_DQ=zero_dq, BLOCK_DQ=padded_dim(padded_d) if zero_dq else 16,
-        VARLEN=packing is not None)
+    preprocess = triton_bwd.preprocess_launcher(out, dout, dlse, spec, head_dim, head_dim_v, batch, heads_q, seqlen_q,
+                                                total_q, pre_block_m, padded_rows, padded_d, zero_dq, packing)
     return BackwardPlan(dkdv_cfg, atomic_dq, group_walk, bias_in_gluon, dkdv_block_major(spec, heads_q // heads_kv),
-                        padded_d, padded_rows, zero_dq, preprocess, gluon_dkdv)
+                        padded_d, padded_rows, zero_dq, preprocess, gluon_dkdv, gluon_dq,
+                        "" if gluon_dkdv else support.reason, dq_why)
+
+
+def _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing) -> str:
+    """Why dQ is summed the way the plan says, in words (``explain``)."""
+    if atomic_dq:
+        return "the launch config asks for dQ by fp32 atomics from the dK/dV pass (5 matmuls a tile, not 7)"
+    if gluon_dq:
+        reason = "short causal GQA: one dK/dV program walks the whole group" if group_walk else \
+            "deterministic mode: no atomics" if spec.deterministic else "the launch config names no atomics here"
+        return f"every row summed in a fixed order ({reason})"
+    if spec.deterministic:
+        reason = "deterministic mode: no atomics"
+    elif configs.atomic_dq:
+        reason = "the dK/dV pass that would sum it cannot (head dim, tiles or problem)"
+    else:
+        reason = "the launch config names no atomics"
+    if configs.gluon_dq is not None and not takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing):
+        reason += "; the Gluon dQ pass takes no mask, bias or packed sequences"
+    elif configs.gluon_dq is None:
+        reason += "; the launch config names no Gluon dQ pass"
+    return f"every row summed in a fixed order ({reason})"
 
 
 def bias_grad_plan(bias: torch.Tensor | None, full_shape: tuple, spec: AttentionSpec, skips_tiles: bool = False):
@@ -385,13 +413,19 @@ def bias_grad_plan(bias: torch.Tensor | None, full_shape: tuple, spec: Attention
     return DBIAS_ATOMIC, torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
 
 
+BIAS_GRAD_ROUTES = {
+    DBIAS_STORE: "stored by the dK/dV pass, one value per entry (a bias of the full shape)",
+    DBIAS_ATOMIC: "summed over its broadcast dims by fp32 atomics in the dK/dV pass",
+    DBIAS_PASS: "summed over its broadcast dims by a pass of its own, in a fixed order (deterministic mode)",
+}
+
+
 def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
                              packing: Packing | None) -> bool:
     """Causal GQA with short keys (<= SHORT_KEYS) where the Gluon dQ pass takes the problem: the
     deterministic form -- one dK/dV program per KV head's whole group, dQ by the Gluon dQ pass --
-    runs in the default mode too. GQA 16/2 causal, GPU time a step (benchmarks/NOTES.md v45):
-    S=1k -18% (H100; H200 -14%) against the 5-matmul pass with group sums, 2k -6.5% (-4%), 4k +2.5%
-    (H200; so longer keys keep the 5-matmul form). Its gradients are then bitwise reproducible too."""
+    runs in the default mode too: measured faster than the 5-matmul pass with group sums at short
+    keys, not at long ones (docs/PERFORMANCE.md). Its gradients are then bitwise reproducible too."""
     if not takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing):
         return False
     heads_q = bhsd_shape(q, spec.layout)[1]
@@ -403,94 +437,313 @@ def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfig
 def takes_gluon_dq(config: KernelConfig | None, spec: AttentionSpec, mask, bias, packing: Packing | None) -> bool:
     """Whether ``config`` names a Gluon dQ pass (a warp-specialised forward config) for a problem
     of the kind it runs: no mask, bias or packed sequences (the tensors are checked at launch,
-    ``hopper_fwd.dq_pass``)."""
+    ``gluon.fwd.dq_pass``)."""
     return (config is not None and config.hopper_split in (2, 3) and mask is None and bias is None
             and packing is None)
-
-
-def gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
-                  packing: Packing | None) -> torch.Tensor | None:
-    """dQ by the warp-specialised forward's kernel run as the dQ pass (``hopper_fwd.dq_pass``:
-    same arithmetic as the Triton dQ programs, each row summed in a fixed order) where the configs
-    name one (``gluon_dq``) and it takes the problem; else None, nothing launched."""
-    config = configs.gluon_dq
-    if not takes_gluon_dq(config, spec, mask, bias, packing) or not hopper_supports(q, k, v, spec):
-        return None
-    from .kernels.gluon import fwd as hopper_fwd  # Gluon: imported only where it runs (not under the interpreter)
-
-    dq = gradient_like(q)
-    return dq if hopper_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config) else None
-
-
-def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
-    """The Triton dK/dV programs' tiles where a Gluon dK/dV config cannot run (problem, tensors or
-    dQ by atomics): its query step and depth, 64-key tiles on 4 warps (the Triton default)."""
-    return KernelConfig(config.block_m, 64, 4, config.num_stages, config.tma_loads)
 
 
 def gluon_dkdv_takes_bias(q, spec: AttentionSpec, bias: torch.Tensor | None, dbias_mode: int) -> bool:
     """Whether the Gluon dK/dV pass, in its 5-matmul form, can read ``bias`` and write its gradient:
     D=128 (dS is staged in shared memory there, split by key columns, and goes out as the gradient
     from there), no softcap (the gradient is dS before the cap's derivative), a bias of q's dtype
-    that the Gluon forward can read (``fwd.gluon_reads_bias``), its gradient -- if wanted -- one
+    that the Gluon forward can read (``gluon_reads_bias``), its gradient -- if wanted -- one
     value per entry (``DBIAS_STORE``; a broadcast bias's gradient sums over programs)."""
-    return (bias is not None and gluon_reads_bias(bias) and bias.dtype == q.dtype and q.shape[-1] == 128
+    return (bias is not None and gluon_reads_bias(bias).ok and bias.dtype == q.dtype and q.shape[-1] == 128
             and not spec.has_softcap and dbias_mode in (DBIAS_OFF, DBIAS_STORE))
 
 
 def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=None, bias=None,
                        reads_bias: bool = False) -> bool:
     """Whether ``config`` names a Gluon dK/dV pass that takes this problem and can also sum dQ
-    (hopper_bwd.computes_dq: D=128, 2 warpgroups, 64-row steps). Where a Gluon config's pass does
-    not, dQ runs as its own pass: the fused Triton atomic programs are not what the Gluon config's
-    tiles were chosen for (with 128-row steps they do not even fit shared memory). ``reads_bias``:
-    it may take the bias (``gluon_dkdv_takes_bias``)."""
-    if config.hopper_overlap is None or not hopper_supports(q, k, v, spec, mask=mask, bias=bias,
-                                                            reads_bias=reads_bias):
+    (``gluon.bwd.computes_dq``). Where a Gluon config's pass does not, dQ runs as its own pass:
+    the fused Triton atomic programs are not what the Gluon config's tiles were chosen for (with
+    128-row steps they do not even fit shared memory). ``reads_bias``: it may take the bias
+    (``gluon_dkdv_takes_bias``)."""
+    if config.family != "gluon" or not hopper_supports(q, k, v, spec, mask=mask, bias=bias, reads_bias=reads_bias):
         return False
-    from .kernels.gluon import bwd as hopper_bwd
+    from .kernels.gluon import bwd as gluon_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
-    return hopper_bwd.computes_dq(q.shape[-1], config)
-
-
-def hopper_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, plan: BackwardPlan,
-                     dq_accum: torch.Tensor | None = None, mask=None, bias=None, dbias: torch.Tensor | None = None,
-                     packing=None) -> bool:
-    """Run the Gluon pass of hopper_bwd.py where the plan says it takes the problem
-    (``BackwardPlan.gluon_dkdv``): dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given
-    (the plan's ``atomic_dq``); False, nothing launched, where not (or where TMA cannot address a
-    tensor). With a mask the pass walks its column lists at the plan's tiles
-    (``fwd.gluon_mask_dkdv``). With the plan's ``bias_in_gluon`` it reads ``bias`` and stores
-    ``dbias``, its gradient, when one is given. ``packing``: packed sequences
-    (``fwd.attention_forward``). One program per query head with dK/dV summed over each group where
-    ``hopper_bwd.sums_over_group`` says so, unless the plan walks the group (``group_walk``)."""
-    if not plan.gluon_dkdv:
-        return False
-    from .kernels.gluon import bwd as hopper_bwd  # Gluon: imported only where it runs (not under the interpreter)
-
-    heads_q = bhsd_shape(q, spec.layout)[1]
-    heads_kv = bhsd_shape(k, spec.layout)[1]
-    lists = None
-    if mask is not None:
-        seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
-        lists = column_list_args(mask, spec, seqlen_q, seqlen_k, plan.dkdv, heads_q, heads_kv, lse2)
-    group_sum = not plan.group_walk and hopper_bwd.sums_over_group(spec, heads_q, heads_kv, plan.dkdv,
-                                                                   lists is not None)
-    return hopper_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan.dkdv, dq_accum, lists, group_sum,
-                                bias, dbias, packing)
+    return gluon_bwd.computes_dq(q.shape[-1], config)
 
 
-DKDV_BLOCK_MAJOR: bool | None = None  # tests and experiments: force the dK/dV program order
+def sums_over_group(spec: AttentionSpec, heads_q: int, heads_kv: int, config: KernelConfig, lists: bool) -> bool:
+    """Whether the Gluon dK/dV pass runs one program per query head and sums dK/dV over each KV
+    head's group by fp32 reduce-adds (GROUP_SUM), rather than walking the whole group in one
+    program: with GQA and a right window bound (causal: the programs' lengths differ, and the
+    walk's long programs end the pass on a tail), outside deterministic mode (the adds land in no
+    fixed order), where the fp32 tiles can be staged (two warpgroups; the ring of >= 2 x 64 rows
+    always holds them) and no mask list is walked (a list covers a whole group). Without a causal
+    bound the walk's even programs measured faster: the group's adds meet at once."""
+    possible = (heads_q > heads_kv and spec.has_window_right and not spec.deterministic and not lists
+                and config.hopper_split == 2)
+    return possible and knobs().group_sums
 
 
 def dkdv_block_major(spec: AttentionSpec, group_size: int) -> bool:
     """Launch the Triton dK/dV programs block-major (heaviest first across all heads) where their
     work is uneven (a right window bound: the first key blocks see the most queries) and few: with
     GQA each program walks its whole group, so the heaviest ones are long; launched head after head,
-    the last head's heavy blocks start late and the pass ends on a tail (-15% backward time for GQA
-    16/2 causal at S=1k and 4k, NOTES.md v14). MHA keeps head-major order, which keeps one head's
-    Q and dO in L2 (block-major was +3.5% there). The Gluon pass orders its programs in chunks of
-    heads instead (``hopper.chunk_head_rows``). The order changes no result."""
-    if DKDV_BLOCK_MAJOR is not None:
-        return DKDV_BLOCK_MAJOR
+    the last head's heavy blocks start late and the pass ends on a tail. MHA keeps head-major order,
+    which keeps one head's Q and dO in L2 (block-major measured slower there). The Gluon pass orders
+    its programs in chunks of heads instead (``gluon.common.chunk_head_rows``). The order changes no
+    result."""
+    forced = knobs().dkdv_block_major
+    if forced is not None:
+        return forced
     return spec.has_window_right and group_size > 1
+
+
+def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
+                       mask: BlockMask | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
+                       packing: Packing | None = None, sinks: torch.Tensor | None = None):
+    """Returns (dq, dk, dv, dbias, dsinks), dq/dk/dv each in the layout and dtype of its input, by
+    the kernels ``plan_backward`` picks. ``mask``, ``bias``, ``packing``: as for
+    ``attention_forward``. ``dbias`` (with ``bias_grad``, else None) has the bias's 4-D shape and
+    dtype: the gradient summed over the bias's broadcast dims. ``sinks`` (Hq,), whose gradient is
+    wanted: ``dsinks`` (float32, else None), from the pre-pass's row statistics (``sink_gradient``)."""
+    layout = spec.layout
+    batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
+    seqlen_k = bhsd_shape(v, layout)[2]
+    total_q = seqlen_q
+    if packing is not None:
+        batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
+    # Gradients in their inputs' strides where those are dense (``empty_like``), else contiguous:
+    # what AccumulateGrad keeps without a copy, and what the custom op's fake declares.
+    dk = gradient_like(k)
+    dv = gradient_like(v)
+    # nothing attends (packed sequences: no query or no key at all, whatever the longest lengths say)
+    if batch * heads_q * seqlen_q * seqlen_k == 0 or q.numel() == 0 or k.numel() == 0:
+        dbias = torch.zeros_like(bias) if bias_grad else None
+        dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
+        return gradient_like(q).zero_(), dk.zero_(), dv.zero_(), dbias, dsinks
+    dbias_mode, dbias = bias_grad_plan(bias if bias_grad else None, (batch, heads_q, seqlen_q, seqlen_k), spec,
+                                       skips_tiles=mask is not None)
+    plan = plan_backward(q, k, v, out, dout, dlse, spec, configs, mask, bias, dbias_mode, packing)
+    dq_buffer = None
+    if plan.atomic_dq:
+        # dQ is summed over key blocks in an fp32 (B, Hq, Sq, D) buffer -- packed sequences: (1, Hq,
+        # total_q, D) --, rows padded to 16 bytes for TMA. The pre-pass zeroes it.
+        rows = (batch, heads_q, seqlen_q) if packing is None else (1, heads_q, total_q)
+        dq_buffer = torch.empty((*rows, plan.padded_d), dtype=torch.float32, device=q.device)
+    # Row statistics, rows padded to a multiple of every tile height (and of 16: aligned vectors).
+    lse2, delta = torch.empty((2, batch * heads_q, plan.padded_rows), dtype=torch.float32, device=q.device).unbind()
+    plan.preprocess(out, dout, lse, dlse if dlse is not None else lse, lse2, delta,
+                    dq_buffer if plan.zero_dq else lse, triton_fwd.sequence_args(packing, lse)[0])
+    dsinks = None if sinks is None else sink_gradient(sinks, lse2, delta, heads_q)
+
+    gluon_dkdv = plan.gluon_dkdv and _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan, dq_buffer,
+                                                      mask, bias, dbias, packing)
+    if gluon_dkdv and plan.atomic_dq:  # the Gluon pass computed every gradient, the bias's too
+        return triton_bwd.dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
+    if gluon_dkdv and plan.gluon_dq:
+        dq = _gluon_dq_pass(q, k, v, dout, lse2, delta, spec, configs.gluon_dq)
+        if dq is not None:
+            return dq, dk, dv, dbias, dsinks
+    dkdv_cfg = triton_dkdv_fallback(plan.dkdv) if plan.dkdv.family == "gluon" else plan.dkdv
+    dq, dbias = triton_bwd.run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec, configs, plan,
+                                      dkdv_cfg, gluon_dkdv, mask, bias, dbias_mode, packing)
+    return dq, dk, dv, dbias, dsinks
+
+
+def _gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, config: KernelConfig) -> torch.Tensor | None:
+    """dQ by the warp-specialised forward's kernel run as the dQ pass (same arithmetic as the
+    Triton dQ programs, each row summed in a fixed order); None, nothing launched, where TMA cannot
+    address a tensor after all."""
+    from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs (not under the interpreter)
+
+    dq = gradient_like(q)
+    return dq if gluon_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config) else None
+
+
+def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, plan: BackwardPlan,
+                     dq_accum: torch.Tensor | None, mask, bias, dbias: torch.Tensor | None, packing) -> bool:
+    """The Gluon dK/dV pass: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given (the
+    plan's ``atomic_dq``); False, nothing launched, where TMA cannot address a tensor after all.
+    With a mask the pass walks its column lists at the plan's tiles (``gluon_mask_dkdv``). With the
+    plan's ``bias_in_gluon`` it reads ``bias`` and stores ``dbias``, its gradient, when one is given.
+    One program per query head with dK/dV summed over each group where ``sums_over_group`` says
+    so, unless the plan walks the group (``group_walk``)."""
+    from .kernels.gluon import bwd as gluon_bwd  # Gluon: imported only where it runs (not under the interpreter)
+
+    heads_q = bhsd_shape(q, spec.layout)[1]
+    heads_kv = bhsd_shape(k, spec.layout)[1]
+    lists = None
+    if mask is not None:
+        seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
+        lists = triton_bwd.column_list_args(mask, spec, seqlen_q, seqlen_k, plan.dkdv, heads_q, heads_kv, lse2)
+    group_sum = not plan.group_walk and sums_over_group(spec, heads_q, heads_kv, plan.dkdv, lists is not None)
+    return gluon_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan.dkdv,
+                               dq_accum if plan.atomic_dq else None, lists, group_sum, bias, dbias, packing)
+
+
+hopper_dkdv_pass = _gluon_dkdv_pass  # the name the host-time tools profile
+
+
+def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs: AttentionConfigs) -> None:
+    """Where the Gluon kernels take packed sequences, the backward's map of key blocks is made with
+    the forward's map of query blocks: one copy to the device, and the backward's host time (which
+    the GPU waits on in a short step) spends nothing on it (kernels/shared/packed_tiles.py)."""
+    if packing.offsets_q is None or not hopper_supports(q4, k4, v4, spec, sinks):
+        return
+    from .kernels.shared import packed_tiles
+
+    forward, dkdv = configs.forward, configs.dkdv
+    query_block = gluon.WG_ROWS * forward.hopper_split if forward.family == "gluon" and forward.hopper_split \
+        else None
+    key_block = gluon.WG_ROWS * dkdv.hopper_split if dkdv.family == "gluon" and dkdv.hopper_split else None
+    packed_tiles.prepare(packing, spec, q4.device, query_block, key_block)
+
+
+# ----------------------------------------------------------------------------- one call, either backend
+
+
+def forward(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, bias, backend: str):
+    """(out, lse) of one call on ``backend`` (``resolve_backend``)."""
+    if backend == "torch":
+        return cpu.forward(q, k, v, spec, sinks, mask, bias)
+    configs = configs_for(q, v, spec, bhsd_shape(k, spec.layout)[2])
+    return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias)
+
+
+def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, sinks, sinks_grad: bool, mask, bias,
+             bias_grad: bool, backend: str):
+    """(dq, dk, dv, dbias, dsinks) of one call on ``backend``; dbias None unless ``bias_grad``,
+    dsinks (float32) None unless ``sinks_grad``."""
+    # A bias constant along the keys gets its gradient from row statistics (``row_bias_gradient``), on
+    # every backend alike: summed from the softmax gradient it would be mostly rounding noise.
+    row_bias_grad = bias_grad and bias.shape[3] == 1
+    bias_grad = bias_grad and not row_bias_grad
+    all_sinks, sinks = sinks, sinks if sinks_grad else None
+    if backend == "torch":
+        dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
+        dq, dk, dv = (_in_strides_of(x, grad) for x, grad in ((q, dq), (k, dk), (v, dv)))
+        dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, spec.layout)
+    else:
+        configs = configs_for(q, v, spec, bhsd_shape(k, spec.layout)[2])
+        dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
+                                                       bias_grad, sinks=sinks)
+    if row_bias_grad:
+        dbias = row_bias_gradient(bias, out, dout, lse, dlse, all_sinks, spec.layout)
+    return dq, dk, dv, dbias, dsinks
+
+
+def _in_strides_of(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` with the strides ``gradient_like(x)`` gives (the fake's, the Triton backend's)."""
+    like = gradient_like(x)
+    return grad if grad.stride() == like.stride() else like.copy_(grad)
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pass of a call: what runs it, with which config, and why."""
+
+    name: str  # "forward", "pre-pass", "dK/dV", "dQ", "bias gradient", "sinks gradient"
+    kernel: str
+    why: str = ""
+    config: KernelConfig | None = None
+
+    def __str__(self) -> str:
+        text = f"  {self.name:<15} {self.kernel}"
+        if self.config is not None:
+            text += f"\n  {'':<15} config: {_describe(self.config)}"
+        if self.why:
+            text += f"\n  {'':<15} why: {self.why}"
+        return text
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The plan a call would run (``fusedattn.explain``): the backend, then each pass in order."""
+
+    backend: str
+    forward: tuple
+    backward: tuple
+
+    def __str__(self) -> str:
+        lines = [f"backend: {self.backend}", "forward:", *map(str, self.forward), "backward:",
+                 *map(str, self.backward)]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Explanation(backend={self.backend!r}, forward={[s.kernel for s in self.forward]}, " \
+               f"backward={[s.kernel for s in self.backward]})"
+
+    def kernels(self) -> dict:
+        """{pass name: kernel} of both directions (the backward's under "backward ...")."""
+        return {**{s.name: s.kernel for s in self.forward}, **{f"backward {s.name}": s.kernel for s in self.backward}}
+
+
+def _describe(config: KernelConfig) -> str:
+    text = f"{config.block_m}x{config.block_n} tiles, {config.num_stages} stages"
+    if config.family == "gluon":
+        if config.hopper_split:
+            turns = f", ping-pong {config.hopper_pingpong}" if config.hopper_pingpong else ""
+            return f"{text}, warp-specialised: {config.hopper_split} consumer warpgroups{turns}"
+        return f"{text}, 8 warps, schedule {config.hopper_overlap}"
+    return f"{text}, {config.num_warps} warps" + (", TMA loads" if config.tma_loads else "")
+
+
+def _gluon_forward_name(config: KernelConfig) -> str:
+    if config.hopper_split:
+        return f"Gluon forward, warp-specialised ({config.hopper_split} consumer warpgroups)"
+    return "Gluon forward, 8 warps"
+
+
+def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, bias, backend: str,
+                  bias_grad: bool, sinks_grad: bool) -> Explanation:
+    """The plans ``forward`` and ``backward`` would run for these inputs, without running anything."""
+    if backend == "torch":
+        fused = q.is_cpu and cpu.uses_fused_kernel(spec, mask, bias)
+        kernel = "torch's fused CPU attention kernel, by parts of the key range" if fused else \
+            "PyTorch ops over chunks of keys (cpu.py), O(Sq x chunk) memory"
+        why = "" if fused else "softcap, a bias or a mask: torch's fused CPU kernel takes none of them" \
+            if q.is_cpu else "the PyTorch backend on a CUDA tensor (use_backend or FUSEDATTN_BACKEND)"
+        steps = (Step("forward", kernel, why),)
+        return Explanation(backend, steps, (Step("all gradients", kernel.replace("attention kernel", "backward"),
+                                                 why),))
+    seqlen_k = bhsd_shape(k, spec.layout)[2]
+    configs = configs_for(q, v, spec, seqlen_k)
+    plan = plan_forward(q, k, v, spec, configs.forward, sinks, mask, bias)
+    if plan.kernel == "gluon":
+        forward_step = Step("forward", _gluon_forward_name(plan.config),
+                            "mask by its tile lists (no partial tile)" if mask is not None else "", plan.config)
+    else:
+        forward_step = Step("forward", "Triton forward", plan.why, plan.config)
+    batch, heads_q, seqlen_q, _ = bhsd_shape(q, spec.layout)
+    out_shape = (batch, seqlen_q, heads_q, v.shape[-1]) if spec.layout == "bshd" else \
+        (batch, heads_q, seqlen_q, v.shape[-1])
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    row_bias = bias_grad and bias.shape[3] == 1
+    dbias_mode, _ = bias_grad_plan(bias if bias_grad and not row_bias else None, (batch, heads_q, seqlen_q, seqlen_k),
+                                   spec, skips_tiles=mask is not None)
+    bplan = _decide_backward(q, k, v, out, out, None, spec, configs, mask, bias, dbias_mode, None)
+    steps = [Step("pre-pass", "Triton pre-pass (row statistics lse2, delta)")]
+    if bplan.gluon_dkdv:
+        summed = " and dQ (5 matmuls)" if bplan.atomic_dq else ""
+        steps.append(Step("dK/dV", f"Gluon dK/dV pass, warp-specialised{summed}",
+                          "mask by its tile lists (no partial tile)" if mask is not None else "", bplan.dkdv))
+    else:
+        dkdv_cfg = triton_dkdv_fallback(bplan.dkdv) if bplan.dkdv.family == "gluon" else bplan.dkdv
+        order = "block-major" if bplan.block_major else "head-major"
+        steps.append(Step("dK/dV", f"Triton dK/dV programs ({order})", bplan.dkdv_why, dkdv_cfg))
+    if bplan.gluon_dq:
+        steps.append(Step("dQ", "Gluon dQ pass, warp-specialised", bplan.dq_why, configs.gluon_dq))
+    elif bplan.atomic_dq:
+        where = "the Gluon dK/dV pass" if bplan.gluon_dkdv else "the Triton dK/dV programs"
+        steps.append(Step("dQ", f"summed by {where} (fp32 atomics)", bplan.dq_why))
+    else:
+        steps.append(Step("dQ", "Triton dQ programs", bplan.dq_why, configs.dq))
+    if bias is not None and bias_grad:
+        if row_bias:
+            steps.append(Step("bias gradient", "closed form from row statistics (row_gradients.py)",
+                              "a bias constant along the keys: its softmax gradient sums to rounding noise"))
+        elif bplan.bias_in_gluon:
+            steps.append(Step("bias gradient", "stored by the Gluon dK/dV pass"))
+        else:
+            steps.append(Step("bias gradient", BIAS_GRAD_ROUTES[dbias_mode]))
+    if sinks is not None and sinks_grad:
+        steps.append(Step("sinks gradient", "closed form from the pre-pass's row statistics (row_gradients.py)"))
+    return Explanation(backend, (forward_step,), tuple(steps))

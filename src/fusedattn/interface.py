@@ -10,59 +10,17 @@ under ``TRITON_INTERPRET=1``) and ``"torch"`` (the chunked PyTorch path).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 from typing import Optional
 
 import torch
 from torch.autograd import forward_ad
 
-from . import cpu
+from . import cpu, dispatch
 from .block_mask import BlockMask
 from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
-from .dispatch import attention_backward, attention_forward
-from .kernels.triton.bwd import row_bias_gradient, sink_gradient_from_outputs
-from .kernels.triton.fwd import _forward_kernel
+from .dispatch import use_backend  # noqa: F401  (public: fusedattn.use_backend)
 from .spec import AttentionSpec, bhsd_shape, gradient_like, resolve_spec
-from .tuning.configs import band_window, select_configs
-
-BACKENDS = ("auto", "triton", "torch")
-_backend = os.environ.get("FUSEDATTN_BACKEND", "auto")
-
-
-@contextlib.contextmanager
-def use_backend(name: str):
-    """Choose the backend inside the block: ``"auto"`` (Triton on CUDA, PyTorch on CPU),
-    ``"triton"`` (also CPU tensors, when the process was started with ``TRITON_INTERPRET=1``)
-    or ``"torch"``. The environment variable ``FUSEDATTN_BACKEND`` sets the default."""
-    global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"fusedattn.use_backend: expected one of {BACKENDS}, got {name!r}")
-    previous, _backend = _backend, name
-    try:
-        yield
-    finally:
-        _backend = previous
-
-
-def _kernels_interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_forward_kernel, InterpretedFunction)
-
-
-def _resolve_backend(device: torch.device) -> str:
-    if _backend not in BACKENDS:
-        raise ValueError(f"FUSEDATTN_BACKEND must be one of {BACKENDS}, got {_backend!r}")
-    if _backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if _backend == "triton" and device.type == "cpu" and not _kernels_interpreted():
-        raise RuntimeError(
-            "fusedattn: the Triton kernels run on CPU tensors only under Triton's interpreter; "
-            "set TRITON_INTERPRET=1 before importing fusedattn"
-        )
-    return _backend
 
 
 def beyond_first_order(*tensors) -> bool:
@@ -115,12 +73,7 @@ def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, wi
         sinks = sinks.detach().float().contiguous()
     if bias is not None:
         bias = bias.detach()
-    if backend == "torch":
-        return cpu.forward(q, k, v, spec, sinks, mask, bias)
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    configs = select_configs(q.device, q.dtype, head_dim, head_dim_v, bhsd_shape(k, layout)[2],
-                             band_window(spec, head_dim), spec.has_window_right, spec.has_softcap)
-    return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias)
+    return dispatch.forward(q, k, v, spec, sinks, mask, bias, backend)
 
 
 @torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
@@ -150,29 +103,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
     mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if bias is not None:
         bias = bias.detach()
-    # A bias constant along the keys gets its gradient from row statistics (``row_bias_gradient``), on
-    # every backend alike: summed from the softmax gradient it would be mostly rounding noise.
-    row_bias_grad = bias_grad and bias.shape[3] == 1
-    bias_grad = bias_grad and not row_bias_grad
-    all_sinks, sinks = sinks, sinks if sinks_grad else None
-    if backend == "torch":
-        dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
-        dq, dk, dv = (_in_strides_of(x, grad) for x, grad in ((q, dq), (k, dk), (v, dv)))
-        dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout)
-    else:
-        configs = select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], bhsd_shape(k, layout)[2],
-                                 band_window(spec, q.shape[-1]), spec.has_window_right, spec.has_softcap)
-        dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
-                                                       bias_grad, sinks=sinks)
-    if row_bias_grad:
-        dbias = row_bias_gradient(bias, out, dout, lse, dlse, all_sinks, layout)
-    return dq, dk, dv, dbias, dsinks
-
-
-def _in_strides_of(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` with the strides ``gradient_like(x)`` gives (the fake's, the Triton backend's)."""
-    like = gradient_like(x)
-    return grad if grad.stride() == like.stride() else like.copy_(grad)
+    return dispatch.backward(dout, dlse, q, k, v, out, lse, spec, sinks, sinks_grad, mask, bias, bias_grad, backend)
 
 
 @torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
@@ -210,11 +141,16 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-_SINKS_INPUT, _BIAS_INPUT = 3, 7  # positions among the ops' inputs (q, k, v, sinks, mask, tile states, grid, bias)
+# The forward op's inputs by name, in the order its schema declares them: gradients and
+# ``needs_input_grad`` are matched to inputs by name, never by a position written here.
+_OP_INPUTS = tuple(argument.name for argument in torch.ops.fusedattn.attention_forward.default._schema.arguments)
+# What the eager Function takes (``_EagerAttention.forward``): the inputs that can have a gradient.
+_EAGER_INPUTS = ("q", "k", "v", "sinks", "bias")
 
 
 def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bool):
-    """(dq, dk, dv, dsinks, dbias) of a call saved by ``_setup_context``; dsinks / dbias None unless asked."""
+    """(dq, dk, dv, dsinks, dbias) -- ``_EAGER_INPUTS`` order -- of a call saved by ``_setup_context``;
+    dsinks / dbias None unless asked."""
     q, k, v, out, lse, sinks, mask, mask_states, bias = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
@@ -229,10 +165,9 @@ def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bo
 
 
 def _backward(ctx, dout, dlse):
-    dq, dk, dv, dsinks, dbias = _backward_with(_backward_op, ctx, dout, dlse, ctx.needs_input_grad[_SINKS_INPUT],
-                                               ctx.needs_input_grad[_BIAS_INPUT])
-    # one gradient per input: q, k, v, sinks, (mask, tile states, grid), bias, options
-    return (dq, dk, dv, dsinks, None, None, None, dbias) + (None,) * len(ctx.options)
+    needs = dict(zip(_OP_INPUTS, ctx.needs_input_grad))
+    grads = dict(zip(_EAGER_INPUTS, _backward_with(_backward_op, ctx, dout, dlse, needs["sinks"], needs["bias"])))
+    return tuple(grads.get(name) for name in _OP_INPUTS)  # None for the mask, its tiles and the options
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -256,10 +191,12 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        needs = dict(zip(_EAGER_INPUTS, ctx.needs_input_grad))
         if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable themselves
-            return (*_differentiable_backward(ctx, dout, dlse, ctx.needs_input_grad[:5]), None)
-        return (*_backward_with(_backward_impl, ctx, dout, dlse, ctx.needs_input_grad[3], ctx.needs_input_grad[4]),
-                None)
+            grads = _differentiable_backward(ctx, dout, dlse, tuple(needs.values()))
+        else:
+            grads = _backward_with(_backward_impl, ctx, dout, dlse, needs["sinks"], needs["bias"])
+        return (*grads, None)  # in _EAGER_INPUTS order, then none for ``rest``
 
 
 def _differentiable_backward(ctx, dout, dlse, needs: tuple) -> tuple:
@@ -327,7 +264,7 @@ def attention(
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
                         softcap=softcap, deterministic=deterministic)
-    mask_args, options = _mask_args(mask), (*spec.op_args(), _resolve_backend(q.device))
+    mask_args, options = _mask_args(mask), (*spec.op_args(), dispatch.resolve_backend(q.device))
     args = (q, k, v, sinks, *mask_args, bias, *options)
     if torch.compiler.is_compiling():
         out, lse = _forward_op(*args)
@@ -338,3 +275,42 @@ def attention(
     else:  # nothing to differentiate: no autograd node (its host time is a fifth of an inference call's)
         out, lse = _forward_impl(*args)
     return (out, lse) if return_lse else out
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layout: str = "bshd",
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | BlockMask | None = None,
+    sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
+    show: bool = True,
+):
+    """Print, and return, the plan ``attention`` would run for these arguments: the backend, then
+    each pass of the forward and of the backward -- which kernel, with which launch config, and for
+    every faster path not taken, why. Runs nothing and checks the arguments as ``attention`` does.
+    The backward's bias and sinks gradients are planned where those tensors require a gradient.
+    ``show=False`` only returns it (``str()`` of the result is the printed text)."""
+    check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
+                  deterministic=deterministic, return_lse=False)
+    shapes = check_qkv(q, k, v, layout)
+    check_sinks(sinks, q, shapes.heads_q)
+    mask = check_mask(mask, shapes, q)
+    bias = check_bias(bias, shapes, q)
+    q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
+    spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
+                        softcap=softcap, deterministic=deterministic)
+    plans = dispatch.explain_plans(q, k, v, spec, None if sinks is None else sinks.detach().float(), mask,
+                                   None if bias is None else bias.detach(), dispatch.resolve_backend(q.device),
+                                   bias_grad=bias is not None and bias.requires_grad,
+                                   sinks_grad=sinks is not None and sinks.requires_grad)
+    if show:
+        print(plans)
+    return plans

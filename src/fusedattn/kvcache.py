@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 
 from .checks import check_heads_and_dims, check_options, check_sinks, check_tensors, is_integer
-from .interface import _resolve_backend, attention, beyond_first_order
+from .dispatch import resolve_backend
+from .interface import attention, beyond_first_order
 from .kernels.triton.kvcache import kvcache_forward
 from .spec import AttentionSpec, resolve_spec
 
@@ -285,6 +286,6 @@ def kvcache_attention(
     spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
                         deterministic=False)
     args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, *spec.op_args()[1:5],
-            None if num_splits is None else int(num_splits), _resolve_backend(q.device))
+            None if num_splits is None else int(num_splits), resolve_backend(q.device))
     out, lse = _kvcache_op(*args) if compiling else _kvcache_impl(*args, shape=shape)
     return (out, lse) if return_lse else out

@@ -14,12 +14,10 @@ import torch
 from typing import Optional
 
 from .checks import check_options, check_qkv, check_sinks, is_integer
-from .interface import (_backward_impl, _forward_impl, _resolve_backend, _unit_stride_head_dim, attention,
-                        beyond_first_order, differentiable_grads)
-from .kernels.shared import packed_tiles
-from .dispatch import attention_backward, attention_forward, hopper_supports
+from .dispatch import attention_backward, attention_forward, packed_configs, prepare_packed_maps, resolve_backend
+from .interface import (_backward_impl, _forward_impl, _unit_stride_head_dim, attention, beyond_first_order,
+                        differentiable_grads)
 from .spec import AttentionSpec, Packing, gradient_like, resolve_spec
-from .tuning.configs import band_window, select_configs
 
 _NAME = "fusedattn.varlen_attention"
 
@@ -132,9 +130,9 @@ def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str
                 out[q0:q1], lse[:, q0:q1] = out_s[0], lse_s[0]
         return out, lse
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
-    configs = _configs(q, v, spec)
+    configs = packed_configs(q, v, spec)
     if for_backward:
-        _prepare_maps(q4, k4, v4, sinks, packing, spec, configs)
+        prepare_packed_maps(q4, k4, v4, sinks, packing, spec, configs)
     kernel_sinks = sinks.detach().float().contiguous() if sinks is not None else None
     out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing)
     return poison(packing, out[0], lse)
@@ -164,7 +162,7 @@ def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: P
         return dq, dk, dv, dsinks
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     dq, dk, dv, _, dsinks = attention_backward(dout.unsqueeze(0), dlse, q4, k4, v4, out.unsqueeze(0), lse, spec,
-                                               _configs(q, v, spec), packing=packing,
+                                               packed_configs(q, v, spec), packing=packing,
                                                sinks=sinks if sinks_grad else None)
     return poison(packing, dq[0], dk[0], dv[0], dsinks)
 
@@ -173,13 +171,6 @@ def _sequences(packing: Packing):
     """((q0, q1), (k0, k1)) row ranges of each sequence, from the offsets the host read."""
     bounds_q, bounds_k = packing.offsets_q, packing.offsets_k
     return zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:]))
-
-
-def _configs(q, v, spec: AttentionSpec):
-    # One config for every set of lengths (the long-keys class): a new longest length must not switch
-    # configs, which would compile new kernels.
-    return select_configs(q.device, q.dtype, q.shape[-1], v.shape[-1], has_left=band_window(spec, q.shape[-1]),
-                          has_right=spec.has_window_right, has_softcap=spec.has_softcap)
 
 
 class _VarlenAttention(torch.autograd.Function):
@@ -278,21 +269,6 @@ def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse) -> tuple:
     return differentiable_grads((out, lse), (dout, dlse), (q, k, v, sinks), ctx.needs_input_grad[:4])
 
 
-def _prepare_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs) -> None:
-    """Where the Gluon kernels take the problem, the backward's map of key blocks is made with the
-    forward's map of query blocks: one copy to the device, and the backward's host time (which the
-    GPU waits on in a short step) spends nothing on it (kernels/packed_tiles.py)."""
-    if packing.offsets_q is None or not hopper_supports(q4, k4, v4, spec, sinks):
-        return
-    from .kernels.gluon.common import WG_ROWS  # Gluon: imported only where it runs (not under the interpreter)
-
-    forward, dkdv = configs.forward, configs.dkdv
-    query_block = WG_ROWS * forward.hopper_split if forward.hopper_overlap is not None and forward.hopper_split \
-        else None
-    key_block = WG_ROWS * dkdv.hopper_split if dkdv.hopper_overlap is not None and dkdv.hopper_split else None
-    packed_tiles.prepare(packing, spec, q4.device, query_block, key_block)
-
-
 def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int):
     """``attention`` on each sequence, through autograd: the differentiable form of the call (forward-mode
     AD and torch.func transforms, where ``attention`` runs plain torch ops, and a backward with
@@ -350,7 +326,7 @@ def varlen_attention(
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
                         deterministic=deterministic)
-    backend = _resolve_backend(q.device)
+    backend = resolve_backend(q.device)
     if torch.compiler.is_compiling():
         out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, int(max_seqlen_q), int(max_seqlen_k),
                                *spec.op_args()[1:], backend)

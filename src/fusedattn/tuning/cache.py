@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import triton
 
-from .configs import SHORT_KEYS, AttentionConfigs, KernelConfig
+from ..kernels.shared.config import SHORT_KEYS, AttentionConfigs, KernelConfig
 
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
 
@@ -44,7 +44,7 @@ def kernel_source_hash() -> str:
 
 def config_key(gpu_name: str, capability: tuple[int, int], dtype: torch.dtype, head_dim: int, head_dim_v: int,
                seqlen_k: int, has_left: bool, has_right: bool, has_softcap: bool) -> str:
-    from .. import __version__
+    from .._version import __version__
 
     fields = dict(
         fusedattn=__version__, kernels=kernel_source_hash(), gpu=gpu_name, capability=list(capability),

@@ -11,54 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
+from ..kernels.shared.config import SHORT_KEYS, AttentionConfigs, KernelConfig  # noqa: F401  (re-exported)
+from .cache import TuningCache, cache_path, config_key
 
-@dataclass(frozen=True)
-class KernelConfig:
-    block_m: int  # query rows per tile
-    block_n: int  # key rows per tile
-    num_warps: int = 4
-    num_stages: int = 2
-    # Load the tiles of the inner loop through TMA descriptors (Hopper and later; the launcher
-    # falls back to pointers where a tensor's alignment rules TMA out).
-    tma_loads: bool = False
-    # Set: run a Gluon kernel (kernels/hopper_fwd.py, hopper_bwd.py) where it supports the problem
-    # (kernels/hopper.py: sm_90, 16-bit, D = Dv in {64, 128}, a right window of none or causal).
-    # Forward: the 8-warp kernel with this schedule (0 plain, 1 softmax under the PV
-    # matmul, 2 also the next QK^T issued early; block_m 128). dK/dV: 0 (the warp-specialised pass
-    # is its only schedule). None, or a problem it does not support: the Triton kernel
-    # (fwd.triton_fallback, bwd.triton_dkdv_fallback).
-    hopper_overlap: int | None = None
-    # With hopper_overlap set: 2 or 3 runs the warp-specialised Gluon kernel (a 1-warp TMA producer
-    # and that many consumer warpgroups of 64 rows: query rows in the forward, keys in dK/dV).
-    hopper_split: int = 0
-    # Their turns at the tensor cores: 0 none; 1 the turn covers issuing the score matmul; 2 (dK/dV
-    # only) it covers both score matmuls, S^T and dP^T.
-    hopper_pingpong: int = 0
+_pinned: AttentionConfigs | None = None  # tests: every call takes these configs (``pinned_configs``)
 
-
-@dataclass(frozen=True)
-class AttentionConfigs:
-    forward: KernelConfig
-    dkdv: KernelConfig  # one program per key block; block_m is its query-loop step
-    dq: KernelConfig  # one program per query block (the separate dQ pass)
-    preprocess_block_m: int = 64
-    # Run the dQ programs in the dK/dV launch (they then use its warps and stages)?
-    fuse_dq_pass: bool = False
-    # Outside deterministic mode, dQ may instead be summed by fp32 atomics from the dK/dV pass
-    # (5 matmuls per tile instead of 7); on Hopper those atomics can be TMA bulk reduce-adds.
-    atomic_dq: bool = False
-    dq_tma: bool = False
-    # The dQ pass on the warp-specialised Gluon forward's skeleton (kernels/hopper_fwd.py, GRAD_Q)
-    # where it takes the problem (``bwd.takes_gluon_dq``); else ``dq`` (Triton).
-    gluon_dq: KernelConfig | None = None
-
-
-_pinned: AttentionConfigs | None = None
-SHORT_KEYS = 2048  # key lengths up to this take the short-sequence tiles below
 # Left windows at least this wide (keys a query sees before itself) take the configs of problems
 # without one: a wide band's tiles walk enough key blocks that the forward's 3 warpgroups taking
 # turns beat 2 (H100, NOTES.md v53: D=64 left 1023 -3%, 2047 -6%; D=128 left 4095 at S=16k -4%),
@@ -185,8 +146,6 @@ def select_configs(device: torch.device, dtype: torch.dtype, head_dim: int, head
 @functools.lru_cache(maxsize=1024)
 def _cuda_select(device_index: int, dtype: torch.dtype, head_dim: int, head_dim_v: int, short_keys: bool,
                  has_left: bool, has_right: bool, has_softcap: bool) -> AttentionConfigs:
-    from .cache import TuningCache, cache_path, config_key
-
     seqlen_k = SHORT_KEYS if short_keys else 2 * SHORT_KEYS  # a representative of the length class
     capability = torch.cuda.get_device_capability(device_index)
     key = config_key(torch.cuda.get_device_name(device_index), capability, dtype, head_dim, head_dim_v, seqlen_k,

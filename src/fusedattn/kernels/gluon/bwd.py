@@ -67,15 +67,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 from ...spec import AttentionSpec, to_bhsd
-from ...tuning.configs import KernelConfig
-from . import common as hopper
+from ..shared.config import KernelConfig
 from ..shared.block_range import query_blocks_for_key_block
-from ..triton.fwd import score_constants
-from .common import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
-                     log2_scores, packed_chunk_heads, packed_tile, row_stats_descriptor, store_sequence_rows,
-                     tma_reduce_add, turn_pass, turn_wait, window_bounds, ws_registers)
+from ..shared.constants import score_constants
+from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, keep_scores,
+                     launch_order, log2_scores, packed_chunk_heads, packed_tile, row_stats_descriptor,
+                     store_sequence_rows, tma_reduce_add, turn_pass, turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
-from ..triton.memory import tma_addressable
+from ..shared.descriptors import tma_addressable
 from ..shared import packed_tiles
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
@@ -403,22 +402,12 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         bias_ring = dq_state[5]
         KEYS: gl.constexpr = k_smem.shape[3]
         bias = bias_ring.index(slot).reshape([BLOCK_M, bias_ring.shape[4]]).slice(WG * KEYS, KEYS, dim=1)
-        s = s * qk_scale + bias.permute((1, 0)).load(s_layout).to(gl.float32) * 1.4426950408889634  # log2(e)
+        s = s * qk_scale + bias.permute((1, 0)).load(s_layout).to(gl.float32) * LOG2E
         qk_scale = 1.0
     if MASK:
+        # keys past Sk reach dQ or are another sequence's: RAGGED gives them p = 0 exactly
         rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
-        diag, window_left = rule
-        if LEFT:  # keys past Sk masked too (needed with DQ, harmless without)
-            first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
-            keep = in_window(gl.expand_dims(keys, 1), gl.expand_dims(first, 0), gl.expand_dims(last, 0))
-        else:
-            if CAUSAL:
-                keep = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
-            else:
-                keep = gl.expand_dims(keys, 1) >= 0
-            if RAGGED:  # keys past Sk reach dQ or are another sequence's: p = 0 exactly
-                keep = keep & gl.expand_dims(keys < seq_k, 1)
-        s = gl.where(keep, s, -float("inf"))
+        s = keep_scores(s, rows, keys, seq_k, rule, CAUSAL, LEFT, RAGGED, True)
     lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
     if SOFTCAP:
@@ -791,23 +780,6 @@ def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
     return Descriptor(dq_accum, (1, 1, block_m, DQ_COLS))
 
 
-GROUP_SUMS: bool | None = None  # tests and experiments: force the group sums off (False) or on where they can run
-
-
-def sums_over_group(spec: AttentionSpec, heads_q: int, heads_kv: int, config: KernelConfig, lists: bool) -> bool:
-    """Whether the pass runs one program per query head and sums dK/dV over each KV head's group by
-    fp32 reduce-adds (GROUP_SUM), rather than walking the whole group in one program: with GQA and
-    a right window bound (causal: the programs' lengths differ), outside deterministic mode (the adds
-    land in no fixed order), where the fp32 tiles can be staged (two warpgroups; the ring of >= 2 x
-    64 rows always holds them) and no mask list is walked (a list covers a whole group).
-    GQA 16/2 S=4k causal backward: 1.73-1.83 ms walking the group, 1.64-1.68 summing it (MHA of the
-    same FLOPs 1.53-1.56); without a causal bound the walk's even programs were faster (2.68-2.70 ms
-    against 2.83-3.10: the group's adds meet at once), benchmarks/NOTES.md v28."""
-    possible = (heads_q > heads_kv and spec.has_window_right and not spec.deterministic and not lists
-                and config.hopper_split == 2)
-    return possible and GROUP_SUMS is not False
-
-
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
               dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
               bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None, packing=None) -> bool:
@@ -856,7 +828,7 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
     launcher = _dkdv_launcher(tuple(descs[0].shape), heads_kv, seqlen_k, spec, config, dq_accum is not None,
                               tuple(lists[1:]), tile_lists is not None, group_sum, bias_slices, dbias is not None,
-                              q.device.index, hopper.CHUNK_HEADS)
+                              q.device.index)
     launcher(*descs, dq_desc, lists[0], *bias_descs)
     if group_sum:
         to_bhsd(dk, layout).copy_(sums[0])
@@ -867,11 +839,10 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
 @per_problem
 def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, dq: bool,
                    list_strides: tuple, has_lists: bool, group_sum: bool, bias_slices: tuple | None, dbias: bool,
-                   device_index: int, chunk_knob) -> Launcher:
+                   device_index: int) -> Launcher:
     """The pass's launch for one problem (decided once: grid, launch order, registers); each call
     passes the 8 descriptors of Q, dO, K, V, dK, dV (or the group sums), lse2, delta, then dQ's, the
-    tile lists, and the bias's and its gradient's. ``chunk_knob``: ``hopper.CHUNK_HEADS``, read by
-    ``chunk_head_rows``, so that setting it takes effect."""
+    tile lists, and the bias's and its gradient's."""
     batch, heads_q, seqlen_q, head_dim = q_shape
     key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
     heads = batch * (heads_q if group_sum else heads_kv)
@@ -916,7 +887,7 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
     entries = tile_map.shape[1]
     if entries:
         launcher = _packed_dkdv_launcher(q4.shape, k4.shape, dk4.stride()[1:3], spec, config, dq_accum is not None,
-                                         group_sum, q.device.index, hopper.CHUNK_HEADS)
+                                         group_sum, q.device.index)
         head_rows = heads_q if group_sum else heads_kv
         # dQ's descriptor stands in the bias and bias-gradient slots (never read with VARLEN)
         launcher(*descs, dq_desc, tile_map, dq_desc, dq_desc, entries, dk4, dv4, grid=(entries * head_rows,))
@@ -931,7 +902,7 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
 
 @per_problem
 def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, spec: AttentionSpec,
-                          config: KernelConfig, dq: bool, group_sum: bool, device_index: int, chunk_knob) -> Launcher:
+                          config: KernelConfig, dq: bool, group_sum: bool, device_index: int) -> Launcher:
     """The packed pass's launch for one problem (shapes, not lengths); each call passes the 9
     descriptors of ``dkdv_pass``, the map, the bias and bias-gradient descriptors, the map's entry
     count, dK and dV, with its grid (entries x head rows)."""

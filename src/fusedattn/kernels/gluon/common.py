@@ -19,29 +19,14 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...spec import UNBOUNDED, AttentionSpec
-from ..shared import packed_tiles
-from ..triton import memory
+from . import WG_ROWS  # noqa: F401  (the kernels' modules take it from here too)
+from ..shared import constants, packed_tiles
+from ..shared.knobs import knobs
+from ..shared import descriptors
 
-LOG2E = 1.4426950408889634
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-HEAD_DIMS = (64, 128)
-WG_ROWS = 64  # rows of one consumer warpgroup's tile (one wgmma M)
+LOG2E = gl.constexpr(constants.LOG2E)
 PRODUCER_REGS = 24  # registers the 1-warp TMA producer keeps; the consumers take the rest
-
-
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> bool:
-    """Whether the Gluon kernels compute the problem (else the Triton kernels do): sm_90, 16-bit,
-    D = Dv in {64, 128}, a right window of none or 0 (causal), any left window; softcap or not."""
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    causal_or_full = spec.window_right in (UNBOUNDED, 0)
-    return (q.is_cuda and _major_capability(q.device.index) == 9 and q.dtype in GL_DTYPES
-            and head_dim == head_dim_v and head_dim in HEAD_DIMS and causal_or_full)
-
-
-@functools.lru_cache(maxsize=None)
-def _major_capability(device_index: int | None) -> int:  # 3 us a query, several per step
-    return torch.cuda.get_device_capability(device_index)[0]
 
 
 # --------------------------------------------------------------------------- descriptors
@@ -49,8 +34,8 @@ def _major_capability(device_index: int | None) -> int:  # 3 us a query, several
 _GL_TYPES = {**GL_DTYPES, torch.float32: gl.float32}
 
 
-class Descriptor(memory.Descriptor):
-    """A descriptor a Gluon kernel takes (``memory.Descriptor``): through Triton it is Gluon's
+class Descriptor(descriptors.Descriptor):
+    """A descriptor a Gluon kernel takes (``descriptors.Descriptor``): through Triton it is Gluon's
     TensorDescriptor, with the shared-memory layout ``smem_layout`` makes of its block and dtype."""
 
     __slots__ = ()
@@ -132,9 +117,6 @@ def store_sequence_rows(base, tile, first, seq_start, seq_len, stride_row, layou
     gl.store(base + offsets, tile, mask=keep)
 
 
-CHUNK_HEADS: int | None = None  # tests and experiments: force the head rows per chunk (0: all of them)
-
-
 def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.device) -> int:
     """Head rows per chunk of ``launch_order``: 1 (head-major) unless ``chunked``, else about one
     wave of programs, round(SMs / blocks) rows, heaviest block first in each chunk. The hardware
@@ -145,8 +127,9 @@ def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.de
     the backward (GQA 16/2 causal -3 to -8%); the forward of a sliding window -6 to -9%. The
     causal forward gained nothing (head-major, it already ends on each head's light programs), so
     its callers chunk the forward with a left window bound only."""
-    if CHUNK_HEADS is not None:
-        return max(1, min(CHUNK_HEADS or head_rows, head_rows))
+    forced = knobs().chunk_heads
+    if forced is not None:
+        return max(1, min(forced or head_rows, head_rows))
     if not chunked:
         return 1
     return max(1, min(head_rows, round(sm_count(device) / blocks)))
@@ -154,12 +137,13 @@ def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.de
 
 def packed_chunk_heads(heads: int) -> int:
     """Head rows per chunk of ``launch_order`` over a packed map: one -- head-major, each head
-    walking the map's entries heaviest first -- unless the experiment switch ``CHUNK_HEADS``
+    walking the map's entries heaviest first -- unless the experiment switch ``Knobs.chunk_heads``
     says otherwise. Measured (H100, 16 documents, D=128 causal, NOTES.md v39): the dK/dV pass 1.36
     ms with each entry's heads one after another (chunks of all heads), 0.98 in chunks of 4, 0.96
     head-major: programs running together share one head's Q and dO (K and V in the forward) in L2."""
-    if CHUNK_HEADS is not None:
-        return max(1, min(CHUNK_HEADS or heads, heads))
+    forced = knobs().chunk_heads
+    if forced is not None:
+        return max(1, min(forced or heads, heads))
     return 1
 
 
@@ -257,6 +241,41 @@ def in_window(keys, first, last):
     tiles spilled with those."""
     span = gl.maximum(last - first + 1, 0)
     return (keys - first).to(gl.uint32, bitcast=True) < span.to(gl.uint32, bitcast=True)
+
+
+@gluon.jit
+def keep_scores(s, rows, keys, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
+                TRANSPOSED: gl.constexpr):
+    """The keep rule, one form for both Gluon kernels (the Triton kernels' is ``masking.apply_mask``):
+    ``s`` with the (query, key) pairs the causal and window bounds drop set to -inf, and keys past Sk
+    where ``RAGGED`` (a left window's bounds exclude those already). ``rows``, ``keys``: the tile's
+    query and key indices (1-D slices of s's layout); ``rule`` = (Sk - Sq, left window).
+    ``TRANSPOSED``: keys along dim 0 (the dK/dV pass holds S^T), else queries along dim 0 (the forward)."""
+    diag, window_left = rule
+    if TRANSPOSED:
+        keys2 = gl.expand_dims(keys, 1)
+    else:
+        keys2 = gl.expand_dims(keys, 0)
+    if LEFT:
+        first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
+        if TRANSPOSED:
+            keep = in_window(keys2, gl.expand_dims(first, 0), gl.expand_dims(last, 0))
+        else:
+            keep = in_window(keys2, gl.expand_dims(first, 1), gl.expand_dims(last, 1))
+    else:
+        if TRANSPOSED:
+            rows2 = gl.expand_dims(rows, 0)
+        else:
+            rows2 = gl.expand_dims(rows, 1)
+        if CAUSAL:
+            keep = keys2 <= rows2 + diag
+            if RAGGED:
+                keep = (keys2 < seq_k) & keep
+        elif RAGGED:
+            keep = keys2 < seq_k
+        else:
+            keep = keys2 >= 0
+    return gl.where(keep, s, -float("inf"))
 
 
 @gluon.jit

@@ -57,15 +57,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...spec import AttentionSpec, to_bhsd
-from ...tuning.configs import KernelConfig
+from ..shared.config import KernelConfig
 from ..shared.block_range import key_blocks_for_query_block
 from . import common as hopper
-from ..triton.fwd import score_constants
-from .common import (WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, in_window, launch_order,
-                     log2_scores, packed_tile, sm_count, store_sequence_rows, turn_pass, turn_wait, window_bounds,
+from ..shared.constants import score_constants
+from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, keep_scores,
+                     launch_order, log2_scores, packed_tile, sm_count, store_sequence_rows, turn_pass, turn_wait,
                      ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared import packed_tiles
+from ..shared.knobs import knobs
 
 
 # --------------------------------------------------------------------------- helpers
@@ -97,17 +98,8 @@ def _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N: gl.constexpr, s_layou
     """Scores s (rows x keys [key_start, + BLOCK_N)) with the pairs SPEC 3.2 drops set to -inf, for
     the windows these kernels take: causal or not on the right, any left; keys past Sk dropped.
     ``rule`` = (Sk - Sq, left window)."""
-    diag, window_left = rule
     cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    cols2 = gl.expand_dims(cols, 0)
-    if LEFT:
-        first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
-        keep = in_window(cols2, gl.expand_dims(first, 1), gl.expand_dims(last, 1))
-    else:
-        keep = cols2 < seq_k
-        if CAUSAL:
-            keep = keep & (cols2 <= gl.expand_dims(rows, 1) + diag)
-    return gl.where(keep, s, -float("inf"))
+    return keep_scores(s, rows, cols, seq_k, rule, CAUSAL, LEFT, True, False)
 
 
 @gluon.jit
@@ -127,7 +119,7 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
         s, _ = log2_scores(s, qk_scale, softcap_log2, True, False, INPUT_DTYPE)
         qk_scale = 1.0
     if BIAS:
-        s = s * qk_scale + bias * 1.4426950408889634  # log2(e)
+        s = s * qk_scale + bias * LOG2E
         qk_scale = 1.0
     if MASK:
         s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
@@ -177,7 +169,7 @@ def _epilogue(acc, m_i, l_i, rows, Lse, lse_base, seq_q, q, q_buf, o_desc, batch
 @gluon.jit
 def _dq_epilogue(acc, qk_scale, softcap_log2, q, q_buf, dq_desc, batch, head, m0, SOFTCAP: gl.constexpr):
     """The dQ pass's output: dQ = scale * sum dS K in q's dtype, out through the (retired) Q buffer
-    by TMA, which clips rows past the head's length. The scale from ``fwd.score_constants``: qk_scale
+    by TMA, which clips rows past the head's length. The scale from ``constants.score_constants``: qk_scale
     / log2 e, or with SOFTCAP qk_scale * softcap (= qk_scale * softcap_log2 / log2 e)."""
     if SOFTCAP:
         scale = qk_scale * softcap_log2 * 0.6931471805599453
@@ -938,7 +930,6 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
 BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
-PROGRAMS: int | None = None  # tests and experiments: the warp-specialised forward's programs (0: one per tile)
 
 
 PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``persistent_programs``)
@@ -957,8 +948,8 @@ def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: b
     where they are about equally long (``even_lists``: tile_lists.rows_even), whatever the turns:
     short lists of whole tiles -- a block-sparse top-k mask -- spend much of a program on its fixed
     part (S=4k 25% block-sparse forward -9%: 286 -> 261 us, H100, NOTES.md v52)."""
-    if PROGRAMS is not None:
-        programs = PROGRAMS
+    if knobs().programs is not None:
+        programs = knobs().programs
     else:
         fits = seqlen_k <= PERSISTENT_MAX_KEYS
         programs = sm_count(device) if runs_persistent(config, causal, plain, even_lists) and fits else 0
@@ -1002,7 +993,7 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     else:
         bias_desc, bias_slices = descs[0], None
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, tuple(lists[1:]),
-                                 tile_lists is not None, bias_slices, q.device.index, (hopper.CHUNK_HEADS, PROGRAMS),
+                                 tile_lists is not None, bias_slices, q.device.index,
                                  even_lists=even_lists and tile_lists is not None and bias is None)
     # then the packed forward's O pointer and the dQ pass's dO descriptor (unused here)
     per_call = (*descs, lse, lists[0], bias_desc, lse, descs[0])
@@ -1013,10 +1004,10 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
 @per_problem
 def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
                       list_strides: tuple, has_lists: bool, bias_slices: tuple | None, device_index: int,
-                      knobs: tuple, stats_stride: int | None = None, even_lists: bool = False) -> Launcher:
+                      stats_stride: int | None = None, even_lists: bool = False) -> Launcher:
     """The forward's launch for one problem (decided once: grid, launch order, persistence,
     registers); each call passes Q, K, V, O descriptors, lse, the tile lists and the bias
-    descriptor. ``knobs``: the experiment switches it reads, so that setting one takes effect.
+    descriptor.
     ``stats_stride`` (the row statistics' row stride): the same kernel as the dQ pass (GRAD_Q,
     ``dq_pass``), one program per tile; each call then passes Q, K, V, dQ descriptors, lse2, a
     placeholder for the tile lists, one for the bias descriptor, delta and the dO descriptor.
@@ -1069,7 +1060,7 @@ def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig
         return True
     out_rows = to_bhsd(out, spec.layout)  # (1, Hq, total_q, D): rows and heads by their strides
     launcher = _packed_forward_launcher(q4.shape, k4.shape[1], out_rows.stride()[1:3], spec, config,
-                                        q.device.index, hopper.CHUNK_HEADS)
+                                        q.device.index)
     # Q's descriptor stands in the O and bias descriptor slots (never read with VARLEN)
     launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, descs[0], grid=(entries * q4.shape[1],))
     return True
@@ -1077,7 +1068,7 @@ def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig
 
 @per_problem
 def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, spec: AttentionSpec,
-                             config: KernelConfig, device_index: int, chunk_knob) -> Launcher:
+                             config: KernelConfig, device_index: int) -> Launcher:
     """The packed forward's launch for one problem (shapes, not lengths); each call passes the Q, K,
     V, O descriptors, lse, the map's entry count, the map, the bias descriptor and O, with its grid
     (entries x heads) and a placeholder for the dQ pass's dO descriptor."""
@@ -1107,7 +1098,7 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
         return False
     q_shape, k_shape = descs[0].shape, descs[1].shape  # (B, H, S, D)
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, (0, 0, 0, 1), False, None,
-                                 q.device.index, (hopper.CHUNK_HEADS, PROGRAMS), stats_stride=lse2.stride(0))
+                                 q.device.index, stats_stride=lse2.stride(0))
     q_desc, k_desc, v_desc, dq_desc, do_desc = descs
     launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc)  # no tile lists or bias
     return True

@@ -24,10 +24,10 @@ import torch
 from triton import knobs
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..triton.memory import Descriptor
+from .descriptors import Descriptor
+from .knobs import knobs as switches
 
 _compiled: dict = {}
-DIRECT = True  # experiments: False launches every cached kernel through Triton's runner
 
 
 def launch(kernel, grid, args: tuple, **constexprs_and_options):
@@ -64,7 +64,7 @@ def _first_launch(kernel, grid, args: tuple, constexprs_and_options: dict) -> tu
 def _run(entry: tuple, grid, args: tuple, device: int) -> None:
     compiled, constexprs, direct, _ = entry
     grid3 = (*grid, 1, 1)[:3]  # a compiled kernel's runner takes a 3-D grid
-    if direct is not None and DIRECT and _no_launch_hooks():
+    if direct is not None and switches().direct_launch and _no_launch_hooks():
         direct(grid3, args + constexprs, device)
     else:
         compiled[grid3](*args, *constexprs)
@@ -134,7 +134,7 @@ class _BoundLaunch:
         self.expanded = expanded
 
     def __call__(self, values: tuple, grid3: tuple, device: int) -> None:
-        if self.expanded is None or not DIRECT or not _no_launch_hooks():
+        if self.expanded is None or not switches().direct_launch or not _no_launch_hooks():
             _run(self.entry, grid3, tuple(_filled(self.template, self.slots, values)), device)
             return
         direct, args = self.entry[2], self.expanded.copy()
@@ -160,10 +160,19 @@ MAX_PROBLEMS = 256  # problems each per-problem cache keeps
 
 
 def per_problem(build):
-    """Keep what ``build`` returns (a ``Launcher``, a plan holding some) per argument tuple: the
-    problem's metadata, never its tensors."""
-    cached = functools.lru_cache(maxsize=MAX_PROBLEMS)(build)
-    _problem_caches.append(cached.cache_clear)
+    """Keep what ``build`` returns (a ``Launcher``, a plan holding some) per argument tuple -- the
+    problem's metadata, never its tensors -- and per setting of the experiment switches
+    (``knobs.Knobs``), which ``build`` may read: a launch built under one is never reused under another."""
+
+    @functools.lru_cache(maxsize=MAX_PROBLEMS)
+    def under(switches, *args, **kwargs):
+        return build(*args, **kwargs)
+
+    @functools.wraps(build)
+    def cached(*args, **kwargs):
+        return under(switches(), *args, **kwargs)
+
+    _problem_caches.append(under.cache_clear)
     return cached
 
 
@@ -265,7 +274,7 @@ class _DirectLaunch:
         shape and strides (``make_tensordesc_arg``), kept by address and geometry."""
         if meta is None:  # a kernel that takes the descriptor's fields, not a map
             return self.encode(desc, None)
-        geometry = getattr(desc, "geometry", None)  # memory.Descriptor's (address, shape, strides)
+        geometry = getattr(desc, "geometry", None)  # descriptors.Descriptor's (address, shape, strides)
         if geometry is None:
             geometry = (desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides))
         key = (position, geometry, desc.padding)

@@ -37,20 +37,19 @@ tensors' alignment allow (``memory.load_block``).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 import torch
 import triton
 import triton.language as tl
 
 from ...block_mask import EMPTY, BlockMask
-from ...spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, gradient_like, to_bhsd
-from ...tuning.configs import SHORT_KEYS, AttentionConfigs, KernelConfig
+from ...spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, gradient_like
+from ..shared.config import AttentionConfigs, KernelConfig
 from ..shared.block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from ..shared import tile_lists
-from .fwd import (bhs_strides, broadcast_args, dot_precision, padded_dim, padded_dims, score_constants, softcap_mode)
-from ..shared.launch import MAX_PROBLEMS, SLOT, Launcher, cdiv, per_problem, per_problem_dict
+from .fwd import (bhs_strides, broadcast_args, dot_precision, mask_args, mask_descriptor, padded_dim, padded_dims,
+                  row_list_args, sequence_args, softcap_mode)
+from ..shared.constants import score_constants
+from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
@@ -655,7 +654,7 @@ def _bias_grad_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def _dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tensor:
+def dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tensor:
     """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums, in q's strides like dK and dV
     (``attention_backward``): the strides the custom op's fake declares, and those AccumulateGrad
     keeps without a copy (a dQ with the sums' (B, H, S, D) strides was cloned every step where q's
@@ -768,61 +767,6 @@ def _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec: AttentionSpec, config
             one_launch(dq_programs, 0, False, True, dq_cfg)]
 
 
-LOG2E_HOST = 1.4426950408889634
-
-
-def sink_gradient(sinks: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, heads_q: int) -> torch.Tensor:
-    """SPEC 3.5: dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i], p_sink = exp(sink[h] - lse), over
-    the pre-pass's row statistics (``_preprocess_kernel``: lse2 = lse * log2 e, delta = rowsum(dO * O)
-    - dlse, d lse / d sink = p_sink bringing the lse gradient in; (B*Hq, rows) with padding rows of
-    lse2 +inf and delta 0, which add 0). O(B * H * Sq) work; recomputing delta from dO and O took ~0.3
-    ms at B=4 H=16 S=4k D=128 (NOTES.md v40). Float32, summed in a fixed order."""
-    rows = lse2.shape[1]
-    p_sink = torch.exp2(sinks.detach().float().view(1, heads_q, 1) * LOG2E_HOST - lse2.view(-1, heads_q, rows))
-    return -(p_sink * delta.view(-1, heads_q, rows)).sum((0, 2))
-
-
-def sink_gradient_from_outputs(sinks, out, dout, lse, dlse, layout: str) -> torch.Tensor:
-    """The same gradient from the call's tensors (the "torch" backend, and problems where no kernel
-    runs: no row, or no key for any row): delta = rowsum(dout * out) - dlse in float32. ``lse`` (B,
-    Hq, Sq), or (Hq, total) for packed sequences (their (1, total, H, D) tensors give (1, H, total))."""
-    delta = (to_bhsd(dout, layout).float() * to_bhsd(out, layout).float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse
-    p_sink = torch.exp(sinks.detach().float().view(-1, 1) - lse)
-    terms = p_sink * delta  # (..., Hq, rows)
-    return -terms.movedim(-2, 0).reshape(terms.shape[-2], -1).sum(1)
-
-
-def row_bias_gradient(bias, out, dout, lse, dlse, sinks, layout: str) -> torch.Tensor:
-    """The gradient of a bias constant along the keys (its Sk dim 1), from row statistics, in fp32,
-    rounded once to the bias's dtype and summed over the dims it broadcasts.
-
-    Summing the softmax gradient ds_ij = p_ij (dp_ij - delta_i) over a whole row cancels: with
-    A_i = sum_j p_ij dp_ij = dout_i . out_i (exact out) and B_i = sum_j p_ij (1 - p_sink, 0 for a row
-    with no key), the sum is A_i (1 - B_i) + dlse_i B_i -- exactly dlse_i B_i without sinks. Summed
-    tile by tile, the kernels' delta (from the output rounded to its dtype) leaves dout . (out - out
-    rounded) per row instead of that zero: noise as large as the whole gradient. Here A_i only meets
-    p_sink, which is what a softmax-invariant bias's gradient is made of."""
-    batch, heads_q, seqlen_q = lse.shape[-3:] if lse.dim() == 3 else (1, *lse.shape)
-    finite = torch.isfinite(lse)
-    if sinks is None:
-        kept = finite.float()  # B_i: the keys' share of the row's softmax
-        row = kept * dlse if dlse is not None else torch.zeros_like(lse)
-    else:
-        p_sink = torch.exp(sinks.detach().float().view(-1, 1) - lse)  # lse includes the sink: never -inf
-        kept = 1.0 - p_sink
-        dot = (to_bhsd(dout, layout).float() * to_bhsd(out, layout).float()).sum(-1)  # A_i, from the output
-        row = dot * p_sink + (kept * dlse if dlse is not None else 0.0)
-    row = row.reshape(batch, heads_q, seqlen_q)
-    b, h, sq = bias.shape[:3]
-    if h != heads_q:  # one value per KV group (h = Hkv) or per call (h = 1): sum the query heads onto it
-        row = row.reshape(batch, h, heads_q // h, seqlen_q).sum(2)
-    broadcast = [axis for axis, size, full in ((0, b, batch), (2, sq, seqlen_q)) if size == 1 and full != 1]
-    row = row.sum(dim=broadcast, keepdim=True) if broadcast else row
-    return row.reshape(bias.shape).to(bias.dtype)
-
-
 def column_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, seqlen_k: int, cfg: KernelConfig,
                      heads_q: int, heads_kv: int, placeholder: torch.Tensor) -> tuple:
     """(lists, stride_b, stride_h, stride_key_block) of the dK/dV programs' tile lists (indexed by KV head)."""
@@ -868,3 +812,99 @@ def _dq_descriptor(dq_accum: torch.Tensor, padded_d: int, block_m: int):
     batch, heads, seqlen_q, _ = dq_accum.shape
     return Descriptor(dq_accum.view(batch * heads, seqlen_q, padded_d), (1, block_m, padded_dim(padded_d)))
 
+
+def preprocess_launcher(out, dout, dlse, spec: AttentionSpec, head_dim: int, head_dim_v: int, batch: int, heads_q: int,
+                        seqlen_q: int, total_q: int, block_m: int, padded_rows: int, padded_d: int, zero_dq: bool,
+                        packing: Packing | None) -> Launcher:
+    """``_preprocess_kernel``'s launch for one problem; each call passes out, dout, lse, dlse (or
+    lse), lse2, delta, the dQ accumulator it zeroes (or lse) and cu_seqlens_q (or lse)."""
+    layout = spec.layout
+    return Launcher(
+        _preprocess_kernel, (padded_rows // block_m, batch * heads_q),
+        ((SLOT,) * 8 + (*bhs_strides(out, layout, packing), *bhs_strides(dout, layout, packing), seqlen_q, heads_q,
+                        padded_rows, padded_d if zero_dq else 0, total_q if packing is not None else 0)),
+        HEAD_DIM_V=head_dim_v, BLOCK_DV=padded_dims(head_dim, head_dim_v)[1], BLOCK_M=block_m,
+        HAS_DLSE=dlse is not None, ZERO_DQ=zero_dq, BLOCK_DQ=padded_dim(padded_d) if zero_dq else 16,
+        VARLEN=packing is not None)
+
+
+def run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec: AttentionSpec, configs: AttentionConfigs,
+               plan, dkdv_cfg: KernelConfig, gluon_dkdv: bool, mask, bias, dbias_mode: int,
+               packing: Packing | None):
+    """The Triton passes of a backward the planner sent here (``dispatch.plan_backward``): dK and dV
+    (unless the Gluon pass computed them: ``gluon_dkdv``), dQ -- summed by atomics into the fp32
+    ``dq_buffer`` by the dK/dV programs where ``plan.atomic_dq``, else by the dQ programs -- and the
+    bias gradient into ``dbias`` as ``dbias_mode`` says. Returns (dq, dbias) in their final dtypes."""
+    layout = spec.layout
+    _, heads_q, seqlen_q, head_dim = bhsd_shape(q, layout)
+    heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, layout)[1:]
+    if packing is not None:
+        seqlen_q, seqlen_k = packing.max_seqlen_q, packing.max_seqlen_k
+    dq_cfg, atomic_dq, padded_d = configs.dq, plan.atomic_dq, plan.padded_d
+    dq_tma = atomic_dq and configs.dq_tma and packing is None
+    if atomic_dq:
+        dq_target = _dq_descriptor(dq_buffer, padded_d, dkdv_cfg.block_m) if dq_tma else dq_buffer
+    else:
+        dq_buffer = gradient_like(q)
+        dq_target = dq_buffer
+    block_d, block_dv = padded_dims(head_dim, head_dim_v)
+    # TMA descriptors for the tiles each pass walks: Q, dO (dK/dV pass, unless the Gluon pass ran it),
+    # K, V (dQ pass, unless the dK/dV programs sum dQ by atomics).
+    dkdv_descs = loop_descriptors(((q, block_d), (dout, block_dv)), layout, dkdv_cfg.block_m,
+                                  dkdv_cfg.tma_loads and packing is None and not gluon_dkdv)
+    dq_descs = loop_descriptors(((k, block_d), (v, block_dv)), layout, dq_cfg.block_n,
+                                dq_cfg.tma_loads and packing is None and not atomic_dq)
+    user_mask = mask_args(mask, heads_q, heads_kv, lse2)
+    # With a mask, the tiles each program visits (tile_lists.py): per key block for dK/dV, per
+    # query block for dQ, at each pass's own tile sizes.
+    column_lists = column_list_args(None if gluon_dkdv else mask, spec, seqlen_q, seqlen_k, dkdv_cfg, heads_q,
+                                    heads_kv, lse2)
+    row_lists = row_list_args(None if atomic_dq else mask, spec, seqlen_q, seqlen_k, dq_cfg.block_m,
+                              dq_cfg.block_n, heads_q, heads_kv, lse2)
+    bias_args = broadcast_args(bias, heads_q, heads_kv, lse2)
+    dbias_args = broadcast_args(dbias, heads_q, heads_kv, lse2)
+    # The bias (and its gradient) through TMA where all three descriptors can be made; else pointers.
+    writes_dbias = dbias_mode in (DBIAS_STORE, DBIAS_ATOMIC)
+    bias_descs, bias_tma = all_or_placeholders(
+        [score_tile_descriptor(bias, dkdv_cfg.block_m, dkdv_cfg.block_n),
+         score_tile_descriptor(bias, dq_cfg.block_m, dq_cfg.block_n),
+         score_tile_descriptor(dbias, dkdv_cfg.block_m, dkdv_cfg.block_n) if writes_dbias else lse2], lse2)
+    # The mask's bytes through TMA likewise, at each pass's tiles (fwd.mask_descriptor).
+    mask_descs, mask_tma = all_or_placeholders(
+        [mask_descriptor(mask, dkdv_cfg.block_m, dkdv_cfg.block_n),
+         mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)], lse2)
+    tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
+               column_lists[0], row_lists[0], *sequence_args(packing, lse2))
+
+    def call_arguments(run_dkdv: bool, run_dq: bool) -> tuple:
+        """The kernel's leading arguments, the call's tensors and descriptors (its others follow)."""
+        dkdv_loads = run_dkdv and dkdv_descs is not None
+        dq_loads = run_dq and dq_descs is not None
+        return (*tensors, *(dkdv_descs if dkdv_loads else (q, dout)), *(dq_descs if dq_loads else (k, v)), dq_target,
+                *bias_descs, *mask_descs)
+
+    # The launches depend on the call's tensors only through these where no mask, bias or packing
+    # takes part: kept with the plan (building them is most of a short step's host time otherwise).
+    plain = mask is None and bias is None and packing is None
+    if plain:
+        passes_key = (q.stride(), k.stride(), v.stride(), gluon_dkdv, dkdv_descs is None, dq_descs is None)
+    passes = plan.triton_passes.get(passes_key) if plain else None
+    if passes is None:
+        passes = _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec, configs, plan, dkdv_cfg, dq_tma, gluon_dkdv,
+                                mask, bias, dbias_mode, packing, user_mask, column_lists, row_lists, bias_args,
+                                dbias_args, bias_tma, mask_tma, dkdv_descs is not None, dq_descs is not None,
+                                call_arguments)
+        if plain:
+            if len(plan.triton_passes) >= 8:
+                plan.triton_passes.clear()
+            plan.triton_passes[passes_key] = passes
+    for launcher, run_dkdv, run_dq in passes:
+        launcher(*call_arguments(run_dkdv, run_dq))
+    if dbias_mode == DBIAS_PASS:
+        _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec, dq_cfg,
+                        _kernel_flags(q, v, spec, mask, bias))
+    elif dbias_mode == DBIAS_ATOMIC:
+        dbias = dbias.to(bias.dtype)
+    if atomic_dq:
+        dq_buffer = dq_from_sums(dq_buffer, q, layout)
+    return dq_buffer, dbias

@@ -10,22 +10,21 @@ partial ones; the tiles the mask empties are not in it.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
 
 from ...block_mask import BlockMask
 from ...spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride
-from ...tuning.configs import KernelConfig
+from ..shared.config import KernelConfig
 from ..shared.block_range import key_blocks_for_query_block
+from ..shared.constants import score_constants
 from ..shared.launch import cdiv, launch, next_power_of_2
 from .masking import ONE_ROW, adjust_scores, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
-                     score_tiles_addressable, sequence_pair, store_tile, tile_ptrs)
+                     sequence_pair, store_tile, tile_ptrs)
 from .softmax import TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
-from ..shared.tile_lists import row_lists, rows_even, whole_and_even
+from ..shared.tile_lists import row_lists
 
 
 @triton.jit
@@ -166,9 +165,6 @@ def _forward_kernel(
 
 # ----------------------------------------------------------------------------- launcher
 
-LOG2E = 1.4426950408889634
-
-
 def padded_dim(d: int) -> int:
     """Tile width for a head dim: a power of two, at least 16 (the smallest tl.dot K)."""
     return max(16, next_power_of_2(d))
@@ -199,13 +195,6 @@ def softcap_mode(spec: AttentionSpec, dtype: torch.dtype, device: torch.device) 
     if not spec.has_softcap:
         return 0
     return TANH_APPROX if dtype == torch.bfloat16 and device.type == "cuda" else 1
-
-
-def score_constants(spec: AttentionSpec) -> tuple[float, float]:
-    """(qk_scale, softcap_log2) as ``softmax.log2_scores`` expects them."""
-    if spec.has_softcap:
-        return spec.scale / spec.softcap, spec.softcap * LOG2E
-    return spec.scale * LOG2E, 0.0
 
 
 def bhs_strides(t: torch.Tensor, layout: str, packing: Packing | None = None) -> tuple[int, int, int]:
@@ -266,3 +255,46 @@ def row_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, se
     return (lists, batch_stride, head_stride, row_stride, head_div)
 
 
+
+
+def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
+            mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None) -> None:
+    """``_forward_kernel`` into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32; packed
+    sequences: (Hq, total_q)) with ``config``'s tiles (the planner's: ``dispatch.plan_forward``).
+    ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator. ``mask``: the
+    user's boolean mask with its tile states (block_mask.BlockMask): empty tiles are skipped, full
+    ones run without the mask (tile_lists.py). ``bias``: the user's additive bias, 4-D and broadcast
+    the same way, any float dtype. ``packing``: q, k, v are (1, total, H, D) "bshd" views of packed
+    sequences (spec.Packing; no mask or bias), read by pointers."""
+    batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, spec.layout)
+    heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, spec.layout)[1:]
+    if packing is not None:
+        batch, seqlen_q, seqlen_k = packing.sequences, packing.max_seqlen_q, packing.max_seqlen_k
+    bias_desc = score_tile_descriptor(bias, config.block_m, config.block_n)
+    mask_desc = mask_descriptor(mask, config.block_m, config.block_n)
+    qk_scale, softcap_log2 = score_constants(spec)
+    block_d, block_dv = padded_dims(head_dim, head_dim_v)
+    descs = loop_descriptors(((k, block_d), (v, block_dv)), spec.layout, config.block_n,
+                             config.tma_loads and packing is None)
+    grid = (cdiv(seqlen_q, config.block_m), batch * heads_q)
+    user_mask = mask_args(mask, heads_q, heads_kv, lse)
+    tile_lists = row_list_args(mask, spec, seqlen_q, seqlen_k, config.block_m, config.block_n, heads_q, heads_kv, lse)
+    launch(
+        _forward_kernel, grid, (
+            q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
+            tile_lists[0], *sequence_args(packing, lse), *(descs or (k, v)),
+            bias_desc if bias_desc is not None else lse, mask_desc if mask_desc is not None else lse,
+            *bhs_strides(q, spec.layout, packing), *bhs_strides(k, spec.layout, packing),
+            *bhs_strides(v, spec.layout, packing), *bhs_strides(out, spec.layout, packing), *user_mask[1:],
+            *tile_lists[1:], *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
+            seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
+            lse.shape[-1] if packing is not None else 0, qk_scale, softcap_log2,
+        ),
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
+        HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
+        HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
+        HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
+        DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

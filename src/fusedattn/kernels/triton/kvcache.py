@@ -31,7 +31,9 @@ import triton.language as tl
 
 from ...spec import AttentionSpec
 from ..shared.block_range import key_blocks_for_rows, split_key_blocks
-from .fwd import dot_precision, padded_dims, score_constants, softcap_mode
+from ..shared.constants import score_constants
+from .fwd import dot_precision, padded_dims, softcap_mode
+from ..shared.knobs import knobs
 from ..shared.launch import cdiv, launch, next_power_of_2
 from .masking import adjust_scores
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
@@ -294,8 +296,6 @@ def auto_splits(programs: int, key_blocks: int, device: torch.device, paged: boo
     return max(1, min(wanted, key_blocks // least_blocks, MAX_SPLITS))
 
 
-PDL: bool | None = None  # experiments: force programmatic dependent launch of the combination on (True) or off
-EARLY_START: bool | None = None  # experiments: the decoding kernel itself launched early (False: off)
 
 
 def dependent_launch(device: torch.device) -> bool:
@@ -303,7 +303,8 @@ def dependent_launch(device: torch.device) -> bool:
     later, never under the interpreter)."""
     if device.type != "cuda":
         return False
-    return _sm90_or_later(device.index) if PDL is None else PDL
+    forced = knobs().pdl
+    return _sm90_or_later(device.index) if forced is None else forced
 
 
 @functools.lru_cache(maxsize=None)
@@ -361,7 +362,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
         split_strides = (part_out.stride(0), part_lse.stride(0))
     qk_scale, softcap_log2 = score_constants(spec)
     pdl = dependent_launch(q.device)
-    early = pdl if EARLY_START is None else EARLY_START and pdl
+    early = pdl if knobs().early_start is None else knobs().early_start and pdl
     launch(_cache_attention_kernel, (m_blocks, batch * heads_kv, num_splits), (
         q, k_cache, v_cache, part_out, part_lse, sinks if sinks is not None else lse, cache_seqlens, table,
         *q.stride()[:3], *cache_strides, split_strides[0], *part_out.stride()[-4:-1], split_strides[1],

@@ -1,15 +1,17 @@
 """Scores and softmax pieces in the log2 domain, shared by forward and backward.
 
 The softmax scale (and softcap) is folded with log2(e) on the host, so a score costs
-one multiply and ``exp2`` replaces ``exp``. Row statistics follow the convention of
-SPEC 3.1: a row with no kept key ends with sum 0, output 0 and lse -inf (with a sink: sum 1,
+one multiply and ``exp2`` replaces ``exp``. Row statistics follow the convention for
+empty rows: a row with no kept key ends with sum 0, output 0 and lse -inf (with a sink: sum 1,
 output 0, lse = the sink).
 """
 
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
+from ..shared import constants
+
+LOG2E = tl.constexpr(constants.LOG2E)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -19,7 +21,7 @@ def tanh(x):
     # (libdevice has no interpreter implementation); near 0 a short odd series avoids the
     # cancellation in 1 - e^{-2|x|}.
     ax = tl.abs(x)
-    e = tl.math.exp2(ax * (-2.0 * 1.4426950408889634))
+    e = tl.math.exp2(ax * (-2.0 * LOG2E))
     far = (1.0 - e) / (1.0 + e)
     x2 = ax * ax
     near = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
@@ -36,7 +38,7 @@ def log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr):
     """Scores times log2(e), and tanh of the capped argument (for the softcap gradient).
 
     With softcap: ``qk_scale = scale / softcap`` and ``softcap_log2 = softcap * log2(e)``,
-    so the result is ``log2(e) * softcap * tanh(scale * qk / softcap)`` (SPEC 3.4). HAS_SOFTCAP =
+    so the result is ``log2(e) * softcap * tanh(scale * qk / softcap)``. HAS_SOFTCAP =
     SOFTCAP_TANH_APPROX (bf16 on the GPU): tanh by the one-instruction approximation the Gluon
     kernels take for bf16 (``hopper.log2_scores``), so that every pass of a call computes the same
     scores. Without: ``qk_scale = scale * log2(e)``.
@@ -55,7 +57,7 @@ def log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def initial_row_stats(Sinks, head, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
     """(row_max, row_sum) before the first key tile. A sink is one more logit in every row of its
-    head (SPEC 3.5): the online softmax starts as if it had seen it, max = sink, sum = exp2(0)."""
+    head: the online softmax starts as if it had seen it, max = sink, sum = exp2(0)."""
     if HAS_SINKS:
         sink = tl.load(Sinks + head).to(tl.float32) * LOG2E
         return tl.full([BLOCK_M], 0.0, dtype=tl.float32) + sink, tl.full([BLOCK_M], 1.0, dtype=tl.float32)
