@@ -201,7 +201,10 @@ def test_tensors_tma_cannot_address_run_the_triton_pass(gluon_launches):
     _, _, _, dout, dlse = make_inputs(case, "cuda")
     with pinned_dkdv(case, dkdv(3, 1)):
         check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
-    assert gluon_launches == [False]  # tried, declined (no descriptor), then the Triton pass ran
+        plan = fusedattn.explain(q, k, v, layout="bhsd", causal=True, show=False)
+    step = {s.name: s for s in plan.backward}["dK/dV"]
+    assert not gluon_launches  # declined before any launch
+    assert step.kernel.startswith("Triton dK/dV") and "TMA" in step.why
 
 
 DQ_CASES = CASES + [

@@ -320,11 +320,13 @@ def test_problems_it_does_not_support_run_the_triton_kernel(options, forward, gl
 
 @pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)
 def test_tensors_tma_cannot_address_run_the_triton_kernel(forward, gluon_launches):
-    """Rows 65 elements apart (130 bytes, not a multiple of 16): no TMA descriptor, so the Triton
-    kernel runs (pointer loads), with the config's tiles."""
+    """Rows 65 elements apart (130 bytes, not a multiple of 16): no TMA descriptor, so the planner
+    sends the problem to the Triton kernel (pointer loads) with the fallback tiles, and says why."""
     case = Case(1, 2, 2, 150, 150, 64, causal=True, dtype=torch.bfloat16, layout="bhsd")
     q, k, v = (torch.randn(1, 2, 150, 65, device="cuda", dtype=torch.bfloat16)[..., :64] for _ in range(3))
     _, _, _, dout, dlse = make_inputs(case, "cuda")
     with pinned_forward(case, forward):
         check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
-    assert gluon_launches == [False]  # tried, declined (no descriptor), then the Triton kernel ran
+        step = fusedattn.explain(q, k, v, layout="bhsd", causal=True, show=False).forward[0]
+    assert not gluon_launches  # declined before any launch
+    assert step.kernel == "Triton forward" and "TMA" in step.why

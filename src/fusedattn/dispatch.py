@@ -11,8 +11,8 @@ Every choice between implementations is made here and nowhere else:
 
 ``plan_forward`` and ``plan_backward`` return frozen plans that name each pass's kernel, its config
 and, for every faster path not taken, the reason (``Support``); ``forward`` and ``backward`` run
-them. ``explain`` prints the plans a call would run. Kernel modules hold kernels and launchers
-only: they decide nothing about which of them runs.
+them. ``explain_plans`` gives the plans a call would run (``fusedattn.explain`` prints them).
+Kernel modules hold kernels and launchers only: they decide nothing about which of them runs.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
     """Whether the Gluon kernels can read a bias (the forward always; the dK/dV pass under the
     further terms of ``gluon_dkdv_takes_bias``): 16-bit, one value per query and key (a broadcast
     query or key dim reads a row or column: pointers), tiles TMA can address
-    (``memory.score_tiles_addressable``). fp32 biases take the Triton kernel: their tiles would not
+    (``descriptors.score_tiles_addressable``). fp32 biases take the Triton kernel: their tiles would not
     fit beside K and V in shared memory."""
     if bias.dtype not in (torch.float16, torch.bfloat16):
         return refused(f"a {bias.dtype} bias; the Gluon kernels read 16-bit biases (fp32 tiles do not fit beside K, V)")
@@ -500,7 +500,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     the kernels ``plan_backward`` picks. ``mask``, ``bias``, ``packing``: as for
     ``attention_forward``. ``dbias`` (with ``bias_grad``, else None) has the bias's 4-D shape and
     dtype: the gradient summed over the bias's broadcast dims. ``sinks`` (Hq,), whose gradient is
-    wanted: ``dsinks`` (float32, else None), from the pre-pass's row statistics (``sink_gradient``)."""
+    wanted: ``dsinks`` (float32, else None), from the pre-pass's row statistics (``row_gradients.sink_gradient``)."""
     layout = spec.layout
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
     seqlen_k = bhsd_shape(v, layout)[2]

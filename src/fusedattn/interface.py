@@ -4,8 +4,8 @@ The forward and backward are ``torch.library`` custom ops with fake (meta)
 implementations, so ``torch.compile`` traces a model that calls ``attention``
 without graph breaks; eager calls skip the custom ops' dispatch (host time) through
 an ``autograd.Function`` over the same implementations. Each op dispatches to one of
-two backends that compute the same thing (SPEC 3): ``"triton"`` (the fused kernels: CUDA tensors, or CPU tensors
-under ``TRITON_INTERPRET=1``) and ``"torch"`` (the chunked PyTorch path).
+two backends that compute the same thing (docs/SEMANTICS.md, "Backends and `explain`"): ``"triton"`` (the fused
+kernels: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) and ``"torch"`` (the chunked PyTorch path).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _block_mask(mask, mask_states, mask_grid, q, k, layout: str) -> BlockMask | 
 
 
 # The spec of the ops' plain option values, made once per set of options: a short step's forward and
-# backward each rebuilt it (host time, NOTES.md v48).
+# backward each rebuilt it (host time, which bounds a short step).
 _spec = functools.lru_cache(maxsize=256)(AttentionSpec)
 
 
@@ -175,10 +175,10 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _EagerAttention(torch.autograd.Function):
     """Eager mode: the two ops' implementations under a plain autograd.Function. Through the
-    custom ops a forward+backward step cost 1327 us of host time on the H200 host, 900 us this way
-    (benchmarks/NOTES.md v18), against ~0.8 ms of GPU work for an S=1k layer. Only the inputs that
+    custom ops' dispatch a forward+backward step measured markedly more host time than this way,
+    and at S=1k a layer's GPU work is no longer than its host time. Only the inputs that
     can take a gradient are the Function's inputs; the rest travel as one Python value (``rest``):
-    the engine handles every input and gradient slot on each step (NOTES.md v38). torch.compile
+    the engine handles every input and gradient slot on each step. torch.compile
     traces the custom ops instead (``attention``); both run the same code (``_forward_impl``,
     ``_backward_impl``)."""
 
@@ -246,7 +246,7 @@ def attention(
     deterministic: bool = False,
     return_lse: bool = False,
 ):
-    """Exact softmax attention, forward and backward (semantics: SPEC.md section 3).
+    """Exact softmax attention, forward and backward (semantics: docs/SEMANTICS.md, "Options").
 
     q: (B, Sq, Hq, D), k: (B, Sk, Hkv, D), v: (B, Sk, Hkv, Dv) for ``layout="bshd"``;
     (B, H, S, D) for ``layout="bhsd"``. Returns ``out`` in the same layout as q (with

@@ -6,8 +6,8 @@ table (B, pages per sequence) of page indices: sequence b's token t lives in pag
 ``block_table[b, t // page_size]``, row ``t % page_size``. ``cache_seqlens[b]`` tokens of sequence
 b are valid. ``k_new`` / ``v_new`` (B, S_new, Hkv, D) are first written into the cache at positions
 ``cache_seqlens[b] ...`` (in place), then the queries attend over ``cache_seqlens[b] + S_new`` keys,
-with causal / window aligned bottom-right (the queries are the sequence's last Sq tokens, SPEC
-3.2). ``cache_seqlens`` itself is not advanced: the caller owns it.
+with causal / window aligned bottom-right (the queries are the sequence's last Sq
+tokens). ``cache_seqlens`` itself is not advanced: the caller owns it.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ from .spec import to_bhsd
 
 
 def sink_gradient(sinks: torch.Tensor, lse2: torch.Tensor, delta: torch.Tensor, heads_q: int) -> torch.Tensor:
-    """SPEC 3.5: dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i], p_sink = exp(sink[h] - lse), over
-    the pre-pass's row statistics (``_preprocess_kernel``: lse2 = lse * log2 e, delta = rowsum(dO * O)
-    - dlse, d lse / d sink = p_sink bringing the lse gradient in; (B*Hq, rows) with padding rows of
-    lse2 +inf and delta 0, which add 0). O(B * H * Sq) work; recomputing delta from dO and O took ~0.3
-    ms at B=4 H=16 S=4k D=128 (NOTES.md v40). Float32, summed in a fixed order."""
+    """dsink[h] = -sum_{b,i} p_sink[b,h,i] * delta[b,h,i], p_sink = exp(sink[h] - lse) (docs/SEMANTICS.md,
+    "`sinks`"), over the pre-pass's row statistics (``_preprocess_kernel``: lse2 = lse * log2 e, delta =
+    rowsum(dO * O) - dlse, d lse / d sink = p_sink bringing the lse gradient in; (B*Hq, rows) with padding
+    rows of lse2 +inf and delta 0, which add 0). O(B * H * Sq) work; recomputing delta from dO and O read
+    both (B, S, H, D) tensors again, a large part of the sinks' backward. Float32, summed in a fixed order."""
     rows = lse2.shape[1]
     p_sink = torch.exp2(sinks.detach().float().view(1, heads_q, 1) * LOG2E - lse2.view(-1, heads_q, rows))
     return -(p_sink * delta.view(-1, heads_q, rows)).sum((0, 2))

@@ -2,7 +2,7 @@
 
 Sequence i is rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of q and rows
 ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` of k and v; each is an attention problem of its own (its
-causal / window rule aligned bottom-right within the sequence, SPEC 3.2), so no token attends
+causal / window rule aligned bottom-right within the sequence), so no token attends
 across a sequence boundary and no padding is computed. The kernels take the packing as data
 (``spec.Packing``): a new set of lengths compiles nothing new.
 """

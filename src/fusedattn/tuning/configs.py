@@ -22,8 +22,8 @@ _pinned: AttentionConfigs | None = None  # tests: every call takes these configs
 
 # Left windows at least this wide (keys a query sees before itself) take the configs of problems
 # without one: a wide band's tiles walk enough key blocks that the forward's 3 warpgroups taking
-# turns beat 2 (H100, NOTES.md v53: D=64 left 1023 -3%, 2047 -6%; D=128 left 4095 at S=16k -4%),
-# where a narrower band loses on them (D=64 left 255 +18%; D=128 left 255 +63%, 1023 +18%).
+# turns beat 2 (measured at D=64 left 1023 and 2047, D=128 left 4095 at S=16k), where a narrower
+# band loses on them (D=64 left 255; D=128 left 255 and 1023, by a wide margin).
 WIDE_LEFT_WINDOW = {64: 1023, 128: 4095}
 
 
@@ -63,10 +63,10 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
     width = max(head_dim, head_dim_v)  # padded to a power of two by the kernels
     wide = dtype == torch.float32  # 4-byte tiles need half the rows to fit shared memory
     hopper = capability[0] >= 9  # TMA: descriptor loads and bulk reduce-adds
-    # 16-bit winners of benchmarks/tune.py and benchmarks/variants.py on an H200 (SPEC 5 shapes;
-    # benchmarks/NOTES.md v8-v11); fp32 halves the tiles. The Triton defaults sum dQ in a separate
-    # pass: once ptxas pipelined the dK/dV pass's wgmmas (v11), dQ by TMA reduce-adds from the
-    # Triton dK/dV programs stopped paying (it still is an option: AttentionConfigs.atomic_dq).
+    # 16-bit winners of benchmarks/tune.py and benchmarks/variants.py over the standard shapes; fp32
+    # halves the tiles. The Triton defaults sum dQ in a separate pass: once ptxas pipelined the
+    # dK/dV pass's wgmmas, dQ by TMA reduce-adds from the Triton dK/dV programs stopped paying (it
+    # still is an option: AttentionConfigs.atomic_dq).
     # Only the Gluon pass at D=128 below sums dQ itself by default.
     if width <= 64:
         fwd = KernelConfig(64, 32, 4, 3) if wide else KernelConfig(64, 64, 4, 3)
@@ -75,8 +75,8 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
     elif width <= 128:
         fwd = KernelConfig(64, 32, 4, 2) if wide else KernelConfig(128, 128, 8, 3)
         if not wide and seqlen_k <= SHORT_KEYS:  # few key tiles per program: smaller tiles, shorter prologue
-            fwd = KernelConfig(64, 64, 4, 3)  # -8% (full) to -18% (causal) forward time at S=1k
-        # Two 4-warp dK/dV programs per SM: with the wgmmas pipelined (NOTES.md v11) the fastest at
+            fwd = KernelConfig(64, 64, 4, 3)  # measured faster at S=1k, full and more so causal
+        # Two 4-warp dK/dV programs per SM: with the wgmmas pipelined the fastest at
         # every length (benchmarks/tune.py, S=4k and 16k; variants.py, S=1k).
         dkdv = KernelConfig(32, 64, 8, 2) if wide else KernelConfig(64, 64, 4, 2)
         dq = KernelConfig(64, 32, 8, 2) if wide else KernelConfig(128, 64, 8, 3)
@@ -87,7 +87,7 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
     if hopper:
         fwd, dkdv, dq = (replace(c, tma_loads=True) for c in (fwd, dkdv, dq))
     if capability[0] == 9 and not wide and head_dim == head_dim_v and head_dim in (64, 128):
-        # The Gluon forwards (NOTES.md v13, v15; H200): warp-specialised with three consumer
+        # The Gluon forwards: warp-specialised with three consumer
         # warpgroups taking turns (192-row tiles) wherever it won; at D=128 with short causal keys
         # two warpgroups (fewer rows wasted on the diagonal); at D=64 with short keys the 8-warp
         # kernel, plain schedule (two programs per SM), 64-key tiles if causal.
@@ -98,31 +98,30 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
             fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
         elif has_softcap and has_right and dtype == torch.float16:
             # fp16 causal softcap at long keys (the exact tanh: three MUFU ops a score): 2 warpgroups
-            # without turns (persistent up to 4096 keys) ran the forward 10% faster than 3 taking
-            # turns at S=4k (H100, NOTES.md v40; H200 v47: 748 against 846 us). bf16 (tanh.approx,
-            # two) takes the default below: level at 4k, -40% at 16k (NOTES.md v47).
+            # without turns (persistent up to 4096 keys) ran the forward faster than 3 taking
+            # turns at S=4k. bf16 (tanh.approx, two) takes the default below: level at 4k, much
+            # faster at 16k.
             fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
         elif has_left:
-            # A left window's band of keys: 128-row tiles visit fewer pairs it does not keep (a
-            # 1024-key band: 89% kept, 76% with 192-row tiles): forward -16% at D=128, -6% at D=64
-            # (H100, S=4k, NOTES.md v40).
+            # A left window's band of keys: 128-row tiles visit fewer pairs it does not keep than
+            # 192-row ones: measured faster at S=4k (a 1024-key band), more so at D=128 than at D=64.
             fwd = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=1)
         else:
             fwd = KernelConfig(192, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=3, hopper_pingpong=1)
-        # The warp-specialised Gluon dK/dV pass (NOTES.md v17; H200, dK/dV pass alone at S=4k and
-        # 16k): 2 warpgroups of 64 keys taking turns over S^T at D=128 (-10% to -11% vs the Triton
-        # pass), 3 at D=64 (-17% to -22%); 64 query rows per step.
+        # The warp-specialised Gluon dK/dV pass, faster than the Triton pass (the pass alone, at S=4k
+        # and 16k): 2 warpgroups of 64 keys taking turns over S^T at D=128, 3 at D=64 (where it gains
+        # more); 64 query rows per step.
         split = 2 if head_dim == 128 else 3
         dkdv = KernelConfig(64, 64 * split, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=split,
                             hopper_pingpong=1)
         # At D=128 the same pass also computes dQ (5 matmuls) and a drain warp sums it with TMA
-        # reduce-adds (NOTES.md v19/v20): the whole backward -10 to -14% vs the dQ pass. That only
-        # applies with deterministic=False; deterministic calls keep the dQ pass above (bwd.py).
+        # reduce-adds: the whole backward measured faster than with the dQ pass. That only applies
+        # with deterministic=False; deterministic calls keep the dQ pass (the planner, dispatch.py).
         dq_by_atomics = head_dim == 128
         # Where dQ has a pass of its own at D=128 (deterministic mode): the forward's warp-specialised
         # kernel as the dQ pass, 2 warpgroups of 64 rows taking turns over S and dP, 64-key steps:
-        # -10 to -21% of the Triton dQ pass's time (H200, NOTES.md v45). At D=64 (the dQ pass in
-        # every mode) the Triton pass stays: the Gluon one was 2-9% slower a step in every schedule.
+        # measured faster than the Triton dQ pass. At D=64 (the dQ pass in every mode) the Triton
+        # pass stays: the Gluon one was slower a step in every schedule.
         gluon_dq = (KernelConfig(128, 64, 4, 3, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=1)
                     if head_dim == 128 else None)
         return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64,

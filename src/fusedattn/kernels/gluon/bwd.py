@@ -1,6 +1,6 @@
 """Hopper (sm_90) dK/dV pass in Triton's Gluon dialect, warp-specialised like the forward.
 
-Same math as the Triton dK/dV programs of ``bwd.py`` (and the same pre-pass buffers: lse2 in log2
+Same math as the Triton dK/dV programs of ``kernels/triton/bwd.py`` (and the same pre-pass buffers: lse2 in log2
 units with +inf in padding rows, delta = rowsum(dO * O) - dlse): per key tile, for every query
 block of every query head of the KV group,
 
@@ -12,8 +12,8 @@ accumulating wgmmas; delta is folded into dP^T's accumulator (it starts at -delt
 
 Why a Gluon pass: in plain Triton 3.6 each program waits for every wgmma as soon as it is issued
 and has no warp specialisation on sm_90, so the exponentials never run under a matmul. Here (as
-``hopper_fwd._attn_fwd_ws_kernel``, benchmarks/NOTES.md v15 and v17) one program = SPLIT * 64 keys
-of one (batch, KV head), ``gl.warp_specialize``d into
+``gluon.fwd._attn_fwd_ws_kernel``) one program = SPLIT * 64 keys of one (batch, KV head),
+``gl.warp_specialize``d into
 
 - a producer (1 warp, few registers): TMA of each consumer's 64-key K and V tile once, then for
   every step of the walk Q, dO, lse2 and delta of one query block into a NUM_STAGES ring
@@ -29,7 +29,7 @@ PINGPONG (``KernelConfig.hopper_pingpong``) makes the warpgroups take turns, rou
   2  the turn covers S^T and dP^T: one warpgroup's exponentials and dS run under the next one's
      score matmuls, its dV/dK under the next one's elementwise work.
 
-The walk (``_query_walk``) covers the causal rule of SPEC 3.2 (bottom-right aligned) for the two
+The walk (``_query_walk``) covers the causal rule (bottom-right aligned) for the two
 windows this pass takes, none and causal: a query block is interior for the whole program when
 every key of it is visible to every row (no mask math), masked on the diagonal, and skipped by a
 warpgroup none of whose keys it sees. Interior steps of all heads of the group come first, then
@@ -37,19 +37,19 @@ the masked ones. Rows past Sq give p = 0 (lse2 = +inf); keys past Sk (zero-fille
 dK, dV rows that the TMA store clips.
 
 Gradients are bitwise reproducible: each key's dK, dV is summed by one warpgroup in a fixed
-order -- except with GROUP_SUM (GQA outside deterministic mode, ``sums_over_group``): there a
+order -- except with GROUP_SUM (GQA outside deterministic mode, ``dispatch.sums_over_group``): there a
 program covers one query head, not the KV head's whole group, and adds its fp32 dK, dV into
 (B, Hkv, Sk, D) sums by TMA reduce-adds (staged in the K/V tiles and the ring once every walk is
 over), converted to the input dtype after the pass -- "causal GQA" in the docs (causal or a
 window with a right bound of 0).
 
-The dQ pass stays the Triton kernel's (``bwd.py``) -- except with DQ (dQ by atomics, i.e. not
-deterministic; ``computes_dq``), FA3's 5-matmul form: every warpgroup runs every step and
-writes its dS^T to shared memory; at D=128 (two warpgroups), once both halves are there, each
-computes 64 columns of dQ = scale * dS K over the program's 128 keys, at D=64 each computes all
-columns over its own 64 keys (``_dq_tile``); a 1-warp drain partition (``_drain``) sums those
-into an fp32 accumulator by TMA reduce-adds while the consumers go on (benchmarks/NOTES.md v19,
-v29). dQ is then not bitwise reproducible (the order of the adds).
+The dQ pass is another kernel's (``kernels/triton/bwd.py``, or the Gluon forward's dQ mode,
+``gluon/fwd.py``) -- except with DQ (dQ by atomics, i.e. not deterministic; ``computes_dq``),
+FA3's 5-matmul form: every warpgroup runs every step and writes its dS^T to shared memory; at
+D=128 (two warpgroups), once both halves are there, each computes 64 columns of dQ = scale * dS K
+over the program's 128 keys, at D=64 each computes all columns over its own 64 keys
+(``_dq_tile``); a 1-warp drain partition (``_drain``) sums those into an fp32 accumulator by TMA
+reduce-adds while the consumers go on. dQ is then not bitwise reproducible (the order of the adds).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M: gl.const
     kernels' own rule: [inner_begin, inner_end) interior, [begin, inner_begin) (causal diagonal) and
     [inner_end, end) (left window edge) masked, all of them when the key block crosses Sk.
     Otherwise the same rule for causal or no window, written for the two cases (a block range of
-    masked steps, not two: a general walk cost D=64 causal deterministic steps 5%, v25): [msk_begin,
+    masked steps, not two: a general walk measurably slowed D=64 causal deterministic steps): [msk_begin,
     int_begin) straddle the causal diagonal (with RAGGED: or the key block crosses Sk), [int_begin,
     end) interior. RAGGED (with dQ, whose dS K reads every key; with packed sequences, whose keys
     past Sk are the next sequence's, not zeros): keys past Sk must give p = 0 exactly.
@@ -421,9 +421,9 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     ds16 = (p * dp).to(k_s.dtype)
     # With DQ, dV and dK are issued together and retired by one wait, this step's dS^T staged for
     # dQ under them: one wgmma round trip a step less, and the hand-off's store, fence and barrier
-    # off the critical path (D=128 dK/dV+dQ pass -4 to -7%, NOTES.md v44). Without DQ the pair
-    # saves the round trip only: D=128 0 to -4%, but D=64 causal +6%, and a mask's tile-list walk
-    # at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
+    # off the critical path (the D=128 dK/dV+dQ pass measured faster). Without DQ the pair saves
+    # the round trip only: at D=128 level or a little faster, but D=64 causal slower, and a mask's
+    # tile-list walk at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
     ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
         p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
@@ -593,7 +593,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     BIAS: a 16-bit bias by elements (``bias_desc``, block (1, 1, BLOCK_M, BLOCK_N) over its own
     (B|1, H|1, Sq, Sk) shape; batch index ``batch * bias_batches``, head ``head // bias_head_div``);
     DBIAS: its gradient stored through ``dbias_desc`` (same block, the full shape). Only in the
-    5-matmul form with dQ split by columns (D=128), without softcap (``bwd.gluon_dkdv_takes_bias``).
+    5-matmul form with dQ split by columns (D=128), without softcap (``dispatch.gluon_dkdv_takes_bias``).
     VARLEN: packed sequences (varlen_attention): ``tile_lists`` is the host's map of the launch's
     ``key_blocks`` (sequence, key block) entries (packed_tiles.py), every head row taking each in
     turn; the descriptors view the packed (1, H, total rows, D) tensors, each step offset by its
@@ -787,14 +787,14 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
     Returns False, launching nothing, where TMA cannot address a tensor (the caller then runs the
-    Triton pass). The caller checked ``hopper.supports``; ``config.hopper_split`` (2 or 3) and
+    Triton pass). The caller checked ``dispatch.gluon_support``; ``config.hopper_split`` (2 or 3) and
     ``hopper_pingpong`` (0, 1, 2) pick the schedule, ``block_m`` the query rows per step,
-    ``num_stages`` the ring depth; programs start in ``hopper.launch_order``. ``tile_lists``: a
-    mask's lists (lists, batch, head, key-block strides; ``bwd.column_list_args``) at the config's
+    ``num_stages`` the ring depth; programs start in ``common.launch_order``. ``tile_lists``: a mask's
+    lists (lists, batch, head, key-block strides; ``kernels.triton.bwd.column_list_args``) at the config's
     tiles, whose own tiles are all empty or full.
-    ``group_sum`` (``sums_over_group``): a program per query head, dK/dV summed over each group in
+    ``group_sum`` (``dispatch.sums_over_group``): a program per query head, dK/dV summed over each group in
     fp32 buffers, then converted into ``dk``, ``dv``. ``bias`` (with ``dq_accum``, D=128, no softcap;
-    ``fwd.gluon_reads_bias``): read by tiles; ``dbias`` (its gradient, the full (B, Hq, Sq, Sk)
+    ``dispatch.gluon_reads_bias``): read by tiles; ``dbias`` (its gradient, the full (B, Hq, Sq, Sk)
     shape, the bias's dtype, its unvisited tiles already zero) stored tile by tile. ``packing``
     (spec.Packing; no mask or bias): q, k, v, dout, dk, dv are (1, total, H, D) views of packed
     sequences, the row statistics (sequences * Hq, padded rows) (``_packed_dkdv``)."""

@@ -1,7 +1,8 @@
-"""What the Hopper (sm_90) Gluon kernels share: which problems they take, their TMA descriptors,
-the register split of a warp-specialised launch and the ping-pong turn barriers.
+"""What the Hopper (sm_90) Gluon kernels share: their TMA descriptors, the register split of a
+warp-specialised launch and the ping-pong turn barriers. Which problems they take is the package's
+own (``gluon.problem_support``), asked by the planner (``dispatch.gluon_support``).
 
-The forward (``hopper_fwd.py``) and the dK/dV pass (``hopper_bwd.py``) are both warp-specialised
+The forward (``gluon/fwd.py``) and the dK/dV pass (``gluon/bwd.py``) are both warp-specialised
 the same way: one TMA producer warp feeds 2 or 3 consumer warpgroups through mbarrier rings, and
 the consumers may take turns at the tensor cores (ping-pong). Imported only where a Gluon kernel
 runs: never under the interpreter.
@@ -122,11 +123,11 @@ def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.de
     wave of programs, round(SMs / blocks) rows, heaviest block first in each chunk. The hardware
     starts programs in launch order as SMs free up; with programs of uneven length, head-major
     order starts the last heads' long programs late and the grid ends on a tail, block-major order
-    puts every head's operands in flight at once (+3.5% for MHA, NOTES.md v14). Measured (H200,
-    NOTES.md v33): the dK/dV pass under a causal bound in chunks of 4 rows at S=4k, -2 to -5% of
-    the backward (GQA 16/2 causal -3 to -8%); the forward of a sliding window -6 to -9%. The
-    causal forward gained nothing (head-major, it already ends on each head's light programs), so
-    its callers chunk the forward with a left window bound only."""
+    puts every head's operands in flight at once (measured a little faster for MHA). Measured in
+    chunks of 4 rows at S=4k: the dK/dV pass under a causal bound shortened the backward (GQA 16/2
+    causal more so), and the forward of a sliding window gained too. The causal forward gained
+    nothing (head-major, it already ends on each head's light programs), so its callers chunk the
+    forward with a left window bound only."""
     forced = knobs().chunk_heads
     if forced is not None:
         return max(1, min(forced or head_rows, head_rows))
@@ -138,9 +139,9 @@ def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.de
 def packed_chunk_heads(heads: int) -> int:
     """Head rows per chunk of ``launch_order`` over a packed map: one -- head-major, each head
     walking the map's entries heaviest first -- unless the experiment switch ``Knobs.chunk_heads``
-    says otherwise. Measured (H100, 16 documents, D=128 causal, NOTES.md v39): the dK/dV pass 1.36
-    ms with each entry's heads one after another (chunks of all heads), 0.98 in chunks of 4, 0.96
-    head-major: programs running together share one head's Q and dO (K and V in the forward) in L2."""
+    says otherwise. Measured (16 documents, D=128 causal): the dK/dV pass ran far slower with each
+    entry's heads one after another (chunks of all heads) than in chunks of 4, and head-major was
+    fastest: programs running together share one head's Q and dO (K and V in the forward) in L2."""
     forced = knobs().chunk_heads
     if forced is not None:
         return max(1, min(forced or heads, heads))
@@ -200,13 +201,13 @@ def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr, RCP_ON_FMA: gl
     Softcap: tanh(x) = 1 - 2 / (1 + e^{2x}): ex2 and a reciprocal -- rcp.approx (a MUFU op) or, with
     RCP_ON_FMA, Newton steps on the FMA pipe (``_rcp_fma``) --, an absolute error of a few fp32 ulps
     (what the score and the backward's 1 - tanh^2 need; the relative error near 0 does not matter
-    there). The dK/dV pass takes RCP_ON_FMA (-3% of its time at softcap 30); the forward does not:
-    slower with 3 warpgroups (at 128 registers they spilled: 1.67x) and with 2 (1.2-1.4x; NOTES.md v40).
+    there). The dK/dV pass takes RCP_ON_FMA (measured a little faster at softcap 30); the forward does
+    not: slower with 3 warpgroups (at 128 registers they spilled) and with 2.
     ``INPUT_DTYPE`` (the kernel's inputs', every caller passes it) bf16: tanh.approx.f32 -- the rule
-    ``fwd.softcap_mode`` gives the Triton kernels, so that every pass of a call computes the same
-    scores --, one MUFU op instead of two -- the softcap forward was bound by them, three a score (NOTES.md v47). Its 2^-11
-    relative error is a logit error of at most 0.015 at softcap 30: a quarter of what rounding the
-    scores to bf16 costs (2^-9 of scores of 10-30), but as large as fp16 rounding, so fp16 keeps the
+    ``kernels.triton.fwd.softcap_mode`` gives the Triton kernels, so that every pass of a call computes
+    the same scores --, one MUFU op instead of two -- the softcap forward was bound by them, three a
+    score. Its 2^-11 relative error is a logit error of at most 0.015 at softcap 30: a quarter of
+    what rounding the scores to bf16 costs (2^-9 of scores of 10-30), but as large as fp16 rounding, so fp16 keeps the
     exact form."""
     if SOFTCAP:
         if INPUT_DTYPE == gl.bfloat16:
@@ -224,7 +225,7 @@ def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr, RCP_ON_FMA: gl
 
 @gluon.jit
 def window_bounds(rows, diag, window_left, seq_k, CAUSAL: gl.constexpr):
-    """(first, last) key that each query row keeps under a left window (SPEC 3.2, bottom-right
+    """(first, last) key that each query row keeps under a left window (bottom-right
     aligned: ``diag`` = Sk - Sq), the right bound causal or none, keys past Sk excluded: the
     bounds ``in_window`` takes, for the forward (rows along dim 0) and the dK/dV pass (along 1)."""
     last = rows * 0 + (seq_k - 1)

@@ -8,7 +8,7 @@ online-softmax and epilogue helpers.
 
 Why a second forward: in plain Triton 3.6 the wgmma of Q K^T is always waited on right after it
 is issued, so within a warpgroup the exponentials never run under a matmul, and there is no warp
-specialisation on sm_90 (benchmarks/NOTES.md v13). Gluon exposes async warpgroup MMAs, their
+specialisation on sm_90. Gluon exposes async warpgroup MMAs, their
 waits, mbarriers and TMA, so FlashAttention-3's intra-warpgroup overlap can be written.
 
 One program = BLOCK_M=128 query rows of one (batch, query head), num_warps=8 = two warpgroups
@@ -28,18 +28,19 @@ The loop is rotated on purpose (the PV wait opens the body): in FA3's own order 
 the body) ptxas hoists the wait to just after the previous one and nothing overlaps (seen in
 SASS). Issuing S_{j+1} before PV_{j-1} retired makes ptxas serialise every wgmma (C7515).
 
-Masking follows SPEC 3.2 (bottom-right aligned) for the windows these kernels take: on the right
-none or causal, on the left any (LEFT: a sliding window). A tile visits the key blocks
+Masking follows the causal / window rule (docs/SEMANTICS.md, "`causal` and `window`: bottom-right
+alignment") for the windows these kernels take: on the right none or causal, on the left any (LEFT:
+a sliding window). A tile visits the key blocks
 ``block_range.key_blocks_for_query_block`` gives it -- the Triton kernels' own rule: the interior
 ones do no mask math, those on the left window's edge, the causal diagonal and a ragged last block
 apply it. Other right windows, head dims other than 64/128 and 32-bit inputs take the Triton
-kernel (``hopper.supports``). Softcap (SOFTCAP) caps the scores before the mask and the row max
-(``hopper.log2_scores``).
+kernel (``gluon.problem_support``). Softcap (SOFTCAP) caps the scores before the mask and the row max
+(``common.log2_scores``).
 
 The warp-specialised kernel is also the backward's dQ pass (GRAD_Q, ``dq_pass``): the same tiles,
 walk, masks, producer ring and turns, with dO loaded beside Q, a step of S = Q K^T and dP = dO V^T
 issued together, dS = P (dP - delta) from the pre-pass's row statistics, and dQ += dS K in place
-of the online softmax and P V (benchmarks/NOTES.md v45).
+of the online softmax and P V.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STA
 @gluon.jit
 def _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
                  CAUSAL: gl.constexpr, LEFT: gl.constexpr):
-    """Scores s (rows x keys [key_start, + BLOCK_N)) with the pairs SPEC 3.2 drops set to -inf, for
+    """Scores s (rows x keys [key_start, + BLOCK_N)) with the pairs the causal / window rule drops set to -inf, for
     the windows these kernels take: causal or not on the right, any left; keys past Sk dropped.
     ``rule`` = (Sk - Sq, left window)."""
     cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -113,7 +114,7 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
     to every row, no mask math and m_new is finite. Without softcap the scale is applied to the
     row max and inside exp2's argument (one FMA); the cap is not linear, so with it the scores
     are brought to log2 units first. BIAS: ``bias`` (the tile's bias, fp32, s_layout) is added
-    after scale and softcap (SPEC 3.3), in log2 units; its -inf entries mask, so every tile then
+    after scale and softcap, in log2 units; its -inf entries mask, so every tile then
     guards rows with no visible key, as masked ones do."""
     if SOFTCAP:
         s, _ = log2_scores(s, qk_scale, softcap_log2, True, False, INPUT_DTYPE)
@@ -259,7 +260,7 @@ def _program_tile(query_blocks, chunk_heads, CAUSAL: gl.constexpr):
 
 @gluon.jit
 def _tile_block(t, head_rows, query_blocks, chunk_heads, CAUSAL: gl.constexpr):
-    """(batch * heads + head, query block) of tile ``t`` in launch order (``hopper.launch_order``):
+    """(batch * heads + head, query block) of tile ``t`` in launch order (``common.launch_order``):
     under a causal bound the last query block, which sees the most keys, counts as block 0."""
     pid_bh, block = launch_order(t, head_rows, query_blocks, chunk_heads)
     if CAUSAL:
@@ -476,7 +477,7 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_ba
     in turn (``_snake_tile``)."""
     if PERSISTENT:
         # Rounds in pairs, Q of even rounds in buffer 0 and of odd ones in buffer 1 -- static indices:
-        # a buffer index computed from the round made the Q K^T wgmma read out of bounds (v34).
+        # a buffer index computed from the round made the Q K^T wgmma read out of bounds.
         total_tiles = sched[0] * sched[1]
         loaded = 0  # key blocks loaded so far, over every tile
         for r in range(0, gl.cdiv(total_tiles, gl.num_programs(0)), 2):
@@ -572,9 +573,9 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
     """The dQ pass's step (GRAD_Q): S = Q K^T and dP = dO V^T issued together (the turn covers both),
     P = exp2(S * qk_scale - lse2) from the pre-pass's row statistics (lse2 = +inf on a row with no
     visible key: P = 0), dS = P (dP - delta), dQ += dS K with dS a register operand -- the Triton dQ
-    pass's arithmetic (``bwd._dq_tiles``). SOFTCAP: the scores capped first (log2 units), and dS
-    takes the cap's derivative 1 - tanh^2, as in the dK/dV pass. V's slot goes back once dP is done,
-    K's after dS K."""
+    pass's arithmetic (``kernels.triton.bwd._dq_tiles``). SOFTCAP: the scores capped first (log2
+    units), and dS takes the cap's derivative 1 - tanh^2, as in the dK/dV pass. V's slot goes back
+    once dP is done, K's after dS K."""
     slot = j % NUM_STAGES
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -726,7 +727,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
         # warpgroup ([0, n_unseen) and [n_seen, n_blocks)): passed over, not run masked.
         # A persistent launch (the heuristic's: two warpgroups, 128-row tiles, where such a block is
         # rare) runs them masked: its consumer code is copied for its two Q buffers, and the
-        # pass-over's loops cost its S=1k causal forward 1% (NOTES.md v53).
+        # pass-over's loops measurably slowed its S=1k causal forward.
         own_first, inner_begin, inner_end, own_end = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k,
                                                                                 window_left, 0, ROWS, BLOCK_N,
                                                                                 LEFT, CAUSAL)
@@ -807,7 +808,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     finish one; Q has two buffers per warpgroup there, taken by the round's parity with static
     indices (rounds run in pairs), since the consumers stage a tile's output in its Q buffer (a
     buffer index computed from the round made the Q K^T wgmma read shared memory out of bounds,
-    compute-sanitizer, Triton 3.6; benchmarks/NOTES.md v34, v42). LISTS: a tile's key blocks come from the
+    compute-sanitizer, Triton 3.6). LISTS: a tile's key blocks come from the
     host's tile list (a mask; tile_lists.py: [full count, partial count, full..., partial...]),
     else from the block range of block_range.py. BIAS: a 16-bit bias by elements over queries and
     keys (``bias_desc``, block (1, 1, 64, BLOCK_N) over its own (B|1, H|1, Sq, Sk) shape; its batch
@@ -842,7 +843,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
     # PERSISTENT: two Q buffers per warpgroup, so that the next tile's Q loads while this one's
     # output (staged in its Q buffer) is stored -- where shared memory holds them (two warpgroups,
-    # no bias ring: the launches the heuristic makes persistent, hopper_fwd.runs_persistent)
+    # no bias ring: the launches the heuristic makes persistent, runs_persistent)
     Q_BUFFERS: gl.constexpr = 2 if PERSISTENT and SPLIT == 2 and not BIAS else 1
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * SPLIT, 1, 1, ROWS, HEAD_D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
@@ -885,7 +886,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     #
     # compute-sanitizer's racecheck reports shared-memory hazards here, attributed to the ``def`` line
     # and to the ``gl.warp_specialize`` call. As in the dK/dV pass (the comment at its call in
-    # hopper_bwd.py), every reported instruction is Triton's own warp dispatch, not our buffers.
+    # gluon/bwd.py), every reported instruction is Triton's own warp dispatch, not our buffers.
     # The default warpgroup stores each worker warp's state byte, and one captured value (this
     # launch's tile) the partitions load on entry. Between each store and its load, every thread
     # passes a CTA-wide ``bar.sync 1``; a second one keeps the captured value until every worker
@@ -938,16 +939,16 @@ PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``persis
 def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device,
                         seqlen_k: int, even_lists: bool = False) -> int:
     """Programs of a persistent launch of the warp-specialised forward (one per SM, each walking
-    its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (H200,
-    NOTES.md v34, forward GPU time): persistent -10% at D=128 S=1k causal (two warpgroups: short
-    tiles, their fixed cost -- Q and first K/V loads, output store -- half hidden), but with three
-    warpgroups ping-ponging it spills and its static rounds balance long causal rows badly (16k
-    causal +35%, window +10%): so two warpgroups, causal, no bias or tile lists (``plain``), and
-    keys up to PERSISTENT_MAX_KEYS (fp16 causal softcap, 2 warpgroups: 16k 3987 us persistent, 2790
-    one program per tile; 4k 748 persistent, NOTES.md v47). Also a mask's tile lists without a bias
+    its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (forward
+    GPU time): persistent is faster at D=128 S=1k causal (two warpgroups: short tiles, their fixed
+    cost -- Q and first K/V loads, output store -- half hidden), but with three warpgroups
+    ping-ponging it spills and its static rounds balance long causal rows badly (slower at 16k
+    causal and with a window): so two warpgroups, causal, no bias or tile lists (``plain``), and
+    keys up to PERSISTENT_MAX_KEYS (fp16 causal softcap, 2 warpgroups: at 16k keys persistent was
+    much slower than one program per tile, at 4k the fastest). Also a mask's tile lists without a bias
     where they are about equally long (``even_lists``: tile_lists.rows_even), whatever the turns:
     short lists of whole tiles -- a block-sparse top-k mask -- spend much of a program on its fixed
-    part (S=4k 25% block-sparse forward -9%: 286 -> 261 us, H100, NOTES.md v52)."""
+    part (a block-sparse forward at S=4k measured faster persistent)."""
     if knobs().programs is not None:
         programs = knobs().programs
     else:
@@ -970,10 +971,10 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     nothing, when a tensor cannot go through TMA (the caller then runs the Triton kernel).
     ``config.hopper_split`` 2 or 3: the warp-specialised kernel with that many consumer warpgroups
     (``hopper_pingpong``: taking turns); 0: the 8-warp kernel with schedule ``config.hopper_overlap``.
-    ``tile_lists``: a mask's tile lists at the config's tiles, as ``fwd.row_list_args`` gives them
-    (warp-specialised kernel only; the mask must leave no partial tile of its own:
+    ``tile_lists``: a mask's tile lists at the config's tiles, as ``kernels.triton.fwd.row_list_args``
+    gives them (warp-specialised kernel only; the mask must leave no partial tile of its own:
     ``tile_lists.tiles_whole``). ``bias``: 16-bit, by elements over queries and keys, TMA-addressable
-    (``fwd.gluon_reads_bias``; warp-specialised kernel only, 2 consumer warpgroups and 2 stages: the
+    (``dispatch.gluon_reads_bias``; warp-specialised kernel only, 2 consumer warpgroups and 2 stages: the
     bias ring takes the shared memory a third warpgroup would). ``even_lists``: the lists are about
     equally long and there is no bias (``persistent_programs``). ``packing`` (spec.Packing): q, k, v,
     out are (1, total, H, D) views of packed sequences and lse (Hq, total_q) (``_packed_forward``)."""
@@ -1090,7 +1091,7 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
     padded to a multiple of the tile height, lse2 = +inf past Sq). ``config``: a warp-specialised
     forward config (``hopper_split`` warpgroups of 64 query rows, ``block_n`` keys a step). False,
     nothing launched, where a tensor cannot go through TMA (the caller runs the Triton dQ pass).
-    The caller checks the problem: no mask, bias or packed sequences (``bwd.takes_gluon_dq``)."""
+    The caller checks the problem: no mask, bias or packed sequences (``dispatch.takes_gluon_dq``)."""
     layout = spec.layout
     descs = [descriptor(q, WG_ROWS, layout), descriptor(k, config.block_n, layout),
              descriptor(v, config.block_n, layout), descriptor(dq, WG_ROWS, layout), descriptor(dout, WG_ROWS, layout)]

@@ -1,13 +1,13 @@
 """Kernel launches with less host time than ``kernel[grid](...)``: the launch a short step spends
-most of its host time on (benchmarks/NOTES.md v26, v27).
+most of its host time on.
 
-``kernel[grid](*args)`` binds and specialises every argument on every call (~50 us of host time
-for a 30-argument kernel on the GPU machine's host). ``launch`` keeps each compiled kernel under
+``kernel[grid](*args)`` binds and specialises every argument on every call (host time that grows
+with the argument count; the kernels here take dozens). ``launch`` keeps each compiled kernel under
 the key Triton itself would specialise it on and launches it directly; the first launch of a key
 goes through Triton (and compiles, or finds Triton's own cache). Under the interpreter nothing is
 compiled and every launch goes through Triton.
 
-A compiled kernel's own runner still costs ~25 us a launch in Python (a closure per grid, the
+A compiled kernel's own runner still costs host time a launch in Python (a closure per grid, the
 stream query, scratch checks, and one ``cuTensorMapEncodeTiled`` per TMA descriptor argument, 9 for
 the dK/dV pass). ``_DirectLaunch`` calls Triton's C launcher itself, with the descriptors' tensor
 maps kept by what they encode (address, shape, strides, block: a map holds no reference to the
@@ -75,7 +75,7 @@ class Launcher:
     argument that depends only on the problem (shapes, strides, scalars) -- kept by the caller per
     problem; each call passes the arguments that change between calls (its tensors and
     descriptors), in the order of the ``SLOT`` markers in ``args``. What it saves over ``launch``:
-    the per-call key over every argument (~20 us for a 30-argument kernel); the compiled kernel is
+    the per-call key over every argument (host time that grows with their count); the compiled kernel is
     found by the specialisation of the call's own arguments, the rest being fixed with the
     launcher, and launched from the argument list the C launcher takes, made once per
     specialisation with the fixed arguments in place (``_BoundLaunch``). Under the interpreter
@@ -194,7 +194,7 @@ def forget_compiled() -> None:
 
 def cdiv(a: int, b: int) -> int:
     """Host arithmetic for grids and tile counts: ``triton.cdiv`` and ``triton.next_power_of_2`` are
-    constexpr functions, ~2 us a call on the host."""
+    constexpr functions, slow to call on the host."""
     return -(-a // b)
 
 

@@ -1,23 +1,20 @@
-"""Backward: a delta pre-pass, then dK/dV and dQ.
+"""The Triton backward kernels: a delta pre-pass, then dK/dV and dQ.
 
-dQ is summed one of two ways, as the launch config says (tuning/configs.py):
+The planner (``dispatch.py``, ``plan_backward``) decides when they run. The pre-pass always
+does; on Hopper, where the Gluon kernels take the problem, they run the dK/dV pass and, where
+they can, dQ (``gluon/bwd.py``, ``gluon/fwd.py``); ``run_passes`` launches the passes they leave.
+
+dQ is summed here one of two ways, as the plan says (from the launch config, tuning/configs.py):
 - a separate pass of dQ programs (7 matmuls per tile pair, no atomics, bitwise
   reproducible): every default, and what ``deterministic=True`` always runs;
 - fp32 atomics from the dK/dV programs (5 matmuls): TMA bulk reduce-adds on Hopper, or
-  pointer atomics; an option (benchmarks/NOTES.md v8, v11).
+  pointer atomics; an option.
 
 - ``_preprocess_kernel``: the two row statistics the passes read, one float per query row
   each, in buffers whose rows are padded to a multiple of every tile height (so the loops load
   them without masks, in vectors): ``lse2`` = lse * log2(e), +inf for a row with no key and for
   padding (so p = 0 there), and delta = rowsum(dO * O) - dlse (0 in padding). A gradient on lse
   enters only here: d lse / d s = p, so ds = p * (dp - delta).
-- on Hopper, where the dK/dV config names it and the problem allows (``fwd.hopper_supports``: a
-  mask only if none of its 128x128 tiles is partial): the warp-specialised Gluon pass of
-  ``hopper_bwd.py``: dK/dV, then dQ by a pass of its own -- the warp-specialised Gluon forward's
-  kernel in its dQ mode where the configs name one (``gluon_dq``: D=128) and the problem has no
-  mask, bias or packing (``gluon_dq_pass``), else the dQ programs below alone; or, with
-  dQ by atomics at D=128, the whole backward in that pass (dQ by TMA reduce-adds), a 16-bit bias
-  read and its gradient stored there too (``gluon_dkdv_takes_bias``);
 - ``_backward_kernel``, launched once with both kinds of program or twice, one kind each:
   - ``_dkdv_program``s: one per (key block, batch * kv head). Each keeps dK, dV in
     registers and walks the query blocks of every query head of its KV group (one flat
@@ -83,7 +80,8 @@ def _probabilities(
 @triton.jit
 def _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP: tl.constexpr, TRANSPOSED: tl.constexpr):
     """(dL/d logit, dL/d(scale * qk)): the softmax gradient -- which is also the bias gradient,
-    the bias being added to the logit -- then the softcap chain rule (SPEC 3.4)."""
+    the bias being added to the logit -- then the softcap chain rule (docs/SEMANTICS.md, "`scale` and
+    `softcap`")."""
     if TRANSPOSED:
         ds_logit = p * (dp - delta[None, :])
     else:
@@ -313,7 +311,7 @@ def _dkdv_program(
     # Full tiles first (the interior stretch, or the list's full tiles), then the masked ones, each
     # over the whole group in a fixed order (dK, dV are bitwise reproducible). A masked loop *before*
     # the pipelined one made ptxas serialise every wgmma of the kernel (C7515, "non wgmma
-    # instructions defining accumulator registers"; benchmarks/NOTES.md v11).
+    # instructions defining accumulator registers").
     if HAS_MASK:  # the tiles the mask leaves, listed on the host (tile_lists.column_lists)
         tile_list = head_base(TileLists, batch, head_kv, stride_lb, stride_lh) + n_block * stride_lr
         full_tiles = tl.load(tile_list)
@@ -474,7 +472,7 @@ def _dq_program(
 
 
 # Lengths stay runtime values: Triton would otherwise compile a separate kernel for a length of 1
-# (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
+# (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so.
 # ... and so do the program counts: packed sequences' longest length changes from call to call, and
 # a new set of lengths must not compile a new kernel.
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks", "dkdv_programs"])
@@ -658,8 +656,8 @@ def dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tens
     """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums, in q's strides like dK and dV
     (``attention_backward``): the strides the custom op's fake declares, and those AccumulateGrad
     keeps without a copy (a dQ with the sums' (B, H, S, D) strides was cloned every step where q's
-    differ: bshd layout, v41). By ``_convert_dq_kernel``: torch's copy into bshd strides took 104
-    us against 69 into bhsd (D=128 S=1k B=16 H=16, H100, NOTES.md v42)."""
+    differ: bshd layout). By ``_convert_dq_kernel``: torch's copy into bshd strides measured much
+    slower than into bhsd."""
     dq = gradient_like(q)
     _dq_conversion(tuple(sums.shape), bhsd_stride(dq, layout), q.shape[-1], q.device.index)(sums, dq)
     return dq
@@ -747,7 +745,7 @@ def _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec: AttentionSpec, config
         DBIAS=dbias_mode if dbias_mode != DBIAS_PASS else DBIAS_OFF, **bias_grad_sums(bias), BIAS_TMA=bias_tma,
         MASK_TMA=mask_tma,
         # Boundary stretches of the dK/dV pass run a few tiles per program: pipelining them buys
-        # little, and its extra live registers made the whole kernel spill (benchmarks/NOTES.md).
+        # little, and its extra live registers made the whole kernel spill.
         INTERIOR_STAGES=dkdv_cfg.num_stages, MASKED_STAGES=1, **flags)
 
     def one_launch(programs, first_dq_program, run_dkdv, run_dq, cfg):

@@ -66,7 +66,7 @@ def _forward_tiles(
 
 
 # Lengths stay runtime values: Triton would otherwise compile a separate kernel for a length of 1
-# (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so (NOTES.md, v8).
+# (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so.
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lse_head"])
 def _forward_kernel(
     Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, CuSeqlensQ, CuSeqlensK, k_desc, v_desc, bias_desc, mask_desc,
@@ -175,7 +175,7 @@ def padded_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     tile is widened to it. Triton 3.6 miscompiles the forward with D=40 and Dv=24 on 64-key tiles
     (tiles 64 and 32 wide, both column-masked): the P @ V dot touches shared memory past the
     kernel's allocation (compute-sanitizer) and the output is wrong, with TMA or pointer loads
-    alike (benchmarks/NOTES.md v36); D=64 / Dv=24 and D=40 / Dv=40 are right."""
+    alike; D=64 / Dv=24 and D=40 / Dv=40 are right."""
     block_d, block_dv = padded_dim(head_dim), padded_dim(head_dim_v)
     if head_dim != block_d and block_dv < block_d:
         block_dv = block_d
@@ -183,14 +183,14 @@ def padded_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs are computed at fp32 accuracy: no silent tf32 (SPEC 3.6).
+    # fp32 inputs are computed at fp32 accuracy: no silent tf32 (docs/SEMANTICS.md, "Layouts, shapes and dtypes").
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def softcap_mode(spec: AttentionSpec, dtype: torch.dtype, device: torch.device) -> int:
     """The Triton kernels' HAS_SOFTCAP: 0 none; 1 tanh to a few fp32 ulps; for bf16 on the GPU
     ``softmax.TANH_APPROX`` (tanh.approx.f32), the form the Gluon kernels take for bf16
-    (``hopper.log2_scores``): a call's passes may mix the two kinds of kernel, and its backward
+    (``gluon.common.log2_scores``): a call's passes may mix the two kinds of kernel, and its backward
     must recompute the scores its forward normalised."""
     if not spec.has_softcap:
         return 0

@@ -180,8 +180,8 @@ def _cache_attention_kernel(
     scores_args = (offs_q, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, stride_table,
                    page_size, num_pages, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh)
     # One loop over the split's blocks, every tile masked: the mask math is nothing beside the loads,
-    # and each loop costs a pipeline prologue (three loops, interior tiles unmasked, were 5-15% slower
-    # at B=1 and 2.5x slower paged; benchmarks/NOTES.md v37). Constexprs spelled out: packed in a
+    # and each loop costs a pipeline prologue (three loops, interior tiles unmasked, measured slower
+    # at B=1, and much slower paged). Constexprs spelled out: packed in a
     # tuple they would arrive as plain values.
     acc, row_max, row_sum, lost = _cache_tiles(
         acc, row_max, row_sum, lost, *common, begin, end, step, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
@@ -206,10 +206,10 @@ def _combine_splits_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum_s exp(lse_s - lse) * out_s with lse = log sum_s exp(lse_s) (merge_attention's rule,
-    SPEC 3.1 for a row no split saw), a chunk of BLOCK_DV of one row per program (axis 1: the
-    chunk; the first chunk's program stores lse): row r runs over (batch, query, head) as in the
-    (B, Sq, Hq, Dv) outputs; lse is (B, Hq, Sq). Every split's part is loaded at once (one round
-    trip to memory, not one per split). A NaN part (a poisoned batch) makes the row NaN.
+    docs/SEMANTICS.md, "The computation", for a row no split saw), a chunk of BLOCK_DV of one row
+    per program (axis 1: the chunk; the first chunk's program stores lse): row r runs over (batch,
+    query, head) as in the (B, Sq, Hq, Dv) outputs; lse is (B, Hq, Sq). Every split's part is loaded
+    at once (one round trip to memory, not one per split). A NaN part (a poisoned batch) makes the row NaN.
     PDL (programmatic dependent launch, Hopper): launched while the decoding grid still runs (it
     calls ``gdc_launch_dependents`` first thing), the programs wait here until that grid has
     finished and its stores are visible, so the gap between the two kernels is gone."""
@@ -253,11 +253,11 @@ NUM_WARPS = 4
 # key tiles a split; at most MAX_SPLITS (the combination loads them all). (programs per SM, least
 # key tiles a split), contiguous: two of the decoding kernel's ~100 KB of pipeline stages fit an
 # SM's shared memory; paged: a split runs half the stages, three fit, and shorter splits paid
-# (B=1 at 8k: 48 splits of 2-3 tiles 20.3-20.6 us, 32 of 4 tiles 21.1-21.9; benchmarks/NOTES.md v38).
+# (more splits of 2-3 tiles measured faster than fewer of 4 at B=1, 8k keys).
 SPLIT_RULE = {False: (2, 4), True: (3, 2)}  # by paged
 MAX_SPLITS = 64
-# The combination: a program for each Dv chunk of COMBINE_DV of a row, one warp (B=1 / 8k step
-# 18.5 -> 17.0 us contiguous, 21.2 -> 20.2 paged against one 4-warp program a row; NOTES.md v40).
+# The combination: a program for each Dv chunk of COMBINE_DV of a row, one warp (a B=1 / 8k step
+# measured faster, contiguous and paged, than with one 4-warp program a row).
 COMBINE_DV = 64
 COMBINE_WARPS = 1
 INTERPRETER_SMS = 8  # the "SM count" the auto split assumes under Triton's interpreter (tests split too)
@@ -280,7 +280,7 @@ def pipeline_stages(block_d: int, block_dv: int, element_size: int, paged: bool,
     Paged, the K/V addresses depend on block-table loads, which the pipeliner gives stages of their
     own (at 4 stages it kept one K/V tile in flight, at 8 three): a split, which walks a few tiles,
     takes half the stages (a short prologue: best of 1, 2, 4, 8 at B=1), a whole cache twice them
-    (B=64: 2 stages ran 15-25% slower than 8; benchmarks/NOTES.md v37)."""
+    (at B=64, 2 stages ran markedly slower than 8)."""
     stages = max(1, min(MAX_STAGES, STAGE_BYTES_BUDGET // (KEY_TILE * (block_d + block_dv) * element_size)))
     if not paged:
         return stages
