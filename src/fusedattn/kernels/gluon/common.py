@@ -263,19 +263,22 @@ def keep_scores(s, rows, keys, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.const
             keep = in_window(keys2, gl.expand_dims(first, 0), gl.expand_dims(last, 0))
         else:
             keep = in_window(keys2, gl.expand_dims(first, 1), gl.expand_dims(last, 1))
-    else:
-        if TRANSPOSED:
-            rows2 = gl.expand_dims(rows, 0)
-        else:
-            rows2 = gl.expand_dims(rows, 1)
+    elif TRANSPOSED:
+        # The same predicate in the order each kernel was tuned with: the dK/dV pass runs at its
+        # register limit, and another order of these compares changed what it spills.
         if CAUSAL:
-            keep = keys2 <= rows2 + diag
-            if RAGGED:
-                keep = (keys2 < seq_k) & keep
-        elif RAGGED:
+            keep = keys2 <= gl.expand_dims(rows, 0) + diag
+        else:
+            keep = keys2 >= 0
+        if RAGGED:
+            keep = keep & gl.expand_dims(keys < seq_k, 1)
+    else:
+        if RAGGED:
             keep = keys2 < seq_k
         else:
             keep = keys2 >= 0
+        if CAUSAL:
+            keep = keep & (keys2 <= gl.expand_dims(rows, 1) + diag)
     return gl.where(keep, s, -float("inf"))
 
 
