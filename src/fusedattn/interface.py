@@ -230,6 +230,21 @@ def differentiable_grads(outputs: tuple, cotangents: tuple, inputs: tuple, needs
 # ----------------------------------------------------------------------------- public API
 
 
+def _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks, deterministic, return_lse):
+    """``attention``'s arguments checked and resolved (``explain`` takes the same): (q, k, v with a
+    unit-stride head dim, the mask as a BlockMask, the bias, the frozen AttentionSpec)."""
+    check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
+                  deterministic=deterministic, return_lse=return_lse)
+    shapes = check_qkv(q, k, v, layout)
+    check_sinks(sinks, q, shapes.heads_q)
+    mask = check_mask(mask, shapes, q)
+    bias = check_bias(bias, shapes, q)
+    q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
+    spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
+                        softcap=softcap, deterministic=deterministic)
+    return q, k, v, mask, bias, spec
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -255,15 +270,8 @@ def attention(
     ``mask``: a bool tensor broadcastable to (B, Hq, Sq, Sk), True = attend, or a
     ``fusedattn.BlockMask`` built once for many calls; tiles the mask empties are skipped.
     """
-    check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
-                  deterministic=deterministic, return_lse=return_lse)
-    shapes = check_qkv(q, k, v, layout)
-    check_sinks(sinks, q, shapes.heads_q)
-    mask = check_mask(mask, shapes, q)
-    bias = check_bias(bias, shapes, q)
-    q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
-    spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
-                        softcap=softcap, deterministic=deterministic)
+    q, k, v, mask, bias, spec = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks,
+                                              deterministic, return_lse)
     mask_args, options = _mask_args(mask), (*spec.op_args(), dispatch.resolve_backend(q.device))
     args = (q, k, v, sinks, *mask_args, bias, *options)
     if torch.compiler.is_compiling():
@@ -298,15 +306,8 @@ def explain(
     every faster path not taken, why. Runs nothing and checks the arguments as ``attention`` does.
     The backward's bias and sinks gradients are planned where those tensors require a gradient.
     ``show=False`` only returns it (``str()`` of the result is the printed text)."""
-    check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
-                  deterministic=deterministic, return_lse=False)
-    shapes = check_qkv(q, k, v, layout)
-    check_sinks(sinks, q, shapes.heads_q)
-    mask = check_mask(mask, shapes, q)
-    bias = check_bias(bias, shapes, q)
-    q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
-    spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
-                        softcap=softcap, deterministic=deterministic)
+    q, k, v, mask, bias, spec = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks,
+                                              deterministic, False)
     plans = dispatch.explain_plans(q, k, v, spec, None if sinks is None else sinks.detach().float(), mask,
                                    None if bias is None else bias.detach(), dispatch.resolve_backend(q.device),
                                    bias_grad=bias is not None and bias.requires_grad,
