@@ -138,7 +138,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     split = dict(ATOMIC_DQ=False, DQ_TMA=False)
     triton_forward = dispatch.triton_fallback(configs.forward) if configs.forward.hopper_overlap is not None \
         else configs.forward
-    if flags["HAS_BIAS"]:  # as fwd.attention_forward launches it
+    if flags["HAS_BIAS"]:  # as the planner sends it to kernels/triton/fwd.forward
         triton_forward = replace(triton_forward, block_n=min(triton_forward.block_n, 64))
     def tile(rows, cols, ty=dtype):
         return f"tensordesc<{ty}[1,1,{rows},{cols}]>"

@@ -334,8 +334,6 @@ def plan_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Attent
     return plan
 
 
-backward_plan = plan_backward  # the name the host-time tools profile
-
 
 def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
                      dbias_mode: int, packing: Packing | None) -> BackwardPlan:
@@ -575,8 +573,6 @@ def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, pl
     return gluon_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan.dkdv,
                                dq_accum if plan.atomic_dq else None, lists, group_sum, bias, dbias, packing)
 
-
-hopper_dkdv_pass = _gluon_dkdv_pass  # the name the host-time tools profile
 
 
 def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs: AttentionConfigs) -> None:
