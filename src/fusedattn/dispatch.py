@@ -334,7 +334,6 @@ def plan_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Attent
     return plan
 
 
-
 def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
                      dbias_mode: int, packing: Packing | None) -> BackwardPlan:
     layout = spec.layout
@@ -572,7 +571,6 @@ def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, pl
     group_sum = not plan.group_walk and sums_over_group(spec, heads_q, heads_kv, plan.dkdv, lists is not None)
     return gluon_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan.dkdv,
                                dq_accum if plan.atomic_dq else None, lists, group_sum, bias, dbias, packing)
-
 
 
 def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs: AttentionConfigs) -> None:
