@@ -7,7 +7,8 @@ from .kvcache import kvcache_attention
 from .merge import merge_attention
 from .varlen import varlen_attention
 
+from . import flash_attn
 from ._version import __version__
 
 __all__ = ["attention", "varlen_attention", "kvcache_attention", "merge_attention", "BlockMask", "topk_mask", "topk_block_mask",
-           "use_backend", "explain", "__version__"]
+           "use_backend", "explain", "flash_attn", "__version__"]
