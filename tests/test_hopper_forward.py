@@ -309,7 +309,7 @@ def test_gluon_forward_takes_strided_views(forward, gluon_launches):
 def test_problems_it_does_not_support_run_the_triton_kernel(options, forward, gluon_launches):
     case = Case(1, 2, 2, 200, 200, 128, dtype=torch.bfloat16, layout="bhsd", **options)
     q, k, v, _, _ = make_inputs(case, "cuda")
-    spec_supported = dispatch.hopper_supports(q, k, v, resolve_spec(
+    spec_supported = dispatch.gluon_support(q, k, v, resolve_spec(
         128, layout="bhsd", causal=False, window=options.get("window"), scale=None,
         softcap=options.get("softcap"), deterministic=False))
     assert not spec_supported

@@ -146,11 +146,6 @@ def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None
     return TAKEN
 
 
-def hopper_supports(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> bool:
-    """``gluon_support`` as a plain bool."""
-    return gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias).ok
-
-
 def triton_fallback(config: KernelConfig) -> KernelConfig:
     """The Triton kernel's tiles where a Gluon forward config cannot run (problem or tensors it
     does not take): its key tiles and depth, 128-row query tiles on 8 warps."""
@@ -456,7 +451,7 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
     the fused Triton atomic programs are not what the Gluon config's tiles were chosen for (with
     128-row steps they do not even fit shared memory). ``reads_bias``: it may take the bias
     (``gluon_dkdv_takes_bias``)."""
-    if config.family != "gluon" or not hopper_supports(q, k, v, spec, mask=mask, bias=bias, reads_bias=reads_bias):
+    if config.family != "gluon" or not gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=reads_bias):
         return False
     from .kernels.gluon import bwd as gluon_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
@@ -577,7 +572,7 @@ def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec
     """Where the Gluon kernels take packed sequences, the backward's map of key blocks is made with
     the forward's map of query blocks: one copy to the device, and the backward's host time (which
     the GPU waits on in a short step) spends nothing on it (kernels/shared/packed_tiles.py)."""
-    if packing.offsets_q is None or not hopper_supports(q4, k4, v4, spec, sinks):
+    if packing.offsets_q is None or not gluon_support(q4, k4, v4, spec, sinks):
         return
     from .kernels.shared import packed_tiles
 
@@ -709,7 +704,7 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, spec.layout)
     out_shape = (batch, seqlen_q, heads_q, v.shape[-1]) if spec.layout == "bshd" else \
         (batch, heads_q, seqlen_q, v.shape[-1])
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(out_shape, dtype=q.dtype, device="meta")  # the plan reads its shape and strides only
     row_bias = bias_grad and bias.shape[3] == 1
     dbias_mode, _ = bias_grad_plan(bias if bias_grad and not row_bias else None, (batch, heads_q, seqlen_q, seqlen_k),
                                    spec, skips_tiles=mask is not None)

@@ -50,12 +50,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         k, v = k.expand(-1, heads_q, -1, -1), v.expand(-1, heads_q, -1, -1)
     if k.shape[0] != batch:  # broadcast over the batch
         k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
-    mask = bias = None
-    causal = False
+    mask = bias = window = None
     if is_causal:
-        if seqlen_q == seqlen_k:
-            causal = True
-        else:  # top-left aligned, which fusedattn's (bottom-right) causal is not when Sq != Sk
+        if seqlen_q >= seqlen_k:  # top-left j <= i is the bottom-right window's right bound Sq - Sk
+            window = (-1, seqlen_q - seqlen_k)
+        else:  # a negative right bound, which no window has: a mask of the keys each row keeps
             mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril()
     elif attn_mask is not None:
         full = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
@@ -65,7 +64,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             bias = full
     if mask is not None and mask.dim() == 2:
         mask = mask.reshape(1, 1, *mask.shape)
-    out = attention(q, k, v, layout="bhsd", causal=causal, scale=scale, mask=mask, bias=bias)
+    out = attention(q, k, v, layout="bhsd", window=window, scale=scale, mask=mask, bias=bias)
     return out.squeeze(1) if three_d else out
 
 
