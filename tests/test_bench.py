@@ -1,5 +1,7 @@
 """The benchmark's shapes and its grouped-query path (CPU: fusedattn's PyTorch path vs SDPA on the CPU)."""
 
+import importlib
+import math
 import os
 import re
 import sys
@@ -315,3 +317,69 @@ def test_flaggems_takes_only_the_grouped_query_variant(tmp_path, monkeypatch):
     finally:
         for name in [k for k in sys.modules if k.startswith("flag_gems")]:
             sys.modules.pop(name, None)
+
+
+def test_hf_rows_run_the_tiny_model_check_each_system_against_sdpa_and_save_the_json(tmp_path, monkeypatch):
+    """``--hf`` without CUDA: the tiny float32 Llama through the GPU run's code path -- a causal row and
+    the packed row (sdpa's padded batch, the reference, and every system padding-free) -- each system's
+    step checked against sdpa's before it is timed, the JSON and the plot written."""
+    pytest.importorskip("transformers")
+    import json
+
+    from fusedattn.bench import __main__ as bench
+    from fusedattn.bench import hf
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the tiny model on a GPU machine too
+    systems = ["sdpa", "eager"]
+    try:
+        importlib.import_module("fusedattn.integrations.transformers")
+        systems.append("fusedattn")
+    except ImportError:
+        pass
+    bench.main(["--hf", "--systems", ",".join(systems), "--out", str(tmp_path)])
+    written, = tmp_path.glob("hf-*.json")
+    saved = json.loads(written.read_text())
+    assert saved["model"]["num_hidden_layers"] == 2 and saved["model"]["hidden_size"] == 64
+    assert saved["environment"]["transformers"] and saved["packed"]["total"] == 128
+    rows = {(r["row"], r["system"], r["layout"]): r for r in saved["rows"]}
+    expected = [("S=128", s, "single") for s in systems] + [("packed", s, "padded") for s in ("sdpa", "eager")]
+    expected += [("packed", s, "padding-free") for s in systems]
+    assert sorted(rows) == sorted(expected)
+    for key, r in rows.items():
+        assert r["real_tokens"] == 128 and r["step_ms"] > 0 and r["tokens_per_s"] > 0, (key, r)
+        assert r["reference"] == ("sdpa (padded)" if key[0] == "packed" else "sdpa (single)")
+        if key in (("S=128", "sdpa", "single"), ("packed", "sdpa", "padded")):
+            continue  # the references
+        diffs = [r[k] for k in ("loss_rel_diff", "hidden_rel_diff", "logits_rel_diff", "grad_rel_diff")]
+        assert all(math.isfinite(d) and d <= r["rel_tol"] == 1e-4 for d in diffs) and r["output_agrees"], (key, r)
+    padded = rows["packed", "sdpa", "padded"]
+    assert padded["computed_tokens"] == padded["docs"] * padded["longest"] > 128
+    assert sum(saved["packed"]["lengths"]) == 128 and padded["docs"] == len(saved["packed"]["lengths"])
+    if "fusedattn" in systems:
+        assert hf.table(saved["rows"]).count("x ") >= 1  # the ours/this column
+    pytest.importorskip("matplotlib")
+    assert written.with_suffix(".png").exists()
+
+
+def test_hf_agreement_check_catches_documents_that_see_each_other(monkeypatch):
+    """The check is not vacuous: the padding-free row with transformers' packed-document detection
+    switched off (every token then sees the earlier documents) fails it, on the loss-insensitive
+    hidden states, logits and gradients; the documents of the GPU's packed row fill 16k tokens."""
+    pytest.importorskip("transformers")
+    from transformers import masking_utils
+
+    from fusedattn.bench import hf
+
+    setup = hf.cpu_setup()
+    model = hf.build_model(setup, "sdpa")
+    flat, padded = hf.packed_batches(hf.document_lengths(setup.packed_total, *setup.doc_range), 256, "cpu")
+    samples = torch.arange(0, 128, 3)
+    reference = hf.capture(model, padded, samples)
+    assert hf.compare(hf.capture(model, flat, samples), reference, torch.float32)["output_agrees"]
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    leaked = hf.compare(hf.capture(model, flat, samples), reference, torch.float32)
+    assert not leaked["output_agrees"] and min(leaked["hidden_rel_diff"], leaked["grad_rel_diff"]) > 0.1, leaked
+
+    lengths = hf.document_lengths(16384, 256, 4096)
+    assert sum(lengths) == 16384 and min(lengths) >= 256 and max(lengths) <= 4096
+    assert lengths == hf.document_lengths(16384, 256, 4096)  # seeded

@@ -6,6 +6,7 @@
     python -m fusedattn.bench --variants      # bias, softcap, window, sinks, GQA, mask, top-k rows (bench/variants.py)
     python -m fusedattn.bench --packed        # varlen training on packed documents (bench/packed.py)
     python -m fusedattn.bench --decode        # decoding over a KV cache, contiguous and paged (bench/decode.py)
+    python -m fusedattn.bench --hf            # training steps of a Llama-3-8B-shaped HF model per attn_implementation (bench/hf.py)
     python -m fusedattn.bench --backward-on-caller   # any of the above, every backward on the calling thread
 
 Writes ``benchmarks/results/<gpu>-<date>.json`` (and a PNG plot when matplotlib is
@@ -325,6 +326,13 @@ def main(argv=None) -> None:
     parser.add_argument("--decode", action="store_true",
                         help="decoding over a KV cache, contiguous and paged (bandwidth vs the "
                              "device-to-device copy; vs SDPA and Flex)")
+    parser.add_argument("--hf", action="store_true",
+                        help="training steps of a Llama-3-8B-shaped transformers model (random weights) with "
+                             "attn_implementation sdpa, flex_attention, fusedattn: S in {4k, 16k} and packed "
+                             "documents (bench/hf.py; without CUDA a tiny float32 model, as a smoke test)")
+    parser.add_argument("--hf-layers", type=int, default=2, help="with --hf: decoder layers (default 2)")
+    parser.add_argument("--hf-vocab", type=int, default=None,
+                        help="with --hf: vocabulary size (default Llama 3's 128256; the tiny CPU model's 256)")
     args = parser.parse_args(argv)
     # Thread-local: the whole run happens on this thread. A graph's replay runs no Python, so only the
     # eager times can change.
@@ -339,6 +347,8 @@ def _main(args, parser) -> None:
         return _main_packed(args)
     if args.decode:
         return _main_decode(args)
+    if args.hf:
+        return _main_hf(args)
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
@@ -394,6 +404,13 @@ def _main_decode(args) -> None:
     from . import decode
 
     _main_side_rows(args, "--decode", "decode", decode.run, decode.table)
+
+
+def _main_hf(args) -> None:
+    from . import hf
+
+    env = environment()
+    hf.main(args, env, result_stem(env, "hf"))
 
 
 def _main_side_rows(args, flag: str, prefix: str, run_rows, table_of, extra: dict | None = None) -> None:
