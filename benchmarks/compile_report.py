@@ -101,7 +101,8 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     """Prints one line per kernel; returns how many failed to compile or had their wgmmas serialised."""
     torch_dtype = TYPES[dtype]
     flags = dict(dict(HAS_MASK=False, MASK_SHIFT_Q=0, MASK_SHIFT_K=0, MASK_TMA=False, HAS_SINKS=False, HAS_BIAS=False,
-                      BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False, VARLEN=False), **flags)
+                      BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False, VARLEN=False,
+                      HAS_ALIBI=False), **flags)
     configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
                             flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)
@@ -111,7 +112,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     softcap_spec = AttentionSpec("bshd", UNBOUNDED, 0, 1.0, 30.0 if flags["HAS_SOFTCAP"] else 0.0, False)
     common["HAS_SOFTCAP"] = fwd.softcap_mode(softcap_spec, torch_dtype, torch.device("cuda"))
     fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32", Sinks="fp32", Mask="u8", TileLists="i32",
-                     ColumnLists="i32", RowLists="i32", CuSeqlensQ="i32", CuSeqlensK="i32",
+                     ColumnLists="i32", RowLists="i32", CuSeqlensQ="i32", CuSeqlensK="i32", Alibi="fp32",
                      DBias="fp32" if flags["DBIAS"] == bwd.DBIAS_ATOMIC else dtype)
 
     def descs(rows: int, *names: str) -> dict:
@@ -119,8 +120,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
     gluon_forward, gluon_dkdv = configs.forward, configs.dkdv
     # a mask: by its tile lists; a bias by elements through TMA: the Gluon forward reads it
-    gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"]
-    gluon_forward_runs = not flags["HAS_SINKS"] and (not flags["HAS_BIAS"] or flags["BIAS_TMA"])
+    # ALiBi: the planner refuses the Gluon kernels (dispatch.gluon_support), only the Triton ones compile
+    gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"] and not flags["HAS_ALIBI"]
+    gluon_forward_runs = not flags["HAS_SINKS"] and not flags["HAS_ALIBI"] and (not flags["HAS_BIAS"]
+                                                                             or flags["BIAS_TMA"])
     # a mask of partial tiles (read through TMA or pointers) keeps the Triton kernels
     gluon_forward_runs = gluon_forward_runs and not (flags["HAS_MASK"] and flags["HAS_BIAS"])
     if (flags["HAS_MASK"] or flags["HAS_BIAS"]) and gluon_dkdv.hopper_overlap is not None:
@@ -393,7 +396,7 @@ def main() -> None:
     p.add_argument("--variants", default=None,
                    help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,mask,causal+mask,"
                         "causal+mask+sinks,bias,causal+bias,causal+bias-atomic,causal+mask+bias,"
-                        "causal+mask+bias-pointers,varlen+causal,kvcache")
+                        "causal+mask+bias-pointers,varlen+causal,causal+alibi,window+softcap+alibi,kvcache")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
@@ -428,6 +431,9 @@ def main() -> None:
                                           HAS_BIAS=True, BIAS_TMA=True, DBIAS=bwd.DBIAS_STORE),
         # packed sequences (varlen_attention): the Triton kernels with pointer loads
         "varlen+causal": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, VARLEN=True),
+        # ALiBi slopes: the Triton kernels (the Gluon ones decline ALiBi)
+        "causal+alibi": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=True),
+        "window+softcap+alibi": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True),
     }
     problems = 0
     for d in map(int, args.head_dims.split(",")):

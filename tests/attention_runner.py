@@ -98,6 +98,16 @@ def make_bias(case: Case, device) -> torch.Tensor | None:
     return bias.to(device=device, dtype=case.bias_dtype or case.dtype)
 
 
+def make_alibi(case: Case, device) -> torch.Tensor | None:
+    """float32 ALiBi slopes, (Hq,) or (B, Hq) as the case says, between 0.02 and 0.52 (strong enough
+    that a wrong sign or alignment moves every output), or None."""
+    if case.alibi is None:
+        return None
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 4)
+    shape = (case.heads_q,) if case.alibi == "heads" else (case.batch, case.heads_q)
+    return (0.02 + 0.5 * torch.rand(shape, generator=gen)).to(device)
+
+
 def forward_backward(fn, q, k, v, dout, dlse, dtype=None, lse_grad=False, sinks=None, bias=None, bias_grad=True):
     """(out, lse, dq, dk, dv[, dsinks][, dbias]) of ``fn(q, k, v, sinks_=..., bias_=...) -> (out, lse)``
     (the keywords only when given); q/k/v cast to ``dtype``, the sinks and bias only to float64.
@@ -122,6 +132,9 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
     opts = case.options()
 
     sinks, mask, bias = make_sinks(case, q.device), make_mask(case, q.device), make_bias(case, q.device)
+    alibi = make_alibi(case, q.device)
+    if alibi is not None:
+        opts["alibi_slopes"] = alibi
 
     def ours(q_, k_, v_, sinks_=None, bias_=None):
         with fusedattn.use_backend(backend):

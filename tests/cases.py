@@ -44,6 +44,8 @@ class Case:
     bias: str | None = None  # a trainable float bias of one of the BROADCAST_SHAPES forms, with its gradient
     bias_dtype: torch.dtype | None = None  # None: the dtype of q, k, v
     bias_trainable: bool = True  # False: a fixed bias (no gradient asked for)
+    # ALiBi slopes (SPEC 10): "heads" one per query head (Hq,), "batch" one per batch and head (B, Hq)
+    alibi: str | None = None
     dtype: torch.dtype = torch.float16
 
     @property
@@ -76,6 +78,8 @@ class Case:
         if self.bias:
             parts.append(f"bias-{self.bias}" + (str(self.bias_dtype).replace("torch.", "-") if self.bias_dtype else "")
                          + ("" if self.bias_trainable else "-fixed"))
+        if self.alibi:
+            parts.append(f"alibi-{self.alibi}")
         return "-".join(parts)
 
     def options(self) -> dict:
@@ -163,6 +167,22 @@ QUICK: list[Case] = [
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, bias="rows", causal=True, dtype=torch.float32),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=33, bias="rows", deterministic=True, sinks=True),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="kv-heads", bias_trainable=False, causal=True),
+    # ALiBi slopes, (Hq,) and (B, Hq): alone, with causal / window / softcap, GQA and MQA, Sq != Sk both
+    # ways (rows with no key), odd lengths, a full bias (gradient stored), a broadcast bias (atomics; the
+    # deterministic pass), masks (elements and whole cells), sinks, lse in the loss
+    Case(seqlen_q=33, seqlen_k=47, alibi="heads"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=33, causal=True, alibi="batch", layout="bhsd",
+         lse_grad=True),
+    Case(seqlen_q=65, seqlen_k=47, window=(9, 4), softcap=5.0, alibi="heads", dtype=torch.float32, deterministic=True),
+    Case(seqlen_q=1, seqlen_k=17, causal=True, alibi="heads"),
+    Case(batch=2, seqlen_q=129, seqlen_k=113, alibi="batch", lse_grad=True, dtype=torch.float32),
+    Case(heads_q=6, heads_kv=1, seqlen_q=17, seqlen_k=129, causal=True, alibi="heads", mask="full", mask_cells=16,
+         dtype=torch.float32),
+    Case(seqlen_q=33, seqlen_k=47, bias="full", alibi="heads", window=(-1, 5)),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="heads", alibi="batch", sinks=True,
+         mask="keys"),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="heads", causal=True, deterministic=True,
+         alibi="batch", dtype=torch.float32),
 ]
 
 FULL_LENGTHS = [(1, 1), (17, 17), (113, 255), (255, 113), (127, 129), (1000, 1000), (1, 1000), (1000, 17)]

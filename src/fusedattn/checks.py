@@ -213,3 +213,24 @@ def check_bias(bias, shapes: Shapes, q: torch.Tensor) -> torch.Tensor | None:
         raise TypeError(f"fusedattn.attention: `bias` must be float16, bfloat16 or float32, got {bias.dtype}"
                         + ("; a boolean mask is `mask`" if bias.dtype == torch.bool else ""))
     return check_broadcast_4d("bias", bias, shapes, q)
+
+
+def check_alibi(alibi_slopes, q: torch.Tensor, shapes: Shapes,
+                caller: str = "fusedattn.attention") -> torch.Tensor | None:
+    """None, or the ALiBi slopes -- a float32 (Hq,) or (B, Hq) tensor on q's device -- as the
+    contiguous float32 (B, Hq) tensor every backend reads (one slope per batch and query head),
+    detached: the slopes are constants and get no gradient."""
+    if alibi_slopes is None:
+        return None
+    heads_q, batch = shapes.heads_q, shapes.batch
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"{caller}: `alibi_slopes` must be a torch.Tensor of shape ({heads_q},) or "
+                        f"({batch}, {heads_q}), got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"{caller}: `alibi_slopes` must be float32 (as FlashAttention's), got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"{caller}: `alibi_slopes` must have shape (Hq,) = ({heads_q},) or (B, Hq) = "
+                         f"({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"{caller}: `alibi_slopes` is on {alibi_slopes.device} but q is on {q.device}")
+    return alibi_slopes.detach().expand(batch, heads_q).contiguous()

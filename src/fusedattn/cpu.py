@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_mask import EMPTY, BlockMask
-from .spec import UNBOUNDED, AttentionSpec, from_bhsd, keep_mask, to_bhsd
+from .spec import UNBOUNDED, AttentionSpec, alibi_distances, from_bhsd, keep_mask, to_bhsd
 
 KEY_CHUNK = 256  # chunked_forward's key chunk
 # The tiled math path's tiles: (B, H, QUERY_TILE, KEY_TILE) float32 scores at a time.
@@ -81,9 +81,17 @@ def _chunk(t: torch.Tensor, key_start: int, key_end: int, shift: int = 0) -> tor
     return t[..., key_start:key_end]
 
 
+def _grouped_alibi(alibi: torch.Tensor | None, heads_kv: int) -> torch.Tensor | None:
+    """The (B, Hq) float32 ALiBi slopes as (B, Hkv, G, 1, 1), to scale the grouped scores' distances."""
+    if alibi is None:
+        return None
+    return alibi.float().reshape(alibi.shape[0], heads_kv, alibi.shape[1] // heads_kv, 1, 1)
+
+
 def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seqlen_k: int, mask=None, bias=None,
-            mask_shift: int = 0):
-    """Scores of one key chunk after softcap, bias and masking; also tanh for the softcap gradient."""
+            mask_shift: int = 0, alibi=None):
+    """Scores of one key chunk after softcap, bias, ALiBi (``alibi``: grouped slopes) and masking;
+    also tanh for the softcap gradient."""
     s = torch.matmul(q, k_chunk.transpose(-1, -2)) * spec.scale
     t = None
     if spec.has_softcap:
@@ -91,6 +99,8 @@ def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seql
         s = spec.softcap * t
     if bias is not None:
         s = s + _chunk(bias, key_start, key_start + k_chunk.shape[-2]).float()
+    if alibi is not None:
+        s = s - alibi * alibi_distances(seqlen_q, seqlen_k, q.device, key_start, key_start + k_chunk.shape[-2])
     keep = keep_mask(
         seqlen_q, seqlen_k, spec.window_left, spec.window_right, q.device, key_start, key_start + k_chunk.shape[-2]
     )
@@ -105,15 +115,16 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
 
 
 def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
-            bias: torch.Tensor | None = None):
-    """(out, lse) of attention for CPU tensors: out in q's layout and dtype, lse (B, Hq, Sq) float32."""
+            bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None):
+    """(out, lse) of attention for CPU tensors: out in q's layout and dtype, lse (B, Hq, Sq) float32.
+    ``alibi``: (B, Hq) float32 ALiBi slopes (with ``spec.alibi``)."""
     if q.is_cpu and uses_fused_kernel(spec, mask, bias):
         return _fused_forward(q, k, v, spec, sinks)
-    return _math_forward(q, k, v, spec, sinks, mask, bias)
+    return _math_forward(q, k, v, spec, sinks, mask, bias, alibi)
 
 
 def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
-                    bias: torch.Tensor | None = None):
+                    bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None):
     """The forward by key chunks with an online softmax, in plain differentiable torch ops only
     (matmul, exp, where, ...), on any device: autograd differentiates it to any order and forward-mode
     AD and torch.func transforms go through it. The calls no custom backward can serve use it
@@ -123,6 +134,7 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
     b, hkv, g, seqlen_q, _ = qg.shape
     mask, mask_shift = _element_rows(mask, seqlen_q)
     mask, bias = _grouped_mask(mask, hkv * g, hkv), _grouped_mask(bias, hkv * g, hkv)
+    alibi = _grouped_alibi(None if alibi is None else alibi.detach(), hkv)
     seqlen_k, head_dim_v = kg.shape[-2], vg.shape[-1]
     if sinks is None:
         row_max = qg.new_full((b, hkv, g, seqlen_q, 1), float("-inf"))
@@ -133,7 +145,7 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
     acc = qg.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
     for start in range(0, seqlen_k, KEY_CHUNK):
         end = min(start + KEY_CHUNK, seqlen_k)
-        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k, mask, bias, mask_shift)
+        s, _ = _scores(qg, kg[..., start:end, :], spec, start, seqlen_q, seqlen_k, mask, bias, mask_shift, alibi)
         new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
         shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
         p = torch.exp(s - shift)
@@ -149,12 +161,13 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
 
 
 def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: BlockMask | None = None,
-             bias: torch.Tensor | None = None, bias_grad: bool = False):
+             bias: torch.Tensor | None = None, bias_grad: bool = False, alibi: torch.Tensor | None = None):
     """(dq, dk, dv, dbias); dbias (with ``bias_grad``) has the bias's 4-D shape, summed over its
-    broadcast dims in a fixed order. ``dlse``: a gradient on lse as well (or None)."""
+    broadcast dims in a fixed order. ``dlse``: a gradient on lse as well (or None). ``alibi``: as
+    for ``forward`` (constants: no gradient)."""
     if q.is_cpu and uses_fused_kernel(spec, mask, bias):
         return (*_fused_backward(dout, dlse, q, k, v, out, lse, spec), None)
-    return _math_backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
+    return _math_backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad, alibi)
 
 
 # ----------------------------------------------------------------------------- the keys a row sees
@@ -253,8 +266,8 @@ def fused_parts(seqlen_q: int, seqlen_k: int, window_left: int, window_right: in
 def uses_fused_kernel(spec: AttentionSpec, mask, bias) -> bool:
     """Whether a call on CPU tensors goes to torch's fused CPU kernel (the "torch" backend asked for on
     GPU tensors takes the math path): the kernel knows no softcap, bias or boolean mask (a bias would
-    need its gradient, a mask the kernel's answer for rows it empties)."""
-    return not spec.has_softcap and mask is None and bias is None and fused_kernel_available()
+    need its gradient, a mask the kernel's answer for rows it empties; ALiBi would be a bias)."""
+    return not spec.has_softcap and not spec.alibi and mask is None and bias is None and fused_kernel_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -477,7 +490,8 @@ class _Tiles:
     """The tiled math path's view of one call: float32 K/V, the user's mask and bias grouped by K/V
     head, and for each query tile the key tiles its rows can see."""
 
-    def __init__(self, q, k, v, spec: AttentionSpec, mask: BlockMask | None, bias: torch.Tensor | None):
+    def __init__(self, q, k, v, spec: AttentionSpec, mask: BlockMask | None, bias: torch.Tensor | None,
+                 alibi: torch.Tensor | None = None):
         self.spec = spec
         self.qh, kh, vh = (to_bhsd(t, spec.layout) for t in (q, k, v))
         self.batch, self.heads_q, self.seqlen_q, self.head_dim = self.qh.shape
@@ -488,6 +502,7 @@ class _Tiles:
         mask, self.mask_shift = _element_rows(mask, self.seqlen_q)
         self.mask = _grouped_mask(mask, self.heads_q, self.heads_kv)
         self.bias = _grouped_mask(bias, self.heads_q, self.heads_kv)
+        self.alibi = _grouped_alibi(alibi, self.heads_kv)
 
     def query_tiles(self):
         """(q0, q1, key tiles [(k0, k1, whole)]) over the rows that see a key; ``whole``: every row of
@@ -525,7 +540,7 @@ class _Tiles:
 
     def scores(self, q_scaled: torch.Tensor, q0: int, q1: int, k0: int, k1: int, whole: bool,
                keep_tanh: bool = False):
-        """(B, Hkv, G, rows, keys) scores of a tile after softcap, bias and masking (``q_scaled``: from
+        """(B, Hkv, G, rows, keys) scores of a tile after softcap, bias, ALiBi and masking (``q_scaled``: from
         ``scaled``), and with ``keep_tanh`` tanh for the softcap gradient (else None)."""
         spec = self.spec
         s = torch.matmul(q_scaled, self.k[:, :, k0:k1].transpose(-1, -2))
@@ -536,6 +551,8 @@ class _Tiles:
             tanh, s = (s, s * spec.softcap) if keep_tanh else (None, s.mul_(spec.softcap))
         if self.bias is not None:
             s.add_(_chunk(_rows_of(self.bias, q0, q1), k0, k1))
+        if self.alibi is not None:
+            s.sub_(self.alibi * alibi_distances(self.seqlen_q, self.seqlen_k, s.device, k0, k1, q0, q1))
         keep = None if whole else keep_mask(self.seqlen_q, self.seqlen_k, spec.window_left, spec.window_right,
                                             s.device, k0, k1, q0, q1)
         if self.mask is not None:
@@ -551,8 +568,8 @@ def _rows_of(t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
     return t if t.shape[-2] == 1 else t[..., q0:q1, :]
 
 
-def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias):
-    tiles = _Tiles(q, k, v, spec, mask, bias)
+def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias, alibi=None):
+    tiles = _Tiles(q, k, v, spec, mask, bias, alibi)
     b, hkv, g, seqlen_q, head_dim_v = tiles.batch, tiles.heads_kv, tiles.group, tiles.seqlen_q, tiles.v.shape[-1]
     out = tiles.k.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
     if sinks is None:
@@ -585,8 +602,8 @@ def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias):
     return _in_layout(out, spec.layout, q.dtype, head_dim_v), lse.view(b, hkv * g, seqlen_q)
 
 
-def _math_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask, bias, bias_grad: bool):
-    tiles = _Tiles(q, k, v, spec, mask, bias)
+def _math_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask, bias, bias_grad: bool, alibi=None):
+    tiles = _Tiles(q, k, v, spec, mask, bias, alibi)
     b, hkv, g, seqlen_q = tiles.batch, tiles.heads_kv, tiles.group, tiles.seqlen_q
     doh, oh = to_bhsd(dout, spec.layout), to_bhsd(out, spec.layout)
     dq = torch.zeros((b, tiles.heads_q, seqlen_q, tiles.head_dim), dtype=torch.float32, device=q.device)

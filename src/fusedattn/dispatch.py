@@ -117,12 +117,14 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
 
 
 def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> Support:
-    """Whether the Gluon kernels take the problem: no sinks; a bias only in a kernel that reads one
+    """Whether the Gluon kernels take the problem: no ALiBi, no sinks; a bias only in a kernel that reads one
     (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
     (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
     q, k, v addressable by TMA (16-byte aligned)."""
     if not q.is_cuda:
         return refused("not a CUDA tensor")
+    if spec.alibi:
+        return refused("alibi_slopes: the Gluon kernels have no ALiBi term")
     if sinks is not None:
         return refused("sinks: the Gluon kernels have no sink term")
     if bias is not None:
@@ -230,10 +232,11 @@ def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None,
 
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
-                      mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None):
+                      mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None,
+                      alibi: torch.Tensor | None = None):
     """(out in the user layout, lse (B, Hq, Sq) float32; packed sequences: (Hq, total_q)) by the
-    kernels ``plan_forward`` picks. ``sinks``, ``mask``, ``bias``, ``packing``: as
-    ``kernels.triton.fwd.forward`` takes them."""
+    kernels ``plan_forward`` picks. ``sinks``, ``mask``, ``bias``, ``packing``, ``alibi``: as
+    ``kernels.triton.fwd.forward`` takes them (``alibi`` with ``spec.alibi``)."""
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, spec.layout)
     heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, spec.layout)[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -250,7 +253,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     plan = plan_forward(q, k, v, spec, config, sinks, mask, bias, packing)
     if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing):
         return out, lse
-    triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing)
+    triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing, alibi)
     return out, lse
 
 
@@ -487,7 +490,8 @@ def dkdv_block_major(spec: AttentionSpec, group_size: int) -> bool:
 
 def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
                        mask: BlockMask | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
-                       packing: Packing | None = None, sinks: torch.Tensor | None = None):
+                       packing: Packing | None = None, sinks: torch.Tensor | None = None,
+                       alibi: torch.Tensor | None = None):
     """Returns (dq, dk, dv, dbias, dsinks), dq/dk/dv each in the layout and dtype of its input, by
     the kernels ``plan_backward`` picks. ``mask``, ``bias``, ``packing``: as for
     ``attention_forward``. ``dbias`` (with ``bias_grad``, else None) has the bias's 4-D shape and
@@ -533,7 +537,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
             return dq, dk, dv, dbias, dsinks
     dkdv_cfg = triton_dkdv_fallback(plan.dkdv) if plan.dkdv.family == "gluon" else plan.dkdv
     dq, dbias = triton_bwd.run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec, configs, plan,
-                                      dkdv_cfg, gluon_dkdv, mask, bias, dbias_mode, packing)
+                                      dkdv_cfg, gluon_dkdv, mask, bias, dbias_mode, packing, alibi)
     return dq, dk, dv, dbias, dsinks
 
 
@@ -586,31 +590,32 @@ def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec
 # ----------------------------------------------------------------------------- one call, either backend
 
 
-def forward(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, bias, backend: str):
-    """(out, lse) of one call on ``backend`` (``resolve_backend``)."""
+def forward(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, bias, backend: str, alibi=None):
+    """(out, lse) of one call on ``backend`` (``resolve_backend``). ``alibi``: the ALiBi slopes as a
+    contiguous float32 (B, Hq) tensor (``checks.check_alibi``), with ``spec.alibi``."""
     if backend == "torch":
-        return cpu.forward(q, k, v, spec, sinks, mask, bias)
+        return cpu.forward(q, k, v, spec, sinks, mask, bias, alibi=alibi)
     configs = configs_for(q, v, spec, bhsd_shape(k, spec.layout)[2])
-    return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias)
+    return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias, alibi=alibi)
 
 
 def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, sinks, sinks_grad: bool, mask, bias,
-             bias_grad: bool, backend: str):
+             bias_grad: bool, backend: str, alibi=None):
     """(dq, dk, dv, dbias, dsinks) of one call on ``backend``; dbias None unless ``bias_grad``,
-    dsinks (float32) None unless ``sinks_grad``."""
+    dsinks (float32) None unless ``sinks_grad``. ``alibi``: as for ``forward`` (no gradient)."""
     # A bias constant along the keys gets its gradient from row statistics (``row_bias_gradient``), on
     # every backend alike: summed from the softmax gradient it would be mostly rounding noise.
     row_bias_grad = bias_grad and bias.shape[3] == 1
     bias_grad = bias_grad and not row_bias_grad
     all_sinks, sinks = sinks, sinks if sinks_grad else None
     if backend == "torch":
-        dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad)
+        dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad, alibi=alibi)
         dq, dk, dv = (_in_strides_of(x, grad) for x, grad in ((q, dq), (k, dk), (v, dv)))
         dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, spec.layout)
     else:
         configs = configs_for(q, v, spec, bhsd_shape(k, spec.layout)[2])
         dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
-                                                       bias_grad, sinks=sinks)
+                                                       bias_grad, sinks=sinks, alibi=alibi)
     if row_bias_grad:
         dbias = row_bias_gradient(bias, out, dout, lse, dlse, all_sinks, spec.layout)
     return dq, dk, dv, dbias, dsinks
@@ -688,7 +693,7 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
         fused = q.is_cpu and cpu.uses_fused_kernel(spec, mask, bias)
         kernel = "torch's fused CPU attention kernel, by parts of the key range" if fused else \
             "PyTorch ops over chunks of keys (cpu.py), O(Sq x chunk) memory"
-        why = "" if fused else "softcap, a bias or a mask: torch's fused CPU kernel takes none of them" \
+        why = "" if fused else "softcap, a bias, a mask or ALiBi: torch's fused CPU kernel takes none of them" \
             if q.is_cpu else "the PyTorch backend on a CUDA tensor (use_backend or FUSEDATTN_BACKEND)"
         steps = (Step("forward", kernel, why),)
         return Explanation(backend, steps, (Step("all gradients", kernel.replace("attention kernel", "backward"),

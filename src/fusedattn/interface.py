@@ -18,7 +18,7 @@ from torch.autograd import forward_ad
 
 from . import cpu, dispatch
 from .block_mask import BlockMask
-from .checks import check_bias, check_mask, check_options, check_qkv, check_sinks
+from .checks import check_alibi, check_bias, check_mask, check_options, check_qkv, check_sinks
 from .dispatch import use_backend  # noqa: F401  (public: fusedattn.use_backend)
 from .spec import AttentionSpec, bhsd_shape, gradient_like, resolve_spec
 
@@ -65,29 +65,30 @@ def _block_mask(mask, mask_states, mask_grid, q, k, layout: str) -> BlockMask | 
 _spec = functools.lru_cache(maxsize=256)(AttentionSpec)
 
 
-def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
+def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right, scale,
                   softcap, deterministic, backend):
-    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic)
+    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None)
     mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     if bias is not None:
         bias = bias.detach()
-    return dispatch.forward(q, k, v, spec, sinks, mask, bias, backend)
+    return dispatch.forward(q, k, v, spec, sinks, mask, bias, backend, alibi=alibi)
 
 
 @torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mask: Optional[torch.Tensor],
-    mask_states: Optional[torch.Tensor], mask_grid: list[int], bias: Optional[torch.Tensor], layout: str,
-    window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool, backend: str,
+    mask_states: Optional[torch.Tensor], mask_grid: list[int], bias: Optional[torch.Tensor],
+    alibi: Optional[torch.Tensor], layout: str, window_left: int, window_right: int, scale: float, softcap: float,
+    deterministic: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
-                         softcap, deterministic, backend)
+    return _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right,
+                         scale, softcap, deterministic, backend)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, window_left, window_right, scale,
+def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right, scale,
                   softcap, deterministic, backend):
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
     head_dim_v = v.shape[-1]
@@ -96,14 +97,15 @@ def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, layout, wi
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
-                   layout, window_left, window_right, scale, softcap, deterministic, backend):
+                   alibi, layout, window_left, window_right, scale, softcap, deterministic, backend):
     """(dq, dk, dv, dbias, dsinks); dbias None unless ``bias_grad``, dsinks (float32) None unless
     ``sinks_grad`` (the custom op returns empty tensors in their place: ``_backward_op``)."""
-    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic)
+    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None)
     mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if bias is not None:
         bias = bias.detach()
-    return dispatch.backward(dout, dlse, q, k, v, out, lse, spec, sinks, sinks_grad, mask, bias, bias_grad, backend)
+    return dispatch.backward(dout, dlse, q, k, v, out, lse, spec, sinks, sinks_grad, mask, bias, bias_grad, backend,
+                             alibi=alibi)
 
 
 @torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
@@ -112,19 +114,19 @@ def _backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     sinks: Optional[torch.Tensor], sinks_grad: bool,
     mask: Optional[torch.Tensor], mask_states: Optional[torch.Tensor], mask_grid: list[int],
-    bias: Optional[torch.Tensor], bias_grad: bool, layout: str, window_left: int, window_right: int, scale: float,
-    softcap: float, deterministic: bool, backend: str,
+    bias: Optional[torch.Tensor], bias_grad: bool, alibi: Optional[torch.Tensor], layout: str, window_left: int,
+    window_right: int, scale: float, softcap: float, deterministic: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dbias, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states,
-                                               mask_grid, bias, bias_grad, layout, window_left, window_right, scale,
-                                               softcap, deterministic, backend)
+                                               mask_grid, bias, bias_grad, alibi, layout, window_left, window_right,
+                                               scale, softcap, deterministic, backend)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), \
         dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
-                   *options):
+                   alibi, *options):
     # dq, dk, dv in their inputs' strides where those are dense, else contiguous (``empty_like``),
     # as both backends return them
     return gradient_like(q), gradient_like(k), gradient_like(v), \
@@ -133,9 +135,9 @@ def _backward_fake(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, mask, mask_states, mask_grid, bias, *options = inputs
+    q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks, mask, mask_states, bias)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, mask, mask_states, bias, alibi)
     ctx.mask_grid = mask_grid
     ctx.options = options
     ctx.set_materialize_grads(False)
@@ -151,7 +153,7 @@ _EAGER_INPUTS = ("q", "k", "v", "sinks", "bias")
 def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bool):
     """(dq, dk, dv, dsinks, dbias) -- ``_EAGER_INPUTS`` order -- of a call saved by ``_setup_context``;
     dsinks / dbias None unless asked."""
-    q, k, v, out, lse, sinks, mask, mask_states, bias = ctx.saved_tensors
+    q, k, v, out, lse, sinks, mask, mask_states, bias, alibi = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dout = _unit_stride_head_dim(dout)  # e.g. the expanded ones of out.sum() have stride 0
@@ -160,14 +162,15 @@ def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bo
     bias_grad = bias is not None and bias_grad
     sinks_grad = sinks is not None and sinks_grad
     dq, dk, dv, dbias, dsinks = backward_fn(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states,
-                                            ctx.mask_grid, bias, bias_grad, *ctx.options)
+                                            ctx.mask_grid, bias, bias_grad, alibi, *ctx.options)
     return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, dbias if bias_grad else None
 
 
 def _backward(ctx, dout, dlse):
     needs = dict(zip(_OP_INPUTS, ctx.needs_input_grad))
     grads = dict(zip(_EAGER_INPUTS, _backward_with(_backward_op, ctx, dout, dlse, needs["sinks"], needs["bias"])))
-    return tuple(grads.get(name) for name in _OP_INPUTS)  # None for the mask, its tiles and the options
+    # None for the mask, its tiles, the ALiBi slopes (constants: no gradient) and the options
+    return tuple(grads.get(name) for name in _OP_INPUTS)
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -184,9 +187,9 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, bias, rest):
-        mask, mask_states, mask_grid, *options = rest
-        out, lse = _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, *options)
-        _setup_context(ctx, (q, k, v, sinks, mask, mask_states, mask_grid, bias, *options), (out, lse))
+        mask, mask_states, mask_grid, alibi, *options = rest
+        out, lse = _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, *options)
+        _setup_context(ctx, (q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, *options), (out, lse))
         return out, lse
 
     @staticmethod
@@ -206,12 +209,12 @@ def _differentiable_backward(ctx, dout, dlse, needs: tuple) -> tuple:
     hand blocks to fused CPU kernels), so the forward is recomputed through ``cpu.chunked_forward``,
     whose plain torch ops autograd differentiates to any order -- on every device, so CPU and GPU
     agree. Costs what autograd through plain attention costs: every chunk's probabilities are kept."""
-    q, k, v, _, _, sinks, mask, mask_states, bias = ctx.saved_tensors
+    q, k, v, _, _, sinks, mask, mask_states, bias, alibi = ctx.saved_tensors
     layout = ctx.options[0]
-    spec = _spec(*ctx.options[:6])
+    spec = _spec(*ctx.options[:6], alibi is not None)
     block_mask = _block_mask(mask, mask_states, ctx.mask_grid, q, k, layout)
     with torch.enable_grad():
-        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, block_mask, bias)
+        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, block_mask, bias, alibi=alibi)
     return differentiable_grads((out, lse), (dout, dlse), (q, k, v, sinks, bias), needs)
 
 
@@ -230,19 +233,22 @@ def differentiable_grads(outputs: tuple, cotangents: tuple, inputs: tuple, needs
 # ----------------------------------------------------------------------------- public API
 
 
-def _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks, deterministic, return_lse):
+def _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks, deterministic, return_lse,
+                  alibi_slopes=None):
     """``attention``'s arguments checked and resolved (``explain`` takes the same): (q, k, v with a
-    unit-stride head dim, the mask as a BlockMask, the bias, the frozen AttentionSpec)."""
+    unit-stride head dim, the mask as a BlockMask, the bias, the frozen AttentionSpec, the ALiBi
+    slopes as a contiguous float32 (B, Hq) tensor or None)."""
     check_options(layout=layout, causal=causal, window=window, scale=scale, softcap=softcap,
                   deterministic=deterministic, return_lse=return_lse)
     shapes = check_qkv(q, k, v, layout)
     check_sinks(sinks, q, shapes.heads_q)
     mask = check_mask(mask, shapes, q)
     bias = check_bias(bias, shapes, q)
+    alibi = check_alibi(alibi_slopes, q, shapes)
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
-                        softcap=softcap, deterministic=deterministic)
-    return q, k, v, mask, bias, spec
+                        softcap=softcap, deterministic=deterministic, alibi=alibi is not None)
+    return q, k, v, mask, bias, spec, alibi
 
 
 def attention(
@@ -258,6 +264,7 @@ def attention(
     bias: torch.Tensor | None = None,
     mask: torch.Tensor | BlockMask | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
 ):
@@ -269,17 +276,19 @@ def attention(
     natural log, -inf for rows that attend to nothing. ``lse`` is differentiable.
     ``mask``: a bool tensor broadcastable to (B, Hq, Sq, Sk), True = attend, or a
     ``fusedattn.BlockMask`` built once for many calls; tiles the mask empties are skipped.
+    ``alibi_slopes``: float32 (Hq,) or (B, Hq); adds ``-slope * |i + Sk - Sq - j|`` to the scores
+    (FlashAttention 2's ALiBi), computed in the kernels; constants, no gradient.
     """
-    q, k, v, mask, bias, spec = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks,
-                                              deterministic, return_lse)
+    q, k, v, mask, bias, spec, alibi = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask,
+                                                     sinks, deterministic, return_lse, alibi_slopes)
     mask_args, options = _mask_args(mask), (*spec.op_args(), dispatch.resolve_backend(q.device))
-    args = (q, k, v, sinks, *mask_args, bias, *options)
+    args = (q, k, v, sinks, *mask_args, bias, alibi, *options)
     if torch.compiler.is_compiling():
         out, lse = _forward_op(*args)
     elif beyond_first_order(q, k, v, sinks, bias):
-        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, mask, bias)
+        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, mask, bias, alibi=alibi)
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias)):
-        out, lse = _EagerAttention.apply(q, k, v, sinks, bias, (*mask_args, *options))
+        out, lse = _EagerAttention.apply(q, k, v, sinks, bias, (*mask_args, alibi, *options))
     else:  # nothing to differentiate: no autograd node (its host time is a fifth of an inference call's)
         out, lse = _forward_impl(*args)
     return (out, lse) if return_lse else out
@@ -298,6 +307,7 @@ def explain(
     bias: torch.Tensor | None = None,
     mask: torch.Tensor | BlockMask | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     show: bool = True,
 ):
@@ -306,8 +316,8 @@ def explain(
     every faster path not taken, why. Runs nothing and checks the arguments as ``attention`` does.
     The backward's bias and sinks gradients are planned where those tensors require a gradient.
     ``show=False`` only returns it (``str()`` of the result is the printed text)."""
-    q, k, v, mask, bias, spec = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks,
-                                              deterministic, False)
+    q, k, v, mask, bias, spec, _ = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks,
+                                                 deterministic, False, alibi_slopes)
     plans = dispatch.explain_plans(q, k, v, spec, None if sinks is None else sinks.detach().float(), mask,
                                    None if bias is None else bias.detach(), dispatch.resolve_backend(q.device),
                                    bias_grad=bias is not None and bias.requires_grad,

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .spec import fold_window, from_bhsd, keep_mask, to_bhsd
+from .spec import alibi_distances, fold_window, from_bhsd, keep_mask, to_bhsd
 
 
 def reference_attention(
@@ -28,6 +28,7 @@ def reference_attention(
     bias: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
     qh, kh, vh = to_bhsd(q, layout), to_bhsd(k, layout), to_bhsd(v, layout)
@@ -43,6 +44,9 @@ def reference_attention(
         s = softcap * torch.tanh(s / softcap)
     if bias is not None:
         s = s + _expand_heads(bias, heads_q).to(s.dtype)
+    if alibi_slopes is not None:  # (Hq,) or (B, Hq): -slope * |i + Sk - Sq - j|, after softcap (FlashAttention 2's order)
+        slopes = alibi_slopes.to(s.dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, heads_q, 1, 1)
+        s = s - slopes * alibi_distances(seqlen_q, seqlen_k, device=q.device).to(s.dtype)
     left, right = fold_window(causal, window)
     keep = keep_mask(seqlen_q, seqlen_k, left, right, device=q.device)
     if mask is not None:

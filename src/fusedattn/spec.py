@@ -23,7 +23,8 @@ class AttentionSpec:
 
     ``window_left`` / ``window_right`` bound the keys a query may see around the
     bottom-right aligned diagonal; ``UNBOUNDED`` (-1) means no bound.
-    ``softcap`` is 0.0 when off.
+    ``softcap`` is 0.0 when off. ``alibi``: the call has ALiBi slopes (the tensor travels beside
+    the spec, as the sinks do); part of the spec so that every plan and launch cache keys on it.
     """
 
     layout: str
@@ -32,6 +33,7 @@ class AttentionSpec:
     scale: float
     softcap: float
     deterministic: bool
+    alibi: bool = False
 
     def op_args(self) -> tuple:
         """The spec as plain values, the way the custom ops carry it."""
@@ -93,6 +95,7 @@ def resolve_spec(
     scale: float | None,
     softcap: float | None,
     deterministic: bool,
+    alibi: bool = False,
 ) -> AttentionSpec:
     left, right = fold_window(causal, window)
     return AttentionSpec(
@@ -102,6 +105,7 @@ def resolve_spec(
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(head_dim),
         softcap=float(softcap) if softcap is not None else 0.0,
         deterministic=bool(deterministic),
+        alibi=bool(alibi),
     )
 
 
@@ -133,6 +137,18 @@ def keep_mask(
     if window_left != UNBOUNDED:
         keep &= offset_from_diagonal >= -window_left
     return keep
+
+
+def alibi_distances(seqlen_q: int, seqlen_k: int, device=None, key_start: int = 0, key_end: int | None = None,
+                    query_start: int = 0, query_end: int | None = None) -> torch.Tensor:
+    """(query_end - query_start, key_end - key_start) int64 ``|i + Sk - Sq - j|``: the distance of key j
+    from query i's bottom-right aligned diagonal, which ALiBi multiplies by ``-slope`` (the kernels'
+    ``masking.alibi_scores`` computes the same per tile)."""
+    key_end = seqlen_k if key_end is None else key_end
+    query_end = seqlen_q if query_end is None else query_end
+    rows = torch.arange(query_start, query_end, device=device)[:, None]
+    cols = torch.arange(key_start, key_end, device=device)[None, :]
+    return (rows + (seqlen_k - seqlen_q) - cols).abs()
 
 
 def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:

@@ -126,7 +126,7 @@ def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str
         for (q0, q1), (k0, k1) in _sequences(packing):
             if q1 > q0:
                 out_s, lse_s = _forward_impl(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sinks, None, None,
-                                             [0, 0, 0, 0], None, *spec.op_args(), "torch")
+                                             [0, 0, 0, 0], None, None, *spec.op_args(), "torch")
                 out[q0:q1], lse[:, q0:q1] = out_s[0], lse_s[0]
         return out, lse
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
@@ -155,7 +155,7 @@ def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: P
                 parts = _backward_impl(dout[None, q0:q1], None if dlse is None else dlse[None, :, q0:q1],
                                        q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                                        lse[None, :, q0:q1], sinks, sinks_grad, None, None, [0, 0, 0, 0], None, False,
-                                       *spec.op_args(), "torch")
+                                       None, *spec.op_args(), "torch")
                 dq[q0:q1], dk[k0:k1], dv[k0:k1] = parts[0][0], parts[1][0], parts[2][0]
                 if sinks_grad:
                     dsinks += parts[4]

@@ -47,7 +47,7 @@ from .fwd import (bhs_strides, broadcast_args, dot_precision, mask_args, mask_de
                   row_list_args, sequence_args, softcap_mode)
 from ..shared.constants import score_constants
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
-from .masking import adjust_scores, broadcast_tile_offsets, slice_indices
+from .masking import adjust_scores, alibi_slope, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
 from .softmax import log2_scores, lse_for_backward
@@ -62,14 +62,15 @@ def _probabilities(
     MASK_SHIFT_K: tl.constexpr, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
+    TRANSPOSED: tl.constexpr, alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
     scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
     scores = adjust_scores(scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
                            mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
                            MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT,
-                           HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, TRANSPOSED)
+                           HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, TRANSPOSED,
+                           alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -193,6 +194,7 @@ def _dkdv_tiles(
     DBIAS_SUM_K: tl.constexpr, IS_MASKED: tl.constexpr, FROM_LIST: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
+    Alibi=0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
     loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV.
@@ -232,11 +234,16 @@ def _dkdv_tiles(
         bias_base = head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh)
         mask_batch, mask_head = slice_indices(batch, head, stride_mb, stride_mh, mask_head_div)
         bias_batch, bias_head = slice_indices(batch, head, stride_bb, stride_bh, bias_head_div)
+        if HAS_ALIBI:  # each step's query head has its own slope
+            slope = alibi_slope(Alibi, batch, head, heads_q)
+        else:
+            slope = 0.0
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
                                      window_right, qk_scale, softcap_log2, mask_desc, mask_base, mask_batch,
                                      mask_head, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
                                      bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                     HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, True)
+                                     HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, True,
+                                     alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dlogit_t, ds_t = _score_grads(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True)
@@ -283,6 +290,7 @@ def _dkdv_program(
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr, MASK_TMA: tl.constexpr,
+    Alibi=0, HAS_ALIBI: tl.constexpr = False,
 ):
     """dK, dV of one key block of one KV head, summed over the query heads of its group. ``batch``:
     the batch (or packed sequence) index; ``q_index``, ``k_index``: what addresses its rows of the
@@ -322,12 +330,12 @@ def _dkdv_program(
             BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
             DBIAS_SUM_Q, DBIAS_SUM_K, HAS_BIAS,  # a -inf bias can empty a row on any tile
             True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, full_tiles, full_tiles + partial_tiles, 0, 0, *scores_args, tile_list + 2,
             query_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
             HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
-            MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
     else:
         begin, interior_begin, interior_end, end = query_blocks_for_key_block(
             n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -337,13 +345,13 @@ def _dkdv_program(
             BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard it too
             False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
         # both boundary stretches in one masked walk
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, begin, end, interior_begin, interior_end, *scores_args, TileLists, 0, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
             DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
 
     store_tile(tile_ptrs(head_base(DK, k_index, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile,
                          offs_d), dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -362,6 +370,7 @@ def _dq_tiles(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
+    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
     positions of ``tile_list`` (tile_lists.py), as the forward walks them."""
@@ -382,7 +391,8 @@ def _dq_tiles(
                                      window_right, qk_scale, softcap_log2, mask_desc, mask_base, mask_batch,
                                      mask_head, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
                                      bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                     HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False)
+                                     HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False,
+                                     alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         _, ds = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -407,7 +417,7 @@ def _dq_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
-    MASK_TMA: tl.constexpr,
+    MASK_TMA: tl.constexpr, Alibi=0, HAS_ALIBI: tl.constexpr = False,
 ):
     """dQ of one query block of one query head, in registers: a fixed summation order. ``q_index``,
     ``k_index``: as for ``_dkdv_program``."""
@@ -417,6 +427,10 @@ def _dq_program(
     bias_batch, bias_head = slice_indices(batch, head, stride_bb, stride_bh, bias_head_div)
     batch_head = batch * heads_q + head
     head_kv = head // group_size
+    if HAS_ALIBI:
+        slope = alibi_slope(Alibi, batch, head, heads_q)
+    else:
+        slope = 0.0
     start_m = m_block * BLOCK_M
     offs_tile = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tile
@@ -445,11 +459,11 @@ def _dq_program(
                        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                        HAS_BIAS,  # a -inf bias can empty a row on any tile
                        True, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
         dq = _dq_tiles(dq, *operands, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args, HEAD_DIM,
                        HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
                        BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
     else:
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
             m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -457,16 +471,16 @@ def _dq_program(
                        BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                        HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
                        False, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
         if HAS_LEFT:
             dq = _dq_tiles(dq, *operands, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                            BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                            True, False, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
         dq = _dq_tiles(dq, *operands, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                        DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
     store_tile(tile_ptrs(head_base(DQ, q_index, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 
@@ -477,8 +491,8 @@ def _dq_program(
 # a new set of lengths must not compile a new kernel.
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks", "dkdv_programs"])
 def _backward_kernel(
-    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, RowLists, CuSeqlensQ, CuSeqlensK, q_desc,
-    do_desc, k_desc, v_desc, dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc, mask_dkdv_desc, mask_dq_desc,
+    Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, RowLists, CuSeqlensQ, CuSeqlensK, Alibi,
+    q_desc, do_desc, k_desc, v_desc, dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc, mask_dkdv_desc, mask_dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -498,7 +512,7 @@ def _backward_kernel(
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
-    MASK_TMA: tl.constexpr, VARLEN: tl.constexpr,
+    MASK_TMA: tl.constexpr, VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """The backward after the pre-pass. Programs ``[0, dkdv_programs)`` compute dK/dV (the heavier
     work, so it starts first), the rest compute dQ. Launched once with both kinds (they fill each
@@ -538,7 +552,7 @@ def _backward_kernel(
                     qk_scale, softcap_log2, scale,
                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                     HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
-                    INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS, MASK_TMA)
+                    INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS, MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -560,12 +574,13 @@ def _backward_kernel(
                     seq_q, seq_k, heads_q, group_size, window_left, window_right, stride_stats,
                     qk_scale, softcap_log2, scale,
                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                    HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS, MASK_TMA)
+                    HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS, MASK_TMA, Alibi=Alibi,
+                    HAS_ALIBI=HAS_ALIBI)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _bias_grad_kernel(
-    Q, K, V, DOut, Lse2, Delta, Mask, Bias, DBias,
+    Q, K, V, DOut, Lse2, Delta, Mask, Bias, DBias, Alibi,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -579,6 +594,7 @@ def _bias_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr, DBIAS_SUM_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
 ):
     """The bias gradient of a broadcast bias, bitwise reproducible (``deterministic=True``): one
     program per output tile -- (bias batch, bias head, query block, key block), a broadcast query
@@ -635,12 +651,17 @@ def _bias_grad_kernel(
             lse2 = tl.load(Lse2 + stats_offset + offs_m, mask=offs_m < stride_stats, other=float("inf"))
             delta = tl.load(Delta + stats_offset + offs_m, mask=offs_m < stride_stats, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if HAS_ALIBI:
+                slope = alibi_slope(Alibi, batch, head, heads_q)
+            else:
+                slope = 0.0
             p, tanh_arg = _probabilities(
                 qk, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left, window_right, qk_scale,
                 softcap_log2, Mask, head_base(Mask, batch, head // mask_head_div, stride_mb, stride_mh), 0, 0,
                 stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, Bias,
                 head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), 0, 0, stride_bq, stride_bk,
-                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, False, False, True, False)
+                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, False, False, True, False,
+                alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             dlogit, _ = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
             acc += dlogit
@@ -703,7 +724,7 @@ def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), HAS_ALIBI=spec.alibi,
     )
 
 
@@ -782,7 +803,7 @@ def bias_grad_sums(bias: torch.Tensor | None) -> dict:
 
 
 def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec: AttentionSpec,
-                    cfg: KernelConfig, flags: dict):
+                    cfg: KernelConfig, flags: dict, alibi: torch.Tensor | None = None):
     """Launch ``_bias_grad_kernel``: one program per output tile of the (broadcast) bias gradient."""
     layout = spec.layout
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
@@ -796,7 +817,7 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbia
                                                               cfg.block_n)
     state_args = broadcast_args(states, heads_q, heads_kv, lse2)
     _bias_grad_kernel[(bias_batches * bias_heads * q_tiles * k_tiles,)](
-        q, k, v, dout, lse2, delta, user_mask[0], bias, dbias_args[0],
+        q, k, v, dout, lse2, delta, user_mask[0], bias, dbias_args[0], alibi if alibi is not None else lse2,
         *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
         *user_mask[1:], state_args[0], *state_args[1:4], state_args[5], *bias_args[1:], *dbias_args[1:5],
         seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right, lse2.shape[1],
@@ -828,11 +849,13 @@ def preprocess_launcher(out, dout, dlse, spec: AttentionSpec, head_dim: int, hea
 
 def run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec: AttentionSpec, configs: AttentionConfigs,
                plan, dkdv_cfg: KernelConfig, gluon_dkdv: bool, mask, bias, dbias_mode: int,
-               packing: Packing | None):
+               packing: Packing | None, alibi: torch.Tensor | None = None):
     """The Triton passes of a backward the planner sent here (``dispatch.plan_backward``): dK and dV
     (unless the Gluon pass computed them: ``gluon_dkdv``), dQ -- summed by atomics into the fp32
     ``dq_buffer`` by the dK/dV programs where ``plan.atomic_dq``, else by the dQ programs -- and the
-    bias gradient into ``dbias`` as ``dbias_mode`` says. Returns (dq, dbias) in their final dtypes."""
+    bias gradient into ``dbias`` as ``dbias_mode`` says. ``alibi`` (with ``spec.alibi``): the
+    contiguous float32 (B, Hq) ALiBi slopes. Returns (dq, dbias) in their final dtypes."""
+    assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
     layout = spec.layout
     _, heads_q, seqlen_q, head_dim = bhsd_shape(q, layout)
     heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, layout)[1:]
@@ -872,7 +895,7 @@ def run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec: Atten
         [mask_descriptor(mask, dkdv_cfg.block_m, dkdv_cfg.block_n),
          mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)], lse2)
     tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
-               column_lists[0], row_lists[0], *sequence_args(packing, lse2))
+               column_lists[0], row_lists[0], *sequence_args(packing, lse2), alibi if alibi is not None else lse2)
 
     def call_arguments(run_dkdv: bool, run_dq: bool) -> tuple:
         """The kernel's leading arguments, the call's tensors and descriptors (its others follow)."""
@@ -900,7 +923,7 @@ def run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec: Atten
         launcher(*call_arguments(run_dkdv, run_dq))
     if dbias_mode == DBIAS_PASS:
         _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec, dq_cfg,
-                        _kernel_flags(q, v, spec, mask, bias))
+                        _kernel_flags(q, v, spec, mask, bias), alibi)
     elif dbias_mode == DBIAS_ATOMIC:
         dbias = dbias.to(bias.dtype)
     if atomic_dq:

@@ -20,7 +20,7 @@ from ..shared.config import KernelConfig
 from ..shared.block_range import key_blocks_for_query_block
 from ..shared.constants import score_constants
 from ..shared.launch import cdiv, launch, next_power_of_2
-from .masking import ONE_ROW, adjust_scores, slice_indices
+from .masking import ONE_ROW, adjust_scores, alibi_slope, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
                      sequence_pair, store_tile, tile_ptrs)
 from .softmax import TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
@@ -38,9 +38,10 @@ def _forward_tiles(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
+    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
-    positions of ``tile_list`` (tile_lists.py)."""
+    positions of ``tile_list`` (tile_lists.py). ``HAS_ALIBI``: ALiBi with the program's slope."""
     offs_tile = tl.arange(0, BLOCK_N)
     for position in range(block_begin, block_end):
         if FROM_LIST:
@@ -56,7 +57,8 @@ def _forward_tiles(
         scores = adjust_scores(scores, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left, window_right,
                                mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
                                MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT,
-                               HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False)
+                               HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False,
+                               alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
@@ -69,7 +71,8 @@ def _forward_tiles(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so.
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lse_head"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, CuSeqlensQ, CuSeqlensK, k_desc, v_desc, bias_desc, mask_desc,
+    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, CuSeqlensQ, CuSeqlensK, Alibi, k_desc, v_desc, bias_desc,
+    mask_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -83,7 +86,7 @@ def _forward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -94,6 +97,10 @@ def _forward_kernel(
     batch = batch_head // heads_q
     head = batch_head % heads_q
     head_kv = head // group_size
+    if HAS_ALIBI:  # the (batch, head)'s ALiBi slope, in log2 units
+        slope = alibi_slope(Alibi, batch, head, heads_q)
+    else:
+        slope = 0.0
     # Packed sequences: the grid covers the longest; a shorter one's extra query blocks stop here.
     q_index, seqlen_q, k_index, seqlen_k = sequence_pair(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
     start_m = m_block * BLOCK_M
@@ -129,12 +136,12 @@ def _forward_kernel(
             BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
             HAS_BIAS,  # a -inf bias can empty a row on any tile
             True, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
             BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
     else:
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
             m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -143,18 +150,18 @@ def _forward_kernel(
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
             False, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
         if HAS_LEFT:
             acc, row_max, row_sum = _forward_tiles(
                 acc, row_max, row_sum, *common, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                 DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
             DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     o_base = head_base(Out, q_index, head, stride_ob, stride_oh)
@@ -258,14 +265,17 @@ def row_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, se
 
 
 def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
-            mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None) -> None:
+            mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None,
+            alibi: torch.Tensor | None = None) -> None:
     """``_forward_kernel`` into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32; packed
     sequences: (Hq, total_q)) with ``config``'s tiles (the planner's: ``dispatch.plan_forward``).
     ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator. ``mask``: the
     user's boolean mask with its tile states (block_mask.BlockMask): empty tiles are skipped, full
     ones run without the mask (tile_lists.py). ``bias``: the user's additive bias, 4-D and broadcast
     the same way, any float dtype. ``packing``: q, k, v are (1, total, H, D) "bshd" views of packed
-    sequences (spec.Packing; no mask or bias), read by pointers."""
+    sequences (spec.Packing; no mask or bias), read by pointers. ``alibi`` (with ``spec.alibi``): the
+    contiguous float32 (B, Hq) ALiBi slopes (B: sequences when packed)."""
+    assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
     batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, spec.layout)
     heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, spec.layout)[1:]
     if packing is not None:
@@ -282,7 +292,7 @@ def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks:
     launch(
         _forward_kernel, grid, (
             q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
-            tile_lists[0], *sequence_args(packing, lse), *(descs or (k, v)),
+            tile_lists[0], *sequence_args(packing, lse), alibi if alibi is not None else lse, *(descs or (k, v)),
             bias_desc if bias_desc is not None else lse, mask_desc if mask_desc is not None else lse,
             *bhs_strides(q, spec.layout, packing), *bhs_strides(k, spec.layout, packing),
             *bhs_strides(v, spec.layout, packing), *bhs_strides(out, spec.layout, packing), *user_mask[1:],
@@ -295,6 +305,6 @@ def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks:
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
         HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
-        DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None,
+        DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None, HAS_ALIBI=spec.alibi,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

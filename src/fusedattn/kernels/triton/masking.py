@@ -140,15 +140,36 @@ def load_mask_tile(desc, base, mask_batch, mask_head, start_q, start_k, offs_q, 
 
 
 @triton.jit
+def alibi_slope(Alibi, batch, head, heads_q):
+    """The ALiBi slope of (batch, head) in the kernels' log2 units, from the contiguous float32
+    (B, Hq) slopes (``checks.check_alibi``; packed sequences: B = sequences)."""
+    return tl.load(Alibi + batch.to(tl.int64) * heads_q + head) * LOG2E
+
+
+@triton.jit
+def alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, slope_log2, TRANSPOSED: tl.constexpr):
+    """``scores - slope * |i + Sk - Sq - j|`` (``slope_log2``: the slope times log2 e, the scores'
+    units); the torch statement is ``spec.alibi_distances``."""
+    diagonal = offs_q + (seqlen_k - seqlen_q)
+    if TRANSPOSED:
+        distance = tl.abs(offs_k[:, None] - diagonal[None, :])
+    else:
+        distance = tl.abs(offs_k[None, :] - diagonal[:, None])
+    return scores - slope_log2 * distance.to(tl.float32)
+
+
+@triton.jit
 def adjust_scores(
     scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
     mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q: tl.constexpr,
     MASK_SHIFT_K: tl.constexpr, bias_desc, bias_base, bias_batch, bias_head,
     stride_bq, stride_bk, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
+    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Everything attention does to a log2-domain score tile after scale and softcap: the user's
-    bias (times log2 e; -inf entries mask), the keep rule (boundary tiles only: ``IS_MASKED``)
+    bias (times log2 e; -inf entries mask), ALiBi (``HAS_ALIBI``: ``alibi_scores`` with the
+    program's slope, ``alibi_slope``), the keep rule (boundary tiles only: ``IS_MASKED``)
     and the user's boolean mask (True = attend). ``mask_base`` / ``bias_base`` point at this
     (batch, head) of their 4-D tensor; either may instead come through a descriptor read at its
     own (batch, head) indices (``load_bias_tile``, ``load_mask_tile``).
@@ -158,6 +179,8 @@ def adjust_scores(
     if HAS_BIAS:
         scores += load_bias_tile(bias_desc, bias_base, bias_batch, bias_head, start_q, start_k, offs_q, offs_k,
                                  seqlen_q, seqlen_k, stride_bq, stride_bk, BIAS_TMA, TRANSPOSED) * LOG2E
+    if HAS_ALIBI:
+        scores = alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, alibi_slope_log2, TRANSPOSED)
     if IS_MASKED:
         scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT, TRANSPOSED)
