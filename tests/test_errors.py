@@ -70,6 +70,16 @@ BAD_INPUTS = [
     ("sinks 2-D", lambda: (qkv(), {"sinks": torch.zeros(1, 2)}), ValueError, ["`sinks`", "(2,)", "(1, 2)"]),
     ("sinks int", lambda: (qkv(), {"sinks": torch.zeros(2, dtype=torch.int64)}), TypeError, ["`sinks`", "int64"]),
     ("sinks a list", lambda: (qkv(), {"sinks": [0.0, 0.0]}), TypeError, ["`sinks`", "list"]),
+    ("alibi float16", lambda: (qkv(), {"alibi_slopes": torch.ones(2, dtype=torch.float16)}), TypeError,
+     ["`alibi_slopes`", "float32", "float16"]),
+    ("alibi per kv head", lambda: (qkv(hq=4, hkv=2), {"alibi_slopes": torch.ones(2)}), ValueError,
+     ["`alibi_slopes`", "(4,)", "(1, 4)", "got (2,)"]),
+    ("alibi wrong batch", lambda: (qkv(), {"alibi_slopes": torch.ones(3, 2)}), ValueError,
+     ["`alibi_slopes`", "(3, 2)"]),
+    ("alibi 3-D", lambda: (qkv(), {"alibi_slopes": torch.ones(1, 2, 1)}), ValueError, ["`alibi_slopes`", "(1, 2, 1)"]),
+    ("alibi a list", lambda: (qkv(), {"alibi_slopes": [0.5, 0.5]}), TypeError, ["`alibi_slopes`", "list"]),
+    ("alibi on another device", lambda: (qkv(), {"alibi_slopes": torch.ones(2, device="meta")}), ValueError,
+     ["`alibi_slopes`", "meta", "cpu"]),
 ]
 
 

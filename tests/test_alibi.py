@@ -1,0 +1,131 @@
+"""ALiBi (``alibi_slopes``, SPEC 10) beyond the grid of cases.py: what the option means, against an
+explicit bias; the two slope shapes; no gradient for the slopes; torch.compile; the routing (the Gluon
+kernels and torch's fused CPU kernel decline it, and ``explain`` says so)."""
+
+import types
+
+import pytest
+import torch
+
+import fusedattn
+from attention_runner import forward_backward, make_inputs
+from cases import Case
+from fusedattn import dispatch
+from fusedattn.reference import reference_attention
+from fusedattn.spec import AttentionSpec, UNBOUNDED
+from numerics import assert_close_to_reference
+
+BACKENDS = ["torch", "triton"]
+
+
+def alibi_as_bias(slopes: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """FlashAttention 2's ALiBi written out: -slope[b, h] * |i + Sk - Sq - j|, a (B, H, Sq, Sk) bias."""
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    distance = (i + seqlen_k - seqlen_q - j).abs().float()
+    return -slopes.expand(batch, heads)[:, :, None, None] * distance
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k,options", [(19, 40, dict(causal=True)), (40, 19, dict(window=(7, 3))),
+                                                       (23, 23, dict(softcap=3.0))], ids=["causal", "window", "cap"])
+def test_alibi_is_the_bias_it_stands_for(backend, seqlen_q, seqlen_k, options):
+    """Slopes give what the written-out bias gives (bottom-right aligned, after softcap)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, seqlen_q, 4, 16)
+    k, v = torch.randn(2, seqlen_k, 2, 16), torch.randn(2, seqlen_k, 2, 16)
+    slopes = 0.05 + torch.rand(2, 4)
+    with fusedattn.use_backend(backend):
+        out, lse = fusedattn.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **options)
+        out_b, lse_b = fusedattn.attention(q, k, v, bias=alibi_as_bias(slopes, 2, 4, seqlen_q, seqlen_k),
+                                           return_lse=True, **options)
+    torch.testing.assert_close(out, out_b, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, lse_b, atol=2e-5, rtol=1e-5)
+    # and it changes the result: slopes of 0 are no ALiBi
+    with fusedattn.use_backend(backend):
+        plain = fusedattn.attention(q, k, v, **options)
+        zero = fusedattn.attention(q, k, v, alibi_slopes=torch.zeros(4), **options)
+    torch.testing.assert_close(zero, plain, atol=2e-6, rtol=1e-5)
+    assert (out - plain).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_head_slopes_are_per_batch_slopes_repeated(backend):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 17, 2, 16), torch.randn(3, 29, 2, 16), torch.randn(3, 29, 2, 16)
+    slopes = torch.tensor([0.25, 0.0625])
+    with fusedattn.use_backend(backend):
+        a = fusedattn.attention(q, k, v, causal=True, alibi_slopes=slopes)
+        b = fusedattn.attention(q, k, v, causal=True, alibi_slopes=slopes.expand(3, 2).clone())
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slopes_get_no_gradient(backend):
+    """The slopes are constants (as in FlashAttention): a slopes tensor that requires grad gets none, the
+    inputs' gradients are right, and slopes alone requiring grad build no graph."""
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 13, 2, 16, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.3, 0.1], requires_grad=True)
+    with fusedattn.use_backend(backend):
+        out = fusedattn.attention(q, k, v, causal=True, alibi_slopes=slopes)
+        out.sum().backward()
+        assert slopes.grad is None
+        assert not fusedattn.attention(q.detach(), k.detach(), v.detach(), alibi_slopes=slopes).requires_grad
+    ref = reference_attention(q, k, v, causal=True, alibi_slopes=slopes.detach())
+    grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    for got, want in zip((q.grad, k.grad, v.grad), grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_attention_with_alibi_matches_reference(backend):
+    case = Case(heads_q=4, heads_kv=2, seqlen_q=19, seqlen_k=26, head_dim=16, window=(5, 2), dtype=torch.float32,
+                bias="heads")
+    q, k, v, dout, dlse = make_inputs(case, "cpu")
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625]])
+    bias = torch.randn(1, 4, 19, 26)
+    torch._dynamo.reset()
+    with fusedattn.use_backend(backend):
+        compiled = torch.compile(
+            lambda a, b, c, bias_=None: fusedattn.attention(a, b, c, bias=bias_, alibi_slopes=slopes, return_lse=True,
+                                                             **case.options()), fullgraph=True)
+        got = forward_backward(compiled, q, k, v, dout, dlse, lse_grad=True, bias=bias)
+
+    def reference(a, b, c, bias_=None):
+        return reference_attention(a, b, c, bias=bias_, alibi_slopes=slopes, return_lse=True, **case.options())
+
+    lowp = forward_backward(reference, q, k, v, dout, dlse, lse_grad=True, bias=bias)
+    ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=True, bias=bias)
+    for name, a, b, c in zip(["out", "lse", "dq", "dk", "dv", "dbias"], got, lowp, ref64):
+        assert_close_to_reference(name, a, b, c)
+
+
+def test_double_backward_with_alibi_matches_reference():
+    """create_graph=True recomputes through cpu.chunked_forward, which takes the slopes too."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 11, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.4, 0.2])
+
+    def penalty(fn, **extra):
+        (dq,) = torch.autograd.grad(fn(q, k, v, causal=True, alibi_slopes=slopes, **extra).square().sum(), q,
+                                    create_graph=True)
+        return torch.autograd.grad(dq.square().sum(), (q, k, v))
+
+    with fusedattn.use_backend("torch"):
+        ours = penalty(lambda *a, **kw: fusedattn.attention(*(t.float() for t in a), **kw).double())
+    want = penalty(reference_attention)
+    for got, ref in zip(ours, want):
+        torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_gluon_kernels_and_torch_fused_kernel_decline_alibi():
+    spec = AttentionSpec("bshd", UNBOUNDED, 0, 0.25, 0.0, False, alibi=True)
+    support = dispatch.gluon_support(types.SimpleNamespace(is_cuda=True), None, None, spec)
+    assert not support and "alibi_slopes" in support.reason
+    q, k, v = torch.randn(1, 9, 2, 16), torch.randn(1, 9, 2, 16), torch.randn(1, 9, 2, 16)
+    with fusedattn.use_backend("torch"):
+        plan = fusedattn.explain(q, k, v, alibi_slopes=torch.ones(2), show=False)
+        plain = fusedattn.explain(q, k, v, show=False)
+    assert "ALiBi" in str(plan) and "chunks of keys" in str(plan)
+    assert "fused CPU attention kernel" in str(plain)
