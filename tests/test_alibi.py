@@ -15,13 +15,14 @@ from fusedattn.reference import reference_attention
 from fusedattn.spec import AttentionSpec, UNBOUNDED
 from numerics import assert_close_to_reference
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels: the GPU, else the interpreter
 BACKENDS = ["torch", "triton"]
 
 
 def alibi_as_bias(slopes: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
     """FlashAttention 2's ALiBi written out: -slope[b, h] * |i + Sk - Sq - j|, a (B, H, Sq, Sk) bias."""
-    i = torch.arange(seqlen_q)[:, None]
-    j = torch.arange(seqlen_k)[None, :]
+    i = torch.arange(seqlen_q, device=slopes.device)[:, None]
+    j = torch.arange(seqlen_k, device=slopes.device)[None, :]
     distance = (i + seqlen_k - seqlen_q - j).abs().float()
     return -slopes.expand(batch, heads)[:, :, None, None] * distance
 
@@ -32,9 +33,9 @@ def alibi_as_bias(slopes: torch.Tensor, batch: int, heads: int, seqlen_q: int, s
 def test_alibi_is_the_bias_it_stands_for(backend, seqlen_q, seqlen_k, options):
     """Slopes give what the written-out bias gives (bottom-right aligned, after softcap)."""
     torch.manual_seed(0)
-    q = torch.randn(2, seqlen_q, 4, 16)
-    k, v = torch.randn(2, seqlen_k, 2, 16), torch.randn(2, seqlen_k, 2, 16)
-    slopes = 0.05 + torch.rand(2, 4)
+    q = torch.randn(2, seqlen_q, 4, 16, device=DEVICE)
+    k, v = torch.randn(2, seqlen_k, 2, 16, device=DEVICE), torch.randn(2, seqlen_k, 2, 16, device=DEVICE)
+    slopes = 0.05 + torch.rand(2, 4, device=DEVICE)
     with fusedattn.use_backend(backend):
         out, lse = fusedattn.attention(q, k, v, alibi_slopes=slopes, return_lse=True, **options)
         out_b, lse_b = fusedattn.attention(q, k, v, bias=alibi_as_bias(slopes, 2, 4, seqlen_q, seqlen_k),
@@ -44,7 +45,7 @@ def test_alibi_is_the_bias_it_stands_for(backend, seqlen_q, seqlen_k, options):
     # and it changes the result: slopes of 0 are no ALiBi
     with fusedattn.use_backend(backend):
         plain = fusedattn.attention(q, k, v, **options)
-        zero = fusedattn.attention(q, k, v, alibi_slopes=torch.zeros(4), **options)
+        zero = fusedattn.attention(q, k, v, alibi_slopes=torch.zeros(4, device=DEVICE), **options)
     torch.testing.assert_close(zero, plain, atol=2e-6, rtol=1e-5)
     assert (out - plain).abs().max() > 1e-2
 
@@ -52,8 +53,8 @@ def test_alibi_is_the_bias_it_stands_for(backend, seqlen_q, seqlen_k, options):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_per_head_slopes_are_per_batch_slopes_repeated(backend):
     torch.manual_seed(1)
-    q, k, v = torch.randn(3, 17, 2, 16), torch.randn(3, 29, 2, 16), torch.randn(3, 29, 2, 16)
-    slopes = torch.tensor([0.25, 0.0625])
+    q, k, v = (torch.randn(3, s, 2, 16, device=DEVICE) for s in (17, 29, 29))
+    slopes = torch.tensor([0.25, 0.0625], device=DEVICE)
     with fusedattn.use_backend(backend):
         a = fusedattn.attention(q, k, v, causal=True, alibi_slopes=slopes)
         b = fusedattn.attention(q, k, v, causal=True, alibi_slopes=slopes.expand(3, 2).clone())
@@ -65,8 +66,8 @@ def test_slopes_get_no_gradient(backend):
     """The slopes are constants (as in FlashAttention): a slopes tensor that requires grad gets none, the
     inputs' gradients are right, and slopes alone requiring grad build no graph."""
     torch.manual_seed(2)
-    q, k, v = (torch.randn(1, 13, 2, 16, requires_grad=True) for _ in range(3))
-    slopes = torch.tensor([0.3, 0.1], requires_grad=True)
+    q, k, v = (torch.randn(1, 13, 2, 16, device=DEVICE, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.3, 0.1], device=DEVICE, requires_grad=True)
     with fusedattn.use_backend(backend):
         out = fusedattn.attention(q, k, v, causal=True, alibi_slopes=slopes)
         out.sum().backward()
@@ -82,9 +83,9 @@ def test_slopes_get_no_gradient(backend):
 def test_compiled_attention_with_alibi_matches_reference(backend):
     case = Case(heads_q=4, heads_kv=2, seqlen_q=19, seqlen_k=26, head_dim=16, window=(5, 2), dtype=torch.float32,
                 bias="heads")
-    q, k, v, dout, dlse = make_inputs(case, "cpu")
-    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625]])
-    bias = torch.randn(1, 4, 19, 26)
+    q, k, v, dout, dlse = make_inputs(case, DEVICE)
+    slopes = torch.tensor([[0.5, 0.25, 0.125, 0.0625]], device=DEVICE)
+    bias = torch.randn(1, 4, 19, 26, device=DEVICE)
     torch._dynamo.reset()
     with fusedattn.use_backend(backend):
         compiled = torch.compile(
