@@ -38,6 +38,7 @@ class VarlenCase:
     lse_grad: bool = False
     dtype: torch.dtype = torch.float16
     extra_max: int = 0  # max_seqlen given above the longest length (FlashAttention callers often round up)
+    alibi: str | None = None  # ALiBi slopes: "heads" (Hq,), "sequences" (sequences, Hq)
 
     @property
     def keys(self) -> tuple[int, ...]:
@@ -55,6 +56,8 @@ class VarlenCase:
             parts.append(f"w{self.window[0]}_{self.window[1]}")
         if self.softcap:
             parts.append(f"cap{self.softcap}")
+        if self.alibi:
+            parts.append(f"alibi-{self.alibi}")
         return "-".join(parts)
 
     def options(self) -> dict:
@@ -79,7 +82,24 @@ FULL = QUICK + [
     VarlenCase((127, 300, 17), (500, 129, 1), heads_q=6, heads_kv=3, head_dim=96, causal=True, deterministic=True,
                dtype=torch.float16),
 ]
+# ALiBi slopes (issue 46): each sequence's distances |i + Sk - Sq - j| are its own (bottom-right aligned
+# within it), and "sequences" slopes give each sequence its own row.
+ALIBI = [
+    # causal GQA, an empty sequence and a one-token one, a slope row per sequence
+    VarlenCase((17, 1, 0, 33), heads_q=4, heads_kv=2, causal=True, alibi="sequences"),
+    # Sq != Sk per sequence both ways, a sequence with queries and no keys, window + softcap + sinks, fp32
+    VarlenCase((5, 20, 3), (19, 7, 0), window=(8, 2), softcap=20.0, sinks=True, dtype=torch.float32, alibi="heads"),
+    # full attention (distances on both sides of the diagonal), MQA, Sq != Sk, a gradient through lse
+    VarlenCase((30, 9, 4), (12, 40, 4), heads_q=2, heads_kv=1, lse_grad=True, alibi="sequences"),
+]
+ALIBI_FULL = ALIBI + [
+    VarlenCase((1000, 1, 0, 255, 129, 2048, 113), heads_q=8, heads_kv=2, head_dim=128, causal=True,
+               dtype=torch.bfloat16, alibi="sequences"),
+    VarlenCase((127, 300, 17), (500, 129, 1), heads_q=6, heads_kv=3, head_dim=64, window=(100, 20), softcap=30.0,
+               deterministic=True, lse_grad=True, dtype=torch.bfloat16, alibi="heads"),
+]
 TRITON_CASES = FULL if ON_GPU else QUICK  # QUICK has no bf16: the interpreter's bf16 dot is unusable
+TRITON_ALIBI = ALIBI_FULL if ON_GPU else ALIBI
 # What the Gluon kernels take (Hopper, 16-bit, D = Dv in {64, 128}, no sinks): each path of the packed
 # forward and dK/dV pass -- dQ summed in the pass (D=128) or by the Triton dQ pass (D=64,
 # deterministic), dK/dV stored by pointers or summed over a GQA group (causal GQA), causal, none,
@@ -120,12 +140,22 @@ def make_inputs(case: VarlenCase, device):
     return q, k, v, dout, dlse, sinks
 
 
-def reference_loop(q, k, v, case: VarlenCase, sinks_=None):
-    """The SPEC 3 reference on each sequence, packed back: (out (total_q, Hq, Dv), lse (Hq, total_q))."""
+def make_slopes(case: VarlenCase, device) -> torch.Tensor | None:
+    """The case's float32 ALiBi slopes: (Hq,) or (sequences, Hq), in (0.05, 0.55)."""
+    if case.alibi is None:
+        return None
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 1)
+    shape = (case.heads_q,) if case.alibi == "heads" else (len(case.lengths_q), case.heads_q)
+    return (0.05 + 0.5 * torch.rand(shape, generator=gen)).to(device)
+
+
+def reference_loop(q, k, v, case: VarlenCase, sinks_=None, slopes=None):
+    """The SPEC 3 reference on each sequence, packed back: (out (total_q, Hq, Dv), lse (Hq, total_q)).
+    ``slopes``: ALiBi slopes, (Hq,) or a row per sequence."""
     bounds_q = [0, *torch.tensor(case.lengths_q).cumsum(0).tolist()]
     bounds_k = [0, *torch.tensor(case.keys).cumsum(0).tolist()]
     outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+    for index, ((q0, q1), (k0, k1)) in enumerate(zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:]))):
         if q1 == q0:
             continue
         if k1 == k0:  # no key: out 0; lse the sink's logit, or -inf (SPEC 3.1)
@@ -134,8 +164,9 @@ def reference_loop(q, k, v, case: VarlenCase, sinks_=None):
                                else torch.float32, device=q.device)
             lses.append(empty if sinks_ is None else sinks_.to(empty.dtype)[:, None].expand_as(empty))
             continue
+        alibi = None if slopes is None else slopes if slopes.dim() == 1 else slopes[index]
         out, lse = reference_attention(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], sinks=sinks_,
-                                       return_lse=True, **{key: val for key, val in case.options().items()
+                                       alibi_slopes=alibi, return_lse=True, **{key: val for key, val in case.options().items()
                                                            if key != "deterministic"})
         outs.append(out[0])
         lses.append(lse[0])
@@ -147,15 +178,16 @@ def check_varlen_case(case: VarlenCase, backend: str, device, host_offsets: bool
     q, k, v, dout, dlse, sinks = make_inputs(case, device)
     offsets_device = "cpu" if host_offsets else device
     cu_q, cu_k = _offsets(case.lengths_q, offsets_device), _offsets(case.keys, offsets_device)
+    slopes = make_slopes(case, device)
 
     def ours(q_, k_, v_, sinks_=None):
         with fusedattn.use_backend(backend):
             return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, max(case.lengths_q) + case.extra_max,
-                                              max(case.keys) + case.extra_max, sinks=sinks_, return_lse=True,
-                                              **case.options())
+                                              max(case.keys) + case.extra_max, sinks=sinks_, alibi_slopes=slopes,
+                                              return_lse=True, **case.options())
 
     def reference(q_, k_, v_, sinks_=None):
-        return reference_loop(q_, k_, v_, case, sinks_)
+        return reference_loop(q_, k_, v_, case, sinks_, slopes)
 
     extras = dict(lse_grad=case.lse_grad, sinks=sinks)
     got = forward_backward(ours, q, k, v, dout, dlse, **extras)
@@ -198,6 +230,49 @@ def test_varlen_offsets_on_the_host_match_per_sequence_reference(case):
 @pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
 def test_varlen_torch_path_matches_per_sequence_reference(case):
     check_varlen_case(case, "torch", "cpu")
+
+
+@pytest.mark.parametrize("case", TRITON_ALIBI, ids=lambda c: c.id)
+def test_varlen_alibi_kernels_match_per_sequence_reference(case):
+    check_varlen_case(case, "triton", TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("case", ALIBI, ids=lambda c: c.id)
+def test_varlen_alibi_torch_path_matches_per_sequence_reference(case):
+    check_varlen_case(case, "torch", "cpu")
+
+
+@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
+def test_varlen_alibi_per_head_slopes_are_a_row_per_sequence_repeated(backend, device):
+    """(Hq,) slopes are the (sequences, Hq) slopes of equal rows; distinct rows give each sequence its own."""
+    lengths = (7, 0, 12)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(lengths), 2, 16, generator=gen).to(device) for _ in range(3))
+    cu = _offsets(lengths, device)
+    slopes = torch.tensor([0.5, 0.125], device=device)
+
+    def run(alibi):
+        with fusedattn.use_backend(backend):
+            return fusedattn.varlen_attention(q, k, v, cu, cu, 12, 12, causal=True, alibi_slopes=alibi)
+
+    torch.testing.assert_close(run(slopes), run(slopes.expand(3, 2).clone()), atol=0, rtol=0)
+    rows = torch.stack([slopes, slopes, 4 * slopes])  # the last sequence's slopes differ
+    mixed, same = run(rows), run(slopes)
+    torch.testing.assert_close(mixed[:7], same[:7], atol=0, rtol=0)
+    assert (mixed[7:] - same[7:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
+def test_varlen_alibi_slopes_get_no_gradient(backend, device):
+    lengths = (5, 9)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(lengths), 2, 16, generator=gen).to(device).requires_grad_() for _ in range(3))
+    slopes = torch.rand(2, 2, generator=gen).to(device).requires_grad_()
+    cu = _offsets(lengths, device)
+    with fusedattn.use_backend(backend):
+        out = fusedattn.varlen_attention(q, k, v, cu, cu, 9, 9, alibi_slopes=slopes)
+    out.sum().backward()
+    assert slopes.grad is None and q.grad is not None
 
 
 def test_varlen_keys_of_a_sequence_without_queries_get_zero_gradients():
@@ -305,6 +380,10 @@ def _bad_call(**changes):
     (dict(q=torch.randn(1, 10, 2, 16)), ValueError, "`q` must be 3-D"),
     (dict(v=torch.randn(9, 2, 16)), ValueError, "`k` has 10 keys but `v` has 9"),
     (dict(q=torch.randn(10, 3, 16)), ValueError, r"multiple of k/v heads"),
+    (dict(alibi_slopes=torch.ones(2, dtype=torch.float16)), TypeError, "`alibi_slopes` must be float32"),
+    (dict(alibi_slopes=torch.ones(3, 2)), ValueError, r"\(sequences, Hq\) = \(2, 2\), got \(3, 2\)"),
+    (dict(alibi_slopes=torch.ones(3)), ValueError, r"`alibi_slopes` must have shape \(Hq,\) = \(2,\)"),
+    (dict(alibi_slopes=[0.5, 0.25]), TypeError, "`alibi_slopes` must be a torch.Tensor"),
 ])
 def test_varlen_bad_input_is_a_clear_error(changes, error, match):
     with pytest.raises(error, match=match):
@@ -432,3 +511,39 @@ def test_bad_offsets_checked_on_the_device_give_nan_not_a_bad_access(label, offs
     grads = torch.autograd.grad((out, lse), leaves, (dout, torch.ones_like(lse)))
     for name, t in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], (out, lse, *grads)):
         assert torch.isnan(t).all(), f"{label}: {name} is not NaN throughout"
+
+
+@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
+def test_varlen_alibi_compiles_and_differentiates_twice(backend, device):
+    """ALiBi slopes through torch.compile(fullgraph=True) (the custom ops carry them) give eager's
+    values, and a backward with create_graph (each sequence through ``attention``) the float64
+    reference's second derivatives."""
+    case = VarlenCase((6, 0, 11), (9, 3, 11), heads_q=4, heads_kv=2, head_dim=16, causal=True, softcap=8.0,
+                      dtype=torch.float32, alibi="sequences")
+    q, k, v, dout, _, _ = make_inputs(case, device)
+    slopes = make_slopes(case, device)
+    cu_q, cu_k = _offsets(case.lengths_q, device), _offsets(case.keys, device)
+
+    def run(q_, k_, v_):
+        with fusedattn.use_backend(backend):
+            return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, 11, 11, causal=True, softcap=8.0,
+                                              alibi_slopes=slopes, return_lse=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    dlse = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(5)).to(device)
+    eager = forward_backward(run, q, k, v, dout, dlse, lse_grad=True)
+    got = forward_backward(compiled, q, k, v, dout, dlse, lse_grad=True)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+    def second(fn, dtype):
+        q_, k_, v_ = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        out = fn(q_, k_, v_)[0]
+        dq, = torch.autograd.grad(out, q_, dout.to(dtype), create_graph=True)
+        return torch.autograd.grad(dq.square().sum(), (k_, v_))
+
+    ours = second(run, torch.float32)
+    ref = second(lambda *t: reference_loop(*t, case, None, slopes), torch.float64)
+    for name, a, b in zip(["d2k", "d2v"], ours, ref):
+        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3, msg=name)

@@ -216,10 +216,11 @@ def check_bias(bias, shapes: Shapes, q: torch.Tensor) -> torch.Tensor | None:
 
 
 def check_alibi(alibi_slopes, q: torch.Tensor, shapes: Shapes,
-                caller: str = "fusedattn.attention") -> torch.Tensor | None:
+                caller: str = "fusedattn.attention", batch_name: str = "B") -> torch.Tensor | None:
     """None, or the ALiBi slopes -- a float32 (Hq,) or (B, Hq) tensor on q's device -- as the
     contiguous float32 (B, Hq) tensor every backend reads (one slope per batch and query head),
-    detached: the slopes are constants and get no gradient."""
+    detached: the slopes are constants and get no gradient. ``batch_name``: what B is called in the
+    messages (packed sequences: ``shapes.batch`` is the number of sequences)."""
     if alibi_slopes is None:
         return None
     heads_q, batch = shapes.heads_q, shapes.batch
@@ -229,7 +230,7 @@ def check_alibi(alibi_slopes, q: torch.Tensor, shapes: Shapes,
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"{caller}: `alibi_slopes` must be float32 (as FlashAttention's), got {alibi_slopes.dtype}")
     if tuple(alibi_slopes.shape) not in ((heads_q,), (batch, heads_q)):
-        raise ValueError(f"{caller}: `alibi_slopes` must have shape (Hq,) = ({heads_q},) or (B, Hq) = "
+        raise ValueError(f"{caller}: `alibi_slopes` must have shape (Hq,) = ({heads_q},) or ({batch_name}, Hq) = "
                          f"({batch}, {heads_q}), got {tuple(alibi_slopes.shape)}")
     if alibi_slopes.device != q.device:
         raise ValueError(f"{caller}: `alibi_slopes` is on {alibi_slopes.device} but q is on {q.device}")

@@ -2,7 +2,7 @@
 
 Sequence i is rows ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` of q and rows
 ``cu_seqlens_k[i]:cu_seqlens_k[i + 1]`` of k and v; each is an attention problem of its own (its
-causal / window rule aligned bottom-right within the sequence), so no token attends
+causal / window rule and ALiBi's distances aligned bottom-right within the sequence), so no token attends
 across a sequence boundary and no padding is computed. The kernels take the packing as data
 (``spec.Packing``): a new set of lengths compiles nothing new.
 """
@@ -13,7 +13,7 @@ import torch
 
 from typing import Optional
 
-from .checks import check_options, check_qkv, check_sinks, is_integer
+from .checks import check_alibi, check_options, check_qkv, check_sinks, is_integer
 from .dispatch import attention_backward, attention_forward, packed_configs, prepare_packed_maps, resolve_backend
 from .interface import (_backward_impl, _forward_impl, _unit_stride_head_dim, attention, beyond_first_order,
                         differentiable_grads)
@@ -114,19 +114,21 @@ def poison(packing: Packing, *tensors):
     return tensors
 
 
-def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str, for_backward: bool):
+def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str, for_backward: bool,
+             alibi: torch.Tensor | None = None):
     """(out (total_q, Hq, Dv), lse (Hq, total_q)) of every sequence, no autograd: the kernels over the
-    packed tensors ("triton"), or the PyTorch path sequence by sequence ("torch")."""
+    packed tensors ("triton"), or the PyTorch path sequence by sequence ("torch"). ``alibi`` (with
+    ``spec.alibi``): the contiguous float32 (sequences, Hq) slopes (``checks.check_alibi``)."""
     heads_q = q.shape[1]
     if q.shape[0] == 0:  # no query in any sequence
         return q.new_empty((0, heads_q, v.shape[-1])), q.new_empty((heads_q, 0), dtype=torch.float32)
     if backend == "torch":
         out = q.new_empty((q.shape[0], heads_q, v.shape[-1]))
         lse = q.new_empty((heads_q, q.shape[0]), dtype=torch.float32)
-        for (q0, q1), (k0, k1) in _sequences(packing):
+        for index, ((q0, q1), (k0, k1)) in enumerate(_sequences(packing)):
             if q1 > q0:
                 out_s, lse_s = _forward_impl(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sinks, None, None,
-                                             [0, 0, 0, 0], None, None, *spec.op_args(), "torch")
+                                             [0, 0, 0, 0], None, _slopes_of(alibi, index), *spec.op_args(), "torch")
                 out[q0:q1], lse[:, q0:q1] = out_s[0], lse_s[0]
         return out, lse
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
@@ -134,13 +136,14 @@ def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str
     if for_backward:
         prepare_packed_maps(q4, k4, v4, sinks, packing, spec, configs)
     kernel_sinks = sinks.detach().float().contiguous() if sinks is not None else None
-    out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing)
+    out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing, alibi=alibi)
     return poison(packing, out[0], lse)
 
 
 def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: Packing, spec: AttentionSpec,
-              backend: str):
-    """(dq, dk, dv, dsinks (float32, or None unless ``sinks_grad``)) of ``_forward``."""
+              backend: str, alibi: torch.Tensor | None = None):
+    """(dq, dk, dv, dsinks (float32, or None unless ``sinks_grad``)) of ``_forward`` (``alibi``: its
+    slopes; constants, no gradient)."""
     dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout)
     if dlse is not None:
         dlse = dlse.float().contiguous()
@@ -150,12 +153,12 @@ def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: P
     if backend == "torch":
         dq, dk, dv = (gradient_like(t).zero_() for t in (q, k, v))
         dsinks = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device) if sinks_grad else None
-        for (q0, q1), (k0, k1) in _sequences(packing):
+        for index, ((q0, q1), (k0, k1)) in enumerate(_sequences(packing)):
             if q1 > q0:
                 parts = _backward_impl(dout[None, q0:q1], None if dlse is None else dlse[None, :, q0:q1],
                                        q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                                        lse[None, :, q0:q1], sinks, sinks_grad, None, None, [0, 0, 0, 0], None, False,
-                                       None, *spec.op_args(), "torch")
+                                       _slopes_of(alibi, index), *spec.op_args(), "torch")
                 dq[q0:q1], dk[k0:k1], dv[k0:k1] = parts[0][0], parts[1][0], parts[2][0]
                 if sinks_grad:
                     dsinks += parts[4]
@@ -163,8 +166,13 @@ def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: P
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     dq, dk, dv, _, dsinks = attention_backward(dout.unsqueeze(0), dlse, q4, k4, v4, out.unsqueeze(0), lse, spec,
                                                packed_configs(q, v, spec), packing=packing,
-                                               sinks=sinks if sinks_grad else None)
+                                               sinks=sinks if sinks_grad else None, alibi=alibi)
     return poison(packing, dq[0], dk[0], dv[0], dsinks)
+
+
+def _slopes_of(alibi: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    """Sequence ``index``'s row of the (sequences, Hq) ALiBi slopes, as the (1, Hq) slopes of a batch of one."""
+    return None if alibi is None else alibi[index:index + 1]
 
 
 def _sequences(packing: Packing):
@@ -178,23 +186,25 @@ class _VarlenAttention(torch.autograd.Function):
     context (torch.compile traces the custom ops below instead; both run the same code)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str):
-        out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=any(ctx.needs_input_grad[:4]))
+    def forward(ctx, q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str, alibi=None):
+        out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=any(ctx.needs_input_grad[:4]),
+                            alibi=alibi)
         # the inputs themselves: a backward with create_graph differentiates through them
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, alibi)
         ctx.packing, ctx.spec, ctx.backend = packing, spec, backend
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        q, k, v, out, lse, sinks, alibi = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (interface._differentiable_backward)
-            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse), None, None, None)
+            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi), None, None, None, None)
         sinks_grad = sinks is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, ctx.packing, ctx.spec,
-                                       ctx.backend)
-        return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, None, None, None
+                                       ctx.backend, alibi)
+        # no gradient for the packing, spec, backend or the ALiBi slopes (constants)
+        return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -205,17 +215,17 @@ class _VarlenAttention(torch.autograd.Function):
 
 @torch.library.custom_op("fusedattn::varlen_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool,
-                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
+                max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, scale: float,
+                softcap: float, deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic)
-    out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=True)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None)
+    out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=True, alibi=alibi)
     return out, lse
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *options):
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, *options):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]),
                                                                            dtype=torch.float32)
 
@@ -223,41 +233,44 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *options):
 @torch.library.custom_op("fusedattn::varlen_backward", mutates_args=())
 def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                 cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], sinks_grad: bool, max_seqlen_q: int,
-                 max_seqlen_k: int, window_left: int, window_right: int, scale: float, softcap: float,
-                 deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], sinks_grad: bool,
+                 alibi: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, window_left: int,
+                 window_right: int, scale: float, softcap: float, deterministic: bool,
+                 backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic)
-    dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, packing, spec, backend)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None)
+    dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, packing, spec, backend, alibi)
     return dq, dk, dv, dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, sinks_grad, *options):
+def _backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, sinks_grad, alibi, *options):
     return gradient_like(q), gradient_like(k), gradient_like(v), \
         q.new_empty(sinks.shape if sinks_grad else (0,), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, sinks)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, sinks, alibi)
     ctx.options = options
     ctx.set_materialize_grads(False)
 
 
 def _op_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi = ctx.saved_tensors
     sinks_grad = sinks is not None and ctx.needs_input_grad[5]
     dout = torch.zeros_like(out) if dout is None else dout
     dq, dk, dv, dsinks = _backward_op(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, sinks_grad,
-                                      *ctx.options)
-    return dq, dk, dv, None, None, dsinks.to(sinks.dtype) if sinks_grad else None, *(None,) * len(ctx.options)
+                                      alibi, *ctx.options)
+    # None for the offsets, the ALiBi slopes (constants) and the options
+    return dq, dk, dv, None, None, dsinks.to(sinks.dtype) if sinks_grad else None, None, \
+        *(None,) * len(ctx.options)
 
 
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse) -> tuple:
+def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi=None) -> tuple:
     """(dq, dk, dv, dsinks) as differentiable functions of the inputs and of (dout, dlse), for a
     backward with ``create_graph=True``: the sequences recomputed through ``attention``, whose own
     backward is differentiable in that mode."""
@@ -265,21 +278,21 @@ def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse) -> tuple:
     options = dict(window=(spec.window_left, spec.window_right), scale=spec.scale,
                    softcap=spec.softcap if spec.has_softcap else None)
     with torch.enable_grad():
-        out, lse = _per_sequence(q, k, v, ctx.packing, sinks, options, q.shape[1])
+        out, lse = _per_sequence(q, k, v, ctx.packing, sinks, options, q.shape[1], alibi)
     return differentiable_grads((out, lse), (dout, dlse), (q, k, v, sinks), ctx.needs_input_grad[:4])
 
 
-def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int):
+def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int, alibi=None):
     """``attention`` on each sequence, through autograd: the differentiable form of the call (forward-mode
     AD and torch.func transforms, where ``attention`` runs plain torch ops, and a backward with
-    ``create_graph``)."""
+    ``create_graph``). ``alibi``: the (sequences, Hq) slopes, a row to each sequence."""
     bounds_q, bounds_k = packing.offsets_q, packing.offsets_k
     outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+    for index, ((q0, q1), (k0, k1)) in enumerate(zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:]))):
         if q1 == q0:  # no query: nothing to compute (its keys get zero gradients)
             continue
         out, lse = attention(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), sinks=sinks,
-                             return_lse=True, **options)
+                             alibi_slopes=_slopes_of(alibi, index), return_lse=True, **options)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:  # empty outputs that still depend on every input (zero gradients, zero tangents)
@@ -303,6 +316,7 @@ def varlen_attention(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
 ):
@@ -315,26 +329,32 @@ def varlen_attention(
     read back to be checked (a copy that waits for the GPU), except under CUDA-graph capture, where
     they are checked on the device and a bad packing gives NaN outputs and gradients.
     The options mean what they mean for ``fusedattn.attention``, per sequence (causal and window
-    bottom-right aligned within each). Returns out (total_q, Hq, Dv), and with ``return_lse=True``
+    bottom-right aligned within each). ``alibi_slopes``: float32 (Hq,) or (sequences, Hq) -- FlashAttention
+    2's varlen (batch, nheads), batch = sequences -- adds ``-slope * |i + Sk - Sq - j|`` with i, j, Sq, Sk
+    those of each sequence; constants, no gradient. Returns out (total_q, Hq, Dv), and with ``return_lse=True``
     also lse (Hq, total_q) float32 (FlashAttention's varlen layout). Bias and mask are not taken.
     """
     check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
                   deterministic=deterministic, return_lse=return_lse, caller=_NAME)
-    heads_q = check_qkv(q, k, v, "bshd", caller=_NAME, packed=True).heads_q
+    shapes = check_qkv(q, k, v, "bshd", caller=_NAME, packed=True)
+    heads_q = shapes.heads_q
     check_sinks(sinks, q, heads_q)
     check_packing_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
+    # the slopes of each sequence: their number from the offsets' shape (nothing read from the offsets)
+    alibi = check_alibi(alibi_slopes, q, shapes._replace(batch=cu_seqlens_q.shape[0] - 1), caller=_NAME,
+                        batch_name="sequences")
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
-                        deterministic=deterministic)
+                        deterministic=deterministic, alibi=alibi is not None)
     backend = resolve_backend(q.device)
     if torch.compiler.is_compiling():
-        out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, int(max_seqlen_q), int(max_seqlen_k),
-                               *spec.op_args()[1:], backend)
+        out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, int(max_seqlen_q),
+                               int(max_seqlen_k), *spec.op_args()[1:], backend)
     else:
         packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
         if beyond_first_order(q, k, v, sinks):  # each sequence through ``attention``'s plain torch ops
             options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic)
-            out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q)
+            out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q, alibi)
         else:
-            out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec, backend)
+            out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec, backend, alibi)
     return (out, lse) if return_lse else out
