@@ -6,7 +6,8 @@ right bound to 0), ``softcap`` 0 is none, ``softmax_lse`` is (B, H, Sq) -- (H, t
 and the new k at their cache positions (the cache rows, whatever ``cache_leftpad``),
 ``cache_batch_idx`` picks each sequence's cache row and ``cache_leftpad`` the row its keys start
 at, and a varlen ``block_table`` holds sequence i's first cu_seqlens_k[i + 1] - cu_seqlens_k[i]
-keys in its pages. Each output and gradient meets the correctness rule against that math in
+keys in its pages, and ``alibi_slopes`` (nheads,) or (batch, nheads) -- batch: sequences for varlen --
+add ``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` to the score (after softcap). Each output and gradient meets the correctness rule against that math in
 float64. Without a GPU: the PyTorch backend, and the Triton kernels under the interpreter; on a
 GPU, the kernels.
 """
@@ -28,8 +29,10 @@ DTYPE = torch.bfloat16 if ON_GPU else torch.float16
 BACKENDS = ["triton"] if ON_GPU else ["torch", "triton"]
 
 
-def documented_attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
-    """FlashAttention's semantics in plain torch, any dtype (B, S, H, D): (out, lse (B, H, Sq))."""
+def documented_attention(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None):
+    """FlashAttention's semantics in plain torch, any dtype (B, S, H, D): (out, lse (B, H, Sq)).
+    ``alibi_slopes``: (H,) or (B, H)."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     k, v = (t.repeat_interleave(heads_q // heads_kv, dim=2) for t in (k, v))
@@ -42,6 +45,9 @@ def documented_attention(q, k, v, softmax_scale=None, causal=False, window_size=
         right = 0
     i = torch.arange(seqlen_q, device=q.device)[:, None] + seqlen_k - seqlen_q
     j = torch.arange(seqlen_k, device=q.device)[None, :]
+    if alibi_slopes is not None:  # FlashAttention: -alibi_slope * |i + seqlen_k - seqlen_q - j| (i is shifted above)
+        slopes = alibi_slopes.to(scores.dtype).expand(batch, heads_q)[:, :, None, None]
+        scores = scores - slopes * (i - j).abs().to(scores.dtype)
     keep = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
     if left >= 0:
         keep &= j >= i - left
@@ -91,6 +97,35 @@ def test_flash_attn_func_matches_the_documented_semantics(backend, name):
         assert_close_to_reference(f"{name} {label}", a, b, c)
 
 
+def _slopes(shape, seed=7):
+    """ALiBi slopes as FlashAttention takes them: float32, on the device."""
+    return (0.05 + 0.5 * torch.rand(shape, generator=torch.Generator().manual_seed(seed))).to(DEVICE)
+
+
+ALIBI_OPTIONS = {
+    "heads-causal": ((4,), dict(causal=True)),
+    "batch-heads-window": ((2, 4), dict(window_size=(7, 3))),
+    "batch-heads-softcap": ((2, 4), dict(softcap=4.0, softmax_scale=0.3)),
+    "heads-plain": ((4,), {}),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(ALIBI_OPTIONS))
+def test_flash_attn_func_alibi_matches_the_documented_semantics(backend, name):
+    (q, k, v), dout = _inputs((2, 37, 4, 16), (2, 45, 2, 16), seed=11)
+    shape, options = ALIBI_OPTIONS[name]
+    options = dict(options, alibi_slopes=_slopes(shape))
+    with fusedattn.use_backend(backend):
+        ours = _grads(lambda *t: fa.flash_attn_func(*t, **options), (q, k, v), dout)
+    lowp = _grads(lambda *t: documented_attention(*t, **options)[0], (q, k, v), dout)
+    ref64 = _grads(lambda *t: documented_attention(*t, **options)[0], [t.double() for t in (q, k, v)], dout.double())
+    for label, a, b, c in zip(("out", "dq", "dk", "dv"), ours, lowp, ref64):
+        assert_close_to_reference(f"alibi {name} {label}", a, b, c)
+    plain = fa.flash_attn_func(q, k, v, **{key: val for key, val in options.items() if key != "alibi_slopes"})
+    assert (ours[0] - plain).abs().max() > 1e-2  # the slopes change the result
+
+
 def test_return_attn_probs_gives_out_lse_and_none():
     (q, k, v), _ = _inputs((2, 20, 4, 16), (2, 30, 4, 16))
     out, lse, probs = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
@@ -111,26 +146,35 @@ def test_packed_functions_are_the_unpacked_ones_and_grad_lands_in_the_packed_ten
     kv = torch.stack((k, v), dim=2)
     assert torch.equal(fa.flash_attn_kvpacked_func(q, kv, window_size=(5, 5)),
                        fa.flash_attn_func(q, k, v, window_size=(5, 5)))
+    slopes = _slopes((2, 4))
+    assert torch.equal(fa.flash_attn_qkvpacked_func(qkv.detach(), causal=True, alibi_slopes=slopes),
+                       fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes))
+    assert torch.equal(fa.flash_attn_kvpacked_func(q, kv, alibi_slopes=slopes[0]),
+                       fa.flash_attn_func(q, k, v, alibi_slopes=slopes[0]))
 
 
+@pytest.mark.parametrize("alibi", [None, (4,), (4, 4)], ids=["no-alibi", "alibi-heads", "alibi-batch-heads"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_varlen_matches_each_sequence_and_lse_is_heads_by_tokens(backend):
+def test_varlen_matches_each_sequence_and_lse_is_heads_by_tokens(backend, alibi):
     lengths_q, lengths_k = [5, 17, 0, 9], [8, 17, 3, 12]
+    slopes = None if alibi is None else _slopes(alibi)  # (batch, nheads): a row per sequence
     cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32)
     (q, k, v), _ = _inputs((sum(lengths_q), 4, 16), (sum(lengths_k), 2, 16), seed=5)
     with fusedattn.use_backend(backend):
         out, lse, probs = fa.flash_attn_varlen_func(q, k, v, cu_q.to(DEVICE), cu_k.to(DEVICE), max(lengths_q),
                                                     max(lengths_k), causal=True, window_size=(6, -1),
-                                                    return_attn_probs=True)
+                                                    alibi_slopes=slopes, return_attn_probs=True)
     assert probs is None and lse.shape == (4, sum(lengths_q))
     for b in range(len(lengths_q)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if lengths_q[b] == 0:
             continue
         args = [t[None].double() for t in (q[qs], k[ks], v[ks])]
-        ref_out, ref_lse = documented_attention(*args, causal=True, window_size=(6, -1))
-        low_out, _ = documented_attention(*[t[None] for t in (q[qs], k[ks], v[ks])], causal=True, window_size=(6, -1))
+        options = dict(causal=True, window_size=(6, -1),
+                       alibi_slopes=None if slopes is None else slopes if slopes.dim() == 1 else slopes[b])
+        ref_out, ref_lse = documented_attention(*args, **options)
+        low_out, _ = documented_attention(*[t[None] for t in (q[qs], k[ks], v[ks])], **options)
         assert_close_to_reference(f"sequence {b} out", out[qs][None], low_out, ref_out)
         assert torch.allclose(lse[:, qs].double(), ref_lse[0], atol=2e-2)
 
@@ -143,6 +187,11 @@ def test_varlen_packed_functions_are_the_unpacked_ones():
     want = fa.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 12, 12, causal=True)
     assert torch.equal(fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 12, causal=True), want)
     assert torch.equal(fa.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, 12, 12, causal=True), want)
+    slopes = _slopes((3, 2))
+    want = fa.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 12, 12, alibi_slopes=slopes)
+    assert torch.equal(fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 12, alibi_slopes=slopes), want)
+    assert torch.equal(fa.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, 12, 12, alibi_slopes=slopes),
+                       want)
 
 
 def _rotate_by_complex(x, cos, sin, positions, interleaved):
@@ -198,8 +247,8 @@ def test_with_kvcache_appends_rotates_and_attends(interleaved, causal):
 
 def test_unsupported_features_raise_naming_them():
     (q, k, v), _ = _inputs((1, 8, 2, 16), (1, 8, 2, 16))
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fa.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, device=DEVICE))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fa.flash_attn_func(q, k, v, dropout_p=0.1, alibi_slopes=torch.ones(2, device=DEVICE))
     with pytest.raises(NotImplementedError, match="dropout"):
         fa.flash_attn_func(q, k, v, dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
@@ -378,6 +427,7 @@ PAGED_VARLEN_CASES = {
     "odd-pages-gqa-softcap": dict(page=5, options=dict(softcap=3.0, softmax_scale=0.4)),
     "pages-of-7-plain-shifted-offsets": dict(page=7, options={}, offset=13),
     "shared-pages-window": dict(page=8, options=dict(window_size=(4, 9)), shared=True),
+    "pages-of-16-causal-alibi": dict(page=16, options=dict(causal=True, alibi_slopes=_slopes((4,)))),
 }
 
 

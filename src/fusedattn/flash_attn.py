@@ -9,8 +9,12 @@ total_q) for the varlen functions; ``return_attn_probs`` giving (out, softmax_ls
 probabilities FlashAttention returns only with dropout. ``flash_attn_with_kvcache`` takes
 ``cache_batch_idx`` (which cache row each sequence uses) and ``cache_leftpad`` (where each
 sequence's cache starts), ``flash_attn_varlen_func`` a paged ``block_table``, with FlashAttention's
-rules (neither ``cache_batch_idx`` nor ``cache_leftpad`` together with a paged cache). Not yet
-available, and raising ``NotImplementedError`` naming them: ``alibi_slopes`` and ``dropout_p > 0``.
+rules (neither ``cache_batch_idx`` nor ``cache_leftpad`` together with a paged cache).
+``alibi_slopes``: float32 (nheads,) or (batch, nheads) -- batch the number of sequences for the
+varlen functions -- adding ``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` to the scores after
+softcap (bottom-right aligned, per sequence for varlen); no gradient for the slopes. Not yet
+available, and raising ``NotImplementedError`` naming them: ``dropout_p > 0``, and ``alibi_slopes``
+in ``flash_attn_with_kvcache``.
 fusedattn also takes fp32 inputs, which FlashAttention refuses.
 """
 
@@ -26,16 +30,18 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"]
 
 
-def _options(caller: str, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes) -> dict:
-    """FlashAttention's arguments as fusedattn's options."""
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"fusedattn.flash_attn.{caller}: alibi_slopes is not supported yet")
+def _options(caller: str, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes=None) -> dict:
+    """FlashAttention's arguments as fusedattn's options (``alibi_slopes`` only where given: not every
+    function takes it yet)."""
     if dropout_p:
         raise NotImplementedError(f"fusedattn.flash_attn.{caller}: dropout_p > 0 is not supported yet "
                                   f"(got {dropout_p}); use dropout_p=0.0")
     left, right = (int(window_size[0]), int(window_size[1]))
     window = None if (left, right) == (-1, -1) else (left, right)
-    return dict(causal=bool(causal), window=window, scale=softmax_scale, softcap=softcap if softcap else None)
+    options = dict(causal=bool(causal), window=window, scale=softmax_scale, softcap=softcap if softcap else None)
+    if alibi_slopes is not None:  # FlashAttention's (nheads,) or (batch, nheads) float32 slopes
+        options["alibi_slopes"] = alibi_slopes
+    return options
 
 
 def _returned(out, lse, return_attn_probs: bool):
@@ -234,7 +240,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     batch, seqlen_q = q.shape[:2]
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     window_size, rotate_per_position = _cache_window(causal, window_size, capacity)
-    options = _options("flash_attn_with_kvcache", 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{_KVCACHE}: alibi_slopes is not supported yet (flash_attn_func and the varlen "
+                                  f"functions take it)")
+    options = _options("flash_attn_with_kvcache", 0.0, softmax_scale, causal, window_size, softcap)
     if cache_seqlens is None:  # the whole cache holds valid tokens; new ones would have nowhere to go
         if k is not None:
             raise ValueError("fusedattn.flash_attn.flash_attn_with_kvcache: appending k, v needs cache_seqlens "
