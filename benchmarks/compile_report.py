@@ -364,18 +364,21 @@ def report_kvcache(head_dim: int, dtype: str) -> int:
     with GQA 4 (16 packed rows), contiguous and paged, causal; the append and the split combination."""
     block_d = fwd.padded_dim(head_dim)
     pointers = dict(Out="fp32", Lse="fp32", Sinks="fp32", CacheSeqlens="i32", BlockTable="i32", PartOut="fp32",
-                    PartLse="fp32")
+                    PartLse="fp32", Alibi="fp32")
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=block_d, BLOCK_DV=block_d)
     jobs = [(f"kvcache {'paged' if paged else 'contiguous'} causal{' split' if split else ''}",
              kvcache._cache_attention_kernel,
              dict(common, BLOCK_M=kvcache.row_tile(4), BLOCK_N=kvcache.KEY_TILE, HAS_LEFT=False, HAS_RIGHT=True,
                   HAS_SOFTCAP=False, HAS_SINKS=False, PAGED=paged, DOT_PRECISION=fwd.dot_precision(TYPES[dtype]),
-                  PDL=split),
+                  PDL=split, HAS_ALIBI=False),
              kvcache.NUM_WARPS, kvcache.pipeline_stages(block_d, block_d, TYPES[dtype].itemsize, paged, split))
             for paged, split in ((False, True), (True, True), (True, False))]
     jobs += [("kvcache append paged", kvcache._append_kernel, dict(common, BLOCK_S=16, PAGED=True), 4, 1),
              ("kvcache combine", kvcache._combine_splits_kernel, dict(HEAD_DIM_V=head_dim, BLOCK_DV=block_d,
                                                                        BLOCK_SPLITS=32, PDL=True), 4, 1)]
+    # ALiBi slopes (HAS_ALIBI): the paged split kernel with a slope per packed row
+    jobs += [("kvcache paged causal split alibi", kvcache._cache_attention_kernel,
+              dict(jobs[1][2], HAS_ALIBI=True), jobs[1][3], jobs[1][4])]
     problems = 0
     for name, kernel, constexprs, warps, num_stages in jobs:
         shown = f"{name:<30} w{warps} s{num_stages}"

@@ -43,6 +43,7 @@ class CacheCase:
     sinks: bool = False
     num_splits: int | None = None
     dtype: torch.dtype = torch.float16
+    alibi: str | None = None  # ALiBi slopes: "heads" (Hq,), "batch" (B, Hq)
 
     @property
     def id(self) -> str:
@@ -57,6 +58,8 @@ class CacheCase:
             parts.append(f"w{self.window[0]}_{self.window[1]}")
         if self.softcap:
             parts.append(f"cap{self.softcap}")
+        if self.alibi:
+            parts.append(f"alibi-{self.alibi}")
         return "-".join(parts)
 
     def options(self) -> dict:
@@ -88,7 +91,25 @@ FULL = QUICK + [
     CacheCase((3000, 2100, 17), 3072, seqlen_q=300, new=64, page_size=16, heads_q=6, heads_kv=3, head_dim=96,
               causal=True, num_splits=5, dtype=torch.float16),
 ]
+# ALiBi slopes (issue 46): distances |i + Sk - Sq - j| with Sk = cache_seqlens[b] + S_new (the queries
+# are the last Sq keys), a slope per packed (query, head) row of the kernel.
+ALIBI = [
+    # decoding, GQA, an empty cache, splits 3, a slope row per sequence
+    CacheCase((0, 150, 200), 200, num_splits=3, alibi="batch"),
+    # paged, append 3 + causal over Sq = 4 (more queries than new keys), window + softcap + sinks, fp32
+    CacheCase((150, 5, 200), 224, seqlen_q=4, new=3, page_size=16, heads_kv=1, window=(70, 0), softcap=20.0,
+              sinks=True, causal=True, num_splits=2, dtype=torch.float32, alibi="heads"),
+    # more queries than keys, full attention (distances both sides), no split
+    CacheCase((3, 40), 64, seqlen_q=6, new=2, num_splits=1, alibi="batch"),
+]
+ALIBI_FULL = ALIBI + [
+    CacheCase((4000, 1, 2500, 0, 3999), 4096, new=1, page_size=64, heads_q=32, heads_kv=8, head_dim=128,
+              causal=True, dtype=torch.bfloat16, alibi="batch"),
+    CacheCase((3000, 2100, 17), 3072, seqlen_q=300, new=64, page_size=16, heads_q=6, heads_kv=3, head_dim=96,
+              causal=True, num_splits=5, dtype=torch.float16, alibi="heads"),
+]
 TRITON_CASES = FULL if ON_GPU else QUICK  # QUICK has no bf16: the interpreter's bf16 dot is unusable
+TRITON_ALIBI = ALIBI_FULL if ON_GPU else ALIBI
 
 
 @dataclass
@@ -101,10 +122,11 @@ class CacheInputs:
     k_new: torch.Tensor | None
     v_new: torch.Tensor | None
     sinks: torch.Tensor | None
+    alibi: torch.Tensor | None = None
 
     def clone_caches(self) -> "CacheInputs":
         return CacheInputs(self.q, self.k_cache.clone(), self.v_cache.clone(), self.cache_seqlens, self.block_table,
-                           self.k_new, self.v_new, self.sinks)
+                           self.k_new, self.v_new, self.sinks, self.alibi)
 
 
 def make_inputs(case: CacheCase, device) -> CacheInputs:
@@ -127,8 +149,13 @@ def make_inputs(case: CacheCase, device) -> CacheInputs:
     k_new = randn(batch, case.new, case.heads_kv, case.head_dim) if case.new else None
     v_new = randn(batch, case.new, case.heads_kv, dv) if case.new else None
     sinks = (2.0 * torch.randn(case.heads_q, generator=gen) + 1.0).to(device) if case.sinks else None
-    return CacheInputs(randn(batch, case.seqlen_q, case.heads_q, case.head_dim), k_cache, v_cache,
-                       torch.tensor(case.lengths, dtype=torch.int32, device=device), table, k_new, v_new, sinks)
+    q = randn(batch, case.seqlen_q, case.heads_q, case.head_dim)
+    alibi = None
+    if case.alibi:
+        shape = (case.heads_q,) if case.alibi == "heads" else (batch, case.heads_q)
+        alibi = (0.05 + 0.5 * torch.rand(shape, generator=gen)).to(device)
+    return CacheInputs(q, k_cache, v_cache, torch.tensor(case.lengths, dtype=torch.int32, device=device), table,
+                       k_new, v_new, sinks, alibi)
 
 
 def sequence_rows(cache: torch.Tensor, table, b: int, positions: torch.Tensor) -> torch.Tensor:
@@ -150,14 +177,15 @@ def expected(case: CacheCase, inputs: CacheInputs, dtype):
             keys, values = torch.cat([keys, inputs.k_new[b]]), torch.cat([values, inputs.v_new[b]])
         sinks = inputs.sinks.to(dtype) if inputs.sinks is not None else None
         q = inputs.q[b:b + 1].to(dtype)
+        alibi = None if inputs.alibi is None else inputs.alibi if inputs.alibi.dim() == 1 else inputs.alibi[b]
         if keys.shape[0] == 0:  # no key: out 0; lse the sink's logit, or -inf (SPEC 3.1)
             lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
             lse = torch.full((1, case.heads_q, case.seqlen_q), float("-inf"), dtype=lse_dtype, device=q.device)
             outs.append(q.new_zeros(1, case.seqlen_q, case.heads_q, values.shape[-1]))
             lses.append(lse if sinks is None else sinks.to(lse_dtype).view(1, -1, 1).expand_as(lse))
             continue
-        out, lse = reference_attention(q, keys[None].to(dtype), values[None].to(dtype), sinks=sinks, return_lse=True,
-                                       **case.options())
+        out, lse = reference_attention(q, keys[None].to(dtype), values[None].to(dtype), sinks=sinks,
+                                       alibi_slopes=alibi, return_lse=True, **case.options())
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -187,7 +215,8 @@ def check_cache_case(case: CacheCase, backend: str, device) -> None:
     with fusedattn.use_backend(backend):
         out, lse = fusedattn.kvcache_attention(
             run.q, run.k_cache, run.v_cache, run.cache_seqlens, block_table=run.block_table, k_new=run.k_new,
-            v_new=run.v_new, sinks=run.sinks, return_lse=True, num_splits=case.num_splits, **case.options())
+            v_new=run.v_new, sinks=run.sinks, alibi_slopes=run.alibi, return_lse=True, num_splits=case.num_splits,
+            **case.options())
     assert_cache_updated(case, inputs, run)
     assert out.shape == (len(case.lengths), case.seqlen_q, case.heads_q, case.head_dim_v or case.head_dim)
     assert lse.shape == (len(case.lengths), case.heads_q, case.seqlen_q) and lse.dtype == torch.float32
@@ -204,6 +233,36 @@ def test_kvcache_kernels_match_per_sequence_reference(case):
 @pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
 def test_kvcache_torch_path_matches_per_sequence_reference(case):
     check_cache_case(case, "torch", "cpu")
+
+
+@pytest.mark.parametrize("case", TRITON_ALIBI, ids=lambda c: c.id)
+def test_kvcache_alibi_kernels_match_per_sequence_reference(case):
+    check_cache_case(case, "triton", TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("case", ALIBI, ids=lambda c: c.id)
+def test_kvcache_alibi_torch_path_matches_per_sequence_reference(case):
+    check_cache_case(case, "torch", "cpu")
+
+
+@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
+def test_kvcache_alibi_changes_the_result_and_bad_slopes_are_errors(backend, device):
+    case = CacheCase((20, 9), 32, seqlen_q=2, new=1, causal=True, alibi="batch")
+    inputs = make_inputs(case, device)
+
+    def run(alibi):
+        call = inputs.clone_caches()
+        with fusedattn.use_backend(backend):
+            return fusedattn.kvcache_attention(call.q, call.k_cache, call.v_cache, call.cache_seqlens, k_new=call.k_new,
+                                               v_new=call.v_new, causal=True, alibi_slopes=alibi)
+
+    plain, zero = run(None), run(torch.zeros(case.heads_q, device=device))
+    torch.testing.assert_close(zero, plain, atol=2e-3, rtol=0)
+    assert (run(inputs.alibi) - plain).abs().max() > 1e-2
+    with pytest.raises(TypeError, match="`alibi_slopes` must be float32"):
+        run(inputs.alibi.half())
+    with pytest.raises(ValueError, match=r"`alibi_slopes` must have shape \(Hq,\) = \(4,\) or \(B, Hq\)"):
+        run(torch.ones(3, 4, device=device))
 
 
 def test_kvcache_splits_agree_with_no_split():

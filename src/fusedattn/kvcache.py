@@ -6,8 +6,9 @@ table (B, pages per sequence) of page indices: sequence b's token t lives in pag
 ``block_table[b, t // page_size]``, row ``t % page_size``. ``cache_seqlens[b]`` tokens of sequence
 b are valid. ``k_new`` / ``v_new`` (B, S_new, Hkv, D) are first written into the cache at positions
 ``cache_seqlens[b] ...`` (in place), then the queries attend over ``cache_seqlens[b] + S_new`` keys,
-with causal / window aligned bottom-right (the queries are the sequence's last Sq
-tokens). ``cache_seqlens`` itself is not advanced: the caller owns it.
+with causal / window -- and ALiBi's distances ``|i + Sk - Sq - j|``, Sk = ``cache_seqlens[b] + S_new`` --
+aligned bottom-right (the queries are the sequence's last Sq tokens). ``cache_seqlens`` itself is
+not advanced: the caller owns it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_heads_and_dims, check_options, check_sinks, check_tensors, is_integer
+from .checks import check_alibi, check_heads_and_dims, check_options, check_sinks, check_tensors, is_integer
 from .dispatch import resolve_backend
 from .interface import attention, beyond_first_order
 from .kernels.triton.kvcache import kvcache_forward
@@ -180,8 +181,9 @@ def _scatter(cache: torch.Tensor, block_table, batch: int, start: int, rows: tor
         cache[block_table[batch, positions // cache.shape[1]].long(), positions % cache.shape[1]] = rows
 
 
-def _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options: dict, sinks):
-    """The "torch" backend: append with indexing, then ``attention`` on each sequence's keys."""
+def _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options: dict, sinks, alibi=None):
+    """The "torch" backend: append with indexing, then ``attention`` on each sequence's keys
+    (``alibi``: the (B, Hq) slopes, a row to each sequence)."""
     outs, lses = [], []
     for b, cached in enumerate(cache_seqlens.tolist()):
         if k_new is not None:
@@ -189,13 +191,14 @@ def _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
             _scatter(v_cache, block_table, b, cached, v_new[b])
         length = cached + (0 if k_new is None else k_new.shape[1])
         out, lse = attention(q[b:b + 1], _gather(k_cache, block_table, b, length)[None],
-                             _gather(v_cache, block_table, b, length)[None], sinks=sinks, return_lse=True, **options)
+                             _gather(v_cache, block_table, b, length)[None], sinks=sinks,
+                             alibi_slopes=None if alibi is None else alibi[b:b + 1], return_lse=True, **options)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 
-def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, window_left: int,
+def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, alibi, window_left: int,
                   window_right: int, scale: float, softcap: float, num_splits: int | None, backend: str,
                   shape: CacheShape | None = None):
     """The call once its arguments are checked by shape (``shape``, or checked again here): the checks
@@ -205,30 +208,31 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
     shape = shape or check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     if not _capturing(q.device):
         check_values(cache_seqlens, block_table, shape)
-    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, False)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, False, alibi is not None)
     if backend == "torch":
         options = dict(window=(window_left, window_right), scale=scale, softcap=softcap if softcap else None)
-        return _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options, sinks)
+        return _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options, sinks, alibi)
     kernel_sinks = sinks.float().contiguous() if sinks is not None else None
     table = block_table.contiguous() if block_table is not None else None  # the kernels step pages by 1
     return kvcache_forward(q, k_cache, v_cache, cache_seqlens.contiguous(), table, k_new, v_new, spec, kernel_sinks,
-                           num_splits, shape.capacity)
+                           num_splits, shape.capacity, alibi)
 
 
 @torch.library.custom_op("fusedattn::kvcache_attention", mutates_args=("k_cache", "v_cache"))
 def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                 block_table: Optional[torch.Tensor], k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
-                sinks: Optional[torch.Tensor], window_left: int, window_right: int, scale: float, softcap: float,
-                num_splits: Optional[int], backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                sinks: Optional[torch.Tensor], alibi: Optional[torch.Tensor], window_left: int, window_right: int,
+                scale: float, softcap: float, num_splits: Optional[int],
+                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.compile traces this op, not the checks that read values: ``kvcache_attention`` compiles
     with fullgraph=True and, under CUDA-graph capture (mode="reduce-overhead"), the kernels guard
     themselves as in an eager capture."""
-    return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, window_left,
+    return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, alibi, window_left,
                          window_right, scale, softcap, num_splits, backend)
 
 
 @_kvcache_op.register_fake
-def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, *options):
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, alibi, *options):
     batch, seqlen_q, heads_q, _ = q.shape
     return q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[-1])), \
         q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
@@ -249,6 +253,7 @@ def kvcache_attention(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
 ):
@@ -260,7 +265,8 @@ def kvcache_attention(
     ``num_splits``: how many parts the keys are split into for parallelism when the queries are few
     (decoding); None chooses from the shapes, 1 turns splitting off (at most 64 are used, and at most
     one per 64-key tile of the cache's capacity). Options as in
-    ``fusedattn.attention``. Returns out (B, Sq, Hq, Dv), and with ``return_lse=True`` lse (B, Hq,
+    ``fusedattn.attention``; ``alibi_slopes`` float32 (Hq,) or (B, Hq), with distances aligned as
+    causal is (module docstring). Returns out (B, Sq, Hq, Dv), and with ``return_lse=True`` lse (B, Hq,
     Sq) float32.
 
     Bad lengths or pages raise before anything is written; this reads ``cache_seqlens`` (and the
@@ -276,6 +282,7 @@ def kvcache_attention(
                                   f"jvp, ...); use fusedattn.attention for differentiable attention")
     shape = check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     check_sinks(sinks, q, shape.heads_q)
+    alibi = check_alibi(alibi_slopes, q, shape, caller=_NAME)
     if num_splits is not None and (not is_integer(num_splits) or num_splits < 1):
         raise ValueError(f"{_NAME}: `num_splits` must be an int >= 1 or None (automatic), got {num_splits!r}")
     if not isinstance(cache_seqlens, torch.Tensor):
@@ -284,8 +291,8 @@ def kvcache_attention(
     if k_new is not None:
         k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
     spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
-                        deterministic=False)
-    args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, *spec.op_args()[1:5],
+                        deterministic=False, alibi=alibi is not None)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, alibi, *spec.op_args()[1:5],
             None if num_splits is None else int(num_splits), resolve_backend(q.device))
     out, lse = _kvcache_op(*args) if compiling else _kvcache_impl(*args, shape=shape)
     return (out, lse) if return_lse else out

@@ -9,7 +9,8 @@
   (``block_range.key_blocks_for_rows``, ``split_key_blocks``), loading cache rows by pointers: a
   paged cache's rows are found through the block table row by row, so any page size works with any
   key tile. Scores go through the same pieces as the other kernels (``softmax``,
-  ``masking.adjust_scores``).
+  ``masking.adjust_scores``, ``masking.alibi_scores`` with ``HAS_ALIBI``: each packed row has its
+  query head's slope).
 - ``_combine_splits_kernel``: with more than one split, each split stored its own normalised
   output (fp32) and lse; the combination weighs them by lse (the rule of ``merge_attention``).
 
@@ -35,7 +36,7 @@ from ..shared.constants import score_constants
 from .fwd import dot_precision, padded_dims, softcap_mode
 from ..shared.knobs import knobs
 from ..shared.launch import cdiv, launch, next_power_of_2
-from .masking import adjust_scores
+from .masking import adjust_scores, alibi_scores, alibi_slope
 from .softmax import finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 
 
@@ -90,11 +91,12 @@ def _cache_tiles(
     stride_table, page_size, num_pages, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Key blocks ``block_begin, block_begin + block_step, ...`` below ``block_end`` of the cache
     (``split_key_blocks``); ``lost`` counts kept keys whose page lay outside the cache (they read as
-    zero and their rows are poisoned by the caller)."""
+    zero and their rows are poisoned by the caller). ``HAS_ALIBI``: ALiBi with ``alibi_slope_log2``,
+    the (BLOCK_M,) slopes of the rows' query heads in log2 units."""
     offs_tile = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -110,6 +112,8 @@ def _cache_tiles(
                     other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         scores, _ = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
+        if HAS_ALIBI:  # the queries are the last seqlen_q of the seqlen_k keys: bottom-right aligned
+            scores = alibi_scores(scores, offs_q, offs_n, seqlen_q, seqlen_k, alibi_slope_log2[:, None], False)
         # No user mask or bias here: their arguments are placeholders the flags turn off.
         scores = adjust_scores(scores, offs_q, offs_n, 0, start_n, seqlen_q, seqlen_k, window_left, window_right,
                                None, None, 0, 0, 0, 0, 0, 0, None, None, 0, 0, 0, 0, HAS_LEFT, HAS_RIGHT, False,
@@ -127,7 +131,7 @@ def _cache_tiles(
 # with a new cache length every step).
 @triton.jit(do_not_specialize=["seqlen_q", "new_len", "page_size", "num_pages", "capacity"])
 def _cache_attention_kernel(
-    Q, KCache, VCache, Out, Lse, Sinks, CacheSeqlens, BlockTable,
+    Q, KCache, VCache, Out, Lse, Sinks, CacheSeqlens, BlockTable, Alibi,
     stride_qb, stride_qs, stride_qh,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_o_split, stride_ob, stride_os, stride_oh,
@@ -138,6 +142,7 @@ def _cache_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, WAIT_PRIOR: tl.constexpr,
+    HAS_ALIBI: tl.constexpr = False,
 ):
     if WAIT_PRIOR:  # launched early (programmatic dependent launch): the previous kernel's writes first
         tl.extra.cuda.gdc_wait()
@@ -164,6 +169,10 @@ def _cache_attention_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     q_rows = batch.to(tl.int64) * stride_qb + offs_q.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if HAS_ALIBI:  # each row's query head's slope (``head`` < Hq on every row, padded ones included)
+        slopes = alibi_slope(Alibi, batch, head, heads_kv * group_size)
+    else:
+        slopes = 0.0
 
     last_row = tl.minimum(first_row + BLOCK_M, packed_rows) - 1
     begin, _, _, end = key_blocks_for_rows(first_row // group_size, last_row // group_size, seqlen_q, seqlen_k,
@@ -185,7 +194,8 @@ def _cache_attention_kernel(
     # tuple they would arrive as plain values.
     acc, row_max, row_sum, lost = _cache_tiles(
         acc, row_max, row_sum, lost, *common, begin, end, step, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, PAGED, DOT_PRECISION)
+        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, PAGED, DOT_PRECISION, alibi_slope_log2=slopes,
+        HAS_ALIBI=HAS_ALIBI)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     poisoned = bad_length | (lost > 0)
@@ -320,10 +330,12 @@ def key_reach(spec: AttentionSpec, seqlen_q: int, capacity: int) -> int:
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, spec: AttentionSpec, sinks,
-                    num_splits: int | None, capacity: int):
+                    num_splits: int | None, capacity: int, alibi: torch.Tensor | None = None):
     """Append (when ``k_new`` is given), then attend. ``q`` (B, Sq, Hq, D); caches (B, S, Hkv, D) or,
     with ``block_table`` (B, pages per sequence), (pages, page size, Hkv, D); ``cache_seqlens`` int32
-    (B,). Returns out (B, Sq, Hq, Dv) and lse (B, Hq, Sq) float32."""
+    (B,); ``alibi`` (with ``spec.alibi``): contiguous float32 (B, Hq) ALiBi slopes. Returns out (B, Sq,
+    Hq, Dv) and lse (B, Hq, Sq) float32."""
+    assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
     batch, seqlen_q, heads_q, head_dim = q.shape
     heads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     group = heads_q // heads_kv
@@ -365,14 +377,14 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
     early = pdl if knobs().early_start is None else knobs().early_start and pdl
     launch(_cache_attention_kernel, (m_blocks, batch * heads_kv, num_splits), (
         q, k_cache, v_cache, part_out, part_lse, sinks if sinks is not None else lse, cache_seqlens, table,
-        *q.stride()[:3], *cache_strides, split_strides[0], *part_out.stride()[-4:-1], split_strides[1],
+        alibi if alibi is not None else lse, *q.stride()[:3], *cache_strides, split_strides[0], *part_out.stride()[-4:-1], split_strides[1],
         *part_lse.stride()[-3:], stride_table, seqlen_q, new_len, group, heads_kv, page_size, num_pages, capacity,
         spec.window_left, spec.window_right, qk_scale, softcap_log2,
     ), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=block_m,
         BLOCK_N=KEY_TILE, HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, PAGED=paged,
         DOT_PRECISION=dot_precision(q.dtype),
-        PDL=pdl and num_splits > 1, WAIT_PRIOR=early, num_warps=NUM_WARPS,
+        PDL=pdl and num_splits > 1, WAIT_PRIOR=early, HAS_ALIBI=spec.alibi, num_warps=NUM_WARPS,
         num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1),
         **({"launch_pdl": True} if early else {}))
     if num_splits > 1:
