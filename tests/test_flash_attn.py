@@ -251,8 +251,6 @@ def test_unsupported_features_raise_naming_them():
         fa.flash_attn_func(q, k, v, dropout_p=0.1, alibi_slopes=torch.ones(2, device=DEVICE))
     with pytest.raises(NotImplementedError, match="dropout"):
         fa.flash_attn_func(q, k, v, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fa.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=4, alibi_slopes=torch.ones(2, device=DEVICE))
     assert fa.flash_attn_func(q, k, v, dropout_p=0.0).shape == q.shape  # dropout_p=0.0 is plain attention
 
 
@@ -263,7 +261,8 @@ def test_unsupported_features_raise_naming_them():
 # cache rows (cache_seqlens + i), the padding notwithstanding (FlashAttention's kernel and tests); q is
 # rotated per position when causal or local, where a window side of S_cache or more counts as none.
 # "rows": the cache's rows (B_cache); "capacity": S_cache (a multiple of 16 or not: both ways of running
-# cache_batch_idx); "seqlens": a list, an int, or None (the whole cache).
+# cache_batch_idx); "seqlens": a list, an int, or None (the whole cache); "alibi": the shape of ALiBi slopes,
+# (H,) or (B, H) (row b: sequence b of q, whatever its cache row), distances aligned as causal is.
 
 KVCACHE_CASES = {
     "batch-idx": dict(rows=5, capacity=48, batch_idx=[3, 0], seqlens=[10, 29], new=3, causal=True),
@@ -291,12 +290,20 @@ KVCACHE_CASES = {
                                      seqlen_q=1, heads_q=8, rotary="interleaved"),
     "wide-window-rotary": dict(rows=3, capacity=32, batch_idx=[2, 0], seqlens=[8, 12], new=3, window_size=(100, -1),
                                rotary="interleaved"),
+    "batch-idx-alibi": dict(rows=5, capacity=48, batch_idx=[3, 0], seqlens=[10, 29], new=3, causal=True,
+                            alibi=(2, 4)),
+    "leftpad-batch-idx-rotary-window-alibi": dict(rows=4, capacity=48, batch_idx=[3, 1], leftpad=[5, 11],
+                                                  seqlens=[20, 11], new=3, rotary="interleaved", window_size=(4, 0),
+                                                  alibi=(2, 4)),
+    "decode-alibi-heads": dict(rows=2, capacity=32, seqlens=[9, 30], new=1, seqlen_q=1, alibi=(4,)),
 }
 
 
-def _cache_reference(q, k_before, v_before, k_new, v_new, cos, sin, lengths, pads, rows, options, interleaved):
+def _cache_reference(q, k_before, v_before, k_new, v_new, cos, sin, lengths, pads, rows, options, interleaved,
+                     alibi=None):
     """Per sequence: the keys and values FlashAttention attends over (float64), the rotated new k, and
-    (out, lse) of the rotated q over them, in float64 and in q's dtype (the eager error's yardstick)."""
+    (out, lse) of the rotated q over them, in float64 and in q's dtype (the eager error's yardstick).
+    ``alibi``: slopes (H,) or (B, H), row b for sequence b."""
     batch, seqlen_q = q.shape[:2]
     capacity, new = k_before.shape[1], (0 if k_new is None else k_new.shape[1])
     left, right = options.get("window_size", (-1, -1))
@@ -314,9 +321,11 @@ def _cache_reference(q, k_before, v_before, k_new, v_new, cos, sin, lengths, pad
         keys, values = k_before[row, pad:n].double(), v_before[row, pad:n].double()
         if new:
             keys, values = torch.cat((keys, k_rot[b].double())), torch.cat((values, v_new[b].double()))
-        ref = documented_attention(q_rot[b][None], keys[None], values[None], **options)
+        sequence_options = options if alibi is None else \
+            dict(options, alibi_slopes=alibi if alibi.dim() == 1 else alibi[b])
+        ref = documented_attention(q_rot[b][None], keys[None], values[None], **sequence_options)
         low = documented_attention(q_rot[b][None].to(q.dtype), keys[None].to(q.dtype), values[None].to(q.dtype),
-                                   **options)
+                                   **sequence_options)
         results.append((ref, low))
     return k_rot, results
 
@@ -330,6 +339,7 @@ def test_with_kvcache_batch_idx_and_leftpad_match_the_documented_semantics(backe
     seqlen_q = case.pop("seqlen_q", new)
     batch_idx, leftpad, seqlens = case.pop("batch_idx", None), case.pop("leftpad", None), case.pop("seqlens")
     rotary = case.pop("rotary", None)
+    alibi_shape = case.pop("alibi", None)
     options = case  # causal, window_size, softcap, softmax_scale
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     make = lambda *shape: torch.randn(*shape, generator=gen).to(DEVICE, DTYPE)  # noqa: E731
@@ -344,16 +354,17 @@ def test_with_kvcache_batch_idx_and_leftpad_match_the_documented_semantics(backe
     lengths = [capacity] * batch if seqlens is None else [seqlens] * batch if isinstance(seqlens, int) else seqlens
     pads, cache_rows = leftpad or [0] * batch, batch_idx or list(range(batch))
     k_before, v_before = k_cache.clone(), v_cache.clone()
+    slopes = None if alibi_shape is None else _slopes(alibi_shape, seed=len(name))
     with fusedattn.use_backend(backend):
         out, lse = fa.flash_attn_with_kvcache(
             q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
             cache_seqlens=int32(seqlens) if isinstance(seqlens, list) else seqlens,
             cache_batch_idx=None if batch_idx is None else int32(batch_idx),
             cache_leftpad=None if leftpad is None else int32(leftpad), rotary_interleaved=rotary == "interleaved",
-            return_softmax_lse=True, **options)
+            alibi_slopes=slopes, return_softmax_lse=True, **options)
     assert out.shape == (batch, seqlen_q, heads_q, dim) and lse.shape == (batch, heads_q, seqlen_q)
     k_rot, results = _cache_reference(q, k_before, v_before, k_new, v_new, cos, sin, lengths, pads, cache_rows,
-                                      options, rotary == "interleaved")
+                                      options, rotary == "interleaved", slopes)
     for b, ((ref_out, ref_lse), (low_out, _)) in enumerate(results):
         assert_close_to_reference(f"{name} sequence {b} out", out[b][None], low_out, ref_out)
         assert torch.allclose(lse[b].double(), ref_lse[0], atol=2e-2), (name, b)

@@ -12,9 +12,9 @@ sequence's cache starts), ``flash_attn_varlen_func`` a paged ``block_table``, wi
 rules (neither ``cache_batch_idx`` nor ``cache_leftpad`` together with a paged cache).
 ``alibi_slopes``: float32 (nheads,) or (batch, nheads) -- batch the number of sequences for the
 varlen functions -- adding ``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` to the scores after
-softcap (bottom-right aligned, per sequence for varlen); no gradient for the slopes. Not yet
-available, and raising ``NotImplementedError`` naming them: ``dropout_p > 0``, and ``alibi_slopes``
-in ``flash_attn_with_kvcache``.
+softcap (bottom-right aligned, per sequence for varlen; for ``flash_attn_with_kvcache`` seqlen_k is
+cache_seqlens + the new tokens, counted from ``cache_leftpad``); no gradient for the slopes. Not yet
+available, and raising ``NotImplementedError``: ``dropout_p > 0``.
 fusedattn also takes fp32 inputs, which FlashAttention refuses.
 """
 
@@ -230,6 +230,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     the host (so it cannot be captured in a CUDA graph) and checks every sequence before anything is
     written.
 
+    ``alibi_slopes`` float32 (Hq,) or (B, Hq): the queries are each sequence's last Sq keys
+    (``kvcache_attention``); row b of (B, Hq) slopes goes with sequence b of q, whatever cache row
+    ``cache_batch_idx`` gives it.
+
     Returns out, and with ``return_softmax_lse`` (out, softmax_lse (B, Hq, Sq) float32)."""
     paged = block_table is not None
     for name, value in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
@@ -240,10 +244,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     batch, seqlen_q = q.shape[:2]
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     window_size, rotate_per_position = _cache_window(causal, window_size, capacity)
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{_KVCACHE}: alibi_slopes is not supported yet (flash_attn_func and the varlen "
-                                  f"functions take it)")
-    options = _options("flash_attn_with_kvcache", 0.0, softmax_scale, causal, window_size, softcap)
+    options = _options("flash_attn_with_kvcache", 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes)
     if cache_seqlens is None:  # the whole cache holds valid tokens; new ones would have nowhere to go
         if k is not None:
             raise ValueError("fusedattn.flash_attn.flash_attn_with_kvcache: appending k, v needs cache_seqlens "
@@ -342,7 +343,10 @@ def _per_sequence(q, k_cache, v_cache, k, v, lengths, pads, rows, call: dict):
     """One ``kvcache_attention`` per sequence, on the view of its cache row from its left padding on
     (so the append lands in place, and the causal / window alignment counts from the padding)."""
     outs, lses = [], []
+    slopes = call.get("alibi_slopes")
     for b, (length, pad, row) in enumerate(zip(lengths, pads, rows)):
+        if slopes is not None and slopes.dim() == 2:  # sequence b's row of (B, Hq) slopes
+            call = dict(call, alibi_slopes=slopes[b:b + 1])
         out, lse = kvcache_attention(q[b:b + 1], k_cache[row:row + 1, pad:], v_cache[row:row + 1, pad:], length - pad,
                                      k_new=None if k is None else k[b:b + 1], v_new=None if v is None else v[b:b + 1],
                                      **call)
