@@ -102,7 +102,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     torch_dtype = TYPES[dtype]
     flags = dict(dict(HAS_MASK=False, MASK_SHIFT_Q=0, MASK_SHIFT_K=0, MASK_TMA=False, HAS_SINKS=False, HAS_BIAS=False,
                       BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False, VARLEN=False,
-                      HAS_ALIBI=False), **flags)
+                      HAS_ALIBI=False, HAS_CHUNK=False), **flags)
     configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
                             flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)

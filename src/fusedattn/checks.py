@@ -235,3 +235,13 @@ def check_alibi(alibi_slopes, q: torch.Tensor, shapes: Shapes,
     if alibi_slopes.device != q.device:
         raise ValueError(f"{caller}: `alibi_slopes` is on {alibi_slopes.device} but q is on {q.device}")
     return alibi_slopes.detach().expand(batch, heads_q).contiguous()
+
+
+def check_chunk(chunk, caller: str = "fusedattn.attention") -> None:
+    """None, or the chunk length of chunked local attention: an int >= 1."""
+    if chunk is None:
+        return
+    if not is_integer(chunk):
+        raise TypeError(f"{caller}: `chunk` must be an int >= 1 or None, got {type(chunk).__name__} {chunk!r}")
+    if chunk < 1:
+        raise ValueError(f"{caller}: `chunk` must be >= 1 (None = off), got {chunk}")

@@ -102,7 +102,8 @@ def _scores(q, k_chunk, spec: AttentionSpec, key_start: int, seqlen_q: int, seql
     if alibi is not None:
         s = s - alibi * alibi_distances(seqlen_q, seqlen_k, q.device, key_start, key_start + k_chunk.shape[-2])
     keep = keep_mask(
-        seqlen_q, seqlen_k, spec.window_left, spec.window_right, q.device, key_start, key_start + k_chunk.shape[-2]
+        seqlen_q, seqlen_k, spec.window_left, spec.window_right, q.device, key_start, key_start + k_chunk.shape[-2],
+        chunk=spec.chunk,
     )
     if mask is not None:  # the user's mask: its key columns of this chunk
         keep = keep & _chunk(mask, key_start, key_start + k_chunk.shape[-2], mask_shift)
@@ -201,6 +202,20 @@ def visible_keys(query_start: int, query_end: int, seqlen_q: int, seqlen_k: int,
     return first(query_start), end(query_end - 1), first(query_end - 1), end(query_start)
 
 
+def chunk_keys(query_start: int, query_end: int, seqlen_q: int, seqlen_k: int, chunk: int, lo: int, hi: int,
+               full_lo: int, full_hi: int) -> tuple[int, int, int, int]:
+    """``visible_keys``' (lo, hi, full_lo, full_hi) narrowed by the chunk rule (rows at aligned positions
+    >= 0: the caller drops the others): the keys from the first row's chunk start to the last row's
+    chunk end; the keys all rows see, only the first row's chunk from the last row's chunk start."""
+    diag = seqlen_k - seqlen_q
+    first, last = query_start + diag, query_end - 1 + diag
+    lo = max(lo, first // chunk * chunk)
+    hi = max(lo, min(hi, (last // chunk + 1) * chunk))
+    full_lo = max(full_lo, last // chunk * chunk)
+    full_hi = min(full_hi, (first // chunk + 1) * chunk)
+    return lo, hi, full_lo, full_hi
+
+
 # ----------------------------------------------------------------------------- torch's fused kernel
 
 
@@ -266,8 +281,8 @@ def fused_parts(seqlen_q: int, seqlen_k: int, window_left: int, window_right: in
 def uses_fused_kernel(spec: AttentionSpec, mask, bias) -> bool:
     """Whether a call on CPU tensors goes to torch's fused CPU kernel (the "torch" backend asked for on
     GPU tensors takes the math path): the kernel knows no softcap, bias or boolean mask (a bias would
-    need its gradient, a mask the kernel's answer for rows it empties; ALiBi would be a bias)."""
-    return not spec.has_softcap and not spec.alibi and mask is None and bias is None and fused_kernel_available()
+    need its gradient, a mask the kernel's answer for rows it empties; ALiBi would be a bias, chunk a mask)."""
+    return not spec.has_softcap and not spec.alibi and not spec.has_chunk and mask is None and bias is None and fused_kernel_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -510,10 +525,15 @@ class _Tiles:
         for every batch and head are left out (its tile states, as the kernels skip them)."""
         spec = self.spec
         first_row, end_row = rows_with_keys(self.seqlen_q, self.seqlen_k, spec.window_left, spec.window_right)
+        if spec.has_chunk:  # rows at a negative aligned position lie in no key's chunk
+            first_row = min(end_row, max(first_row, self.seqlen_q - self.seqlen_k))
         for q0 in range(first_row, end_row, QUERY_TILE):
             q1 = min(q0 + QUERY_TILE, end_row)
             lo, hi, full_lo, full_hi = visible_keys(q0, q1, self.seqlen_q, self.seqlen_k, spec.window_left,
                                                     spec.window_right)
+            if spec.has_chunk:
+                lo, hi, full_lo, full_hi = chunk_keys(q0, q1, self.seqlen_q, self.seqlen_k, spec.chunk, lo, hi,
+                                                      full_lo, full_hi)
             key_tiles = [(k0, min(k0 + KEY_TILE, hi)) for k0 in range(lo, hi, KEY_TILE)]
             yield q0, q1, [(k0, k1, full_lo <= k0 and k1 <= full_hi) for k0, k1 in key_tiles
                            if not self._masked_off(q0, q1, k0, k1)]
@@ -554,7 +574,7 @@ class _Tiles:
         if self.alibi is not None:
             s.sub_(self.alibi * alibi_distances(self.seqlen_q, self.seqlen_k, s.device, k0, k1, q0, q1))
         keep = None if whole else keep_mask(self.seqlen_q, self.seqlen_k, spec.window_left, spec.window_right,
-                                            s.device, k0, k1, q0, q1)
+                                            s.device, k0, k1, q0, q1, chunk=spec.chunk)
         if self.mask is not None:
             user = _chunk(_rows_of(self.mask, q0, q1), k0, k1, self.mask_shift)
             keep = user if keep is None else keep & user

@@ -117,7 +117,7 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
 
 
 def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> Support:
-    """Whether the Gluon kernels take the problem: no ALiBi, no sinks; a bias only in a kernel that reads one
+    """Whether the Gluon kernels take the problem: no ALiBi, no chunk, no sinks; a bias only in a kernel that reads one
     (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
     (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
     q, k, v addressable by TMA (16-byte aligned)."""
@@ -125,6 +125,8 @@ def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None
         return refused("not a CUDA tensor")
     if spec.alibi:
         return refused("alibi_slopes: the Gluon kernels have no ALiBi term")
+    if spec.has_chunk:
+        return refused("chunk: the Gluon kernels have no chunked-attention rule")
     if sinks is not None:
         return refused("sinks: the Gluon kernels have no sink term")
     if bias is not None:
@@ -398,9 +400,9 @@ def bias_grad_plan(bias: torch.Tensor | None, full_shape: tuple, spec: Attention
     if bias is None:
         return DBIAS_OFF, None
     if tuple(bias.shape) == full_shape:
-        # Tiles outside the window, or emptied by the mask, are never visited: they keep the zeros
-        # they start with.
-        skipped = spec.has_window_left or spec.has_window_right or skips_tiles
+        # Tiles outside the window or the chunks, or emptied by the mask, are never visited: they keep
+        # the zeros they start with.
+        skipped = spec.has_window_left or spec.has_window_right or spec.has_chunk or skips_tiles
         allocate = torch.zeros_like if skipped else torch.empty_like
         return DBIAS_STORE, allocate(bias, memory_format=torch.contiguous_format)
     if spec.deterministic:
@@ -693,7 +695,7 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
         fused = q.is_cpu and cpu.uses_fused_kernel(spec, mask, bias)
         kernel = "torch's fused CPU attention kernel, by parts of the key range" if fused else \
             "PyTorch ops over chunks of keys (cpu.py), O(Sq x chunk) memory"
-        why = "" if fused else "softcap, a bias, a mask or ALiBi: torch's fused CPU kernel takes none of them" \
+        why = "" if fused else "softcap, a bias, a mask, ALiBi or chunk: torch's fused CPU kernel takes none of them" \
             if q.is_cpu else "the PyTorch backend on a CUDA tensor (use_backend or FUSEDATTN_BACKEND)"
         steps = (Step("forward", kernel, why),)
         return Explanation(backend, steps, (Step("all gradients", kernel.replace("attention kernel", "backward"),

@@ -18,7 +18,7 @@ from torch.autograd import forward_ad
 
 from . import cpu, dispatch
 from .block_mask import BlockMask
-from .checks import check_alibi, check_bias, check_mask, check_options, check_qkv, check_sinks
+from .checks import check_alibi, check_bias, check_chunk, check_mask, check_options, check_qkv, check_sinks
 from .dispatch import use_backend  # noqa: F401  (public: fusedattn.use_backend)
 from .spec import AttentionSpec, bhsd_shape, gradient_like, resolve_spec
 
@@ -66,8 +66,8 @@ _spec = functools.lru_cache(maxsize=256)(AttentionSpec)
 
 
 def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right, scale,
-                  softcap, deterministic, backend):
-    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None)
+                  softcap, deterministic, chunk, backend):
+    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk)
     mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
@@ -81,15 +81,15 @@ def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mask: Optional[torch.Tensor],
     mask_states: Optional[torch.Tensor], mask_grid: list[int], bias: Optional[torch.Tensor],
     alibi: Optional[torch.Tensor], layout: str, window_left: int, window_right: int, scale: float, softcap: float,
-    deterministic: bool, backend: str,
+    deterministic: bool, chunk: int, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right,
-                         scale, softcap, deterministic, backend)
+                         scale, softcap, deterministic, chunk, backend)
 
 
 @_forward_op.register_fake
 def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right, scale,
-                  softcap, deterministic, backend):
+                  softcap, deterministic, chunk, backend):
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
     head_dim_v = v.shape[-1]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -97,10 +97,10 @@ def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, lay
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
-                   alibi, layout, window_left, window_right, scale, softcap, deterministic, backend):
+                   alibi, layout, window_left, window_right, scale, softcap, deterministic, chunk, backend):
     """(dq, dk, dv, dbias, dsinks); dbias None unless ``bias_grad``, dsinks (float32) None unless
     ``sinks_grad`` (the custom op returns empty tensors in their place: ``_backward_op``)."""
-    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None)
+    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk)
     mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if bias is not None:
         bias = bias.detach()
@@ -115,11 +115,11 @@ def _backward_op(
     sinks: Optional[torch.Tensor], sinks_grad: bool,
     mask: Optional[torch.Tensor], mask_states: Optional[torch.Tensor], mask_grid: list[int],
     bias: Optional[torch.Tensor], bias_grad: bool, alibi: Optional[torch.Tensor], layout: str, window_left: int,
-    window_right: int, scale: float, softcap: float, deterministic: bool, backend: str,
+    window_right: int, scale: float, softcap: float, deterministic: bool, chunk: int, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dbias, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states,
                                                mask_grid, bias, bias_grad, alibi, layout, window_left, window_right,
-                                               scale, softcap, deterministic, backend)
+                                               scale, softcap, deterministic, chunk, backend)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), \
         dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
@@ -211,7 +211,7 @@ def _differentiable_backward(ctx, dout, dlse, needs: tuple) -> tuple:
     agree. Costs what autograd through plain attention costs: every chunk's probabilities are kept."""
     q, k, v, _, _, sinks, mask, mask_states, bias, alibi = ctx.saved_tensors
     layout = ctx.options[0]
-    spec = _spec(*ctx.options[:6], alibi is not None)
+    spec = _spec(*ctx.options[:6], alibi is not None, ctx.options[6])
     block_mask = _block_mask(mask, mask_states, ctx.mask_grid, q, k, layout)
     with torch.enable_grad():
         out, lse = cpu.chunked_forward(q, k, v, spec, sinks, block_mask, bias, alibi=alibi)
@@ -234,7 +234,7 @@ def differentiable_grads(outputs: tuple, cotangents: tuple, inputs: tuple, needs
 
 
 def _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks, deterministic, return_lse,
-                  alibi_slopes=None):
+                  alibi_slopes=None, chunk=None):
     """``attention``'s arguments checked and resolved (``explain`` takes the same): (q, k, v with a
     unit-stride head dim, the mask as a BlockMask, the bias, the frozen AttentionSpec, the ALiBi
     slopes as a contiguous float32 (B, Hq) tensor or None)."""
@@ -245,9 +245,10 @@ def _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, s
     mask = check_mask(mask, shapes, q)
     bias = check_bias(bias, shapes, q)
     alibi = check_alibi(alibi_slopes, q, shapes)
+    check_chunk(chunk)
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
-                        softcap=softcap, deterministic=deterministic, alibi=alibi is not None)
+                        softcap=softcap, deterministic=deterministic, alibi=alibi is not None, chunk=chunk)
     return q, k, v, mask, bias, spec, alibi
 
 
@@ -265,6 +266,7 @@ def attention(
     mask: torch.Tensor | BlockMask | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
 ):
@@ -278,9 +280,12 @@ def attention(
     ``fusedattn.BlockMask`` built once for many calls; tiles the mask empties are skipped.
     ``alibi_slopes``: float32 (Hq,) or (B, Hq); adds ``-slope * |i + Sk - Sq - j|`` to the scores
     (FlashAttention 2's ALiBi), computed in the kernels; constants, no gradient.
+    ``chunk``: int >= 1, chunked local attention (Llama 4): query i sees key j only if both lie in the
+    same chunk of ``chunk`` positions, ``(i + Sk - Sq) // chunk == j // chunk``, combined with every
+    other rule by AND; key blocks outside a query block's chunks are skipped.
     """
     q, k, v, mask, bias, spec, alibi = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask,
-                                                     sinks, deterministic, return_lse, alibi_slopes)
+                                                     sinks, deterministic, return_lse, alibi_slopes, chunk)
     mask_args, options = _mask_args(mask), (*spec.op_args(), dispatch.resolve_backend(q.device))
     args = (q, k, v, sinks, *mask_args, bias, alibi, *options)
     if torch.compiler.is_compiling():
@@ -308,6 +313,7 @@ def explain(
     mask: torch.Tensor | BlockMask | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
     deterministic: bool = False,
     show: bool = True,
 ):
@@ -317,7 +323,7 @@ def explain(
     The backward's bias and sinks gradients are planned where those tensors require a gradient.
     ``show=False`` only returns it (``str()`` of the result is the printed text)."""
     q, k, v, mask, bias, spec, _ = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks,
-                                                 deterministic, False, alibi_slopes)
+                                                 deterministic, False, alibi_slopes, chunk)
     plans = dispatch.explain_plans(q, k, v, spec, None if sinks is None else sinks.detach().float(), mask,
                                    None if bias is None else bias.detach(), dispatch.resolve_backend(q.device),
                                    bias_grad=bias is not None and bias.requires_grad,

@@ -29,6 +29,7 @@ def reference_attention(
     mask: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
     return_lse: bool = False,
 ):
     qh, kh, vh = to_bhsd(q, layout), to_bhsd(k, layout), to_bhsd(v, layout)
@@ -48,7 +49,7 @@ def reference_attention(
         slopes = alibi_slopes.to(s.dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, heads_q, 1, 1)
         s = s - slopes * alibi_distances(seqlen_q, seqlen_k, device=q.device).to(s.dtype)
     left, right = fold_window(causal, window)
-    keep = keep_mask(seqlen_q, seqlen_k, left, right, device=q.device)
+    keep = keep_mask(seqlen_q, seqlen_k, left, right, device=q.device, chunk=chunk or 0)
     if mask is not None:
         keep = keep & _expand_heads(mask, heads_q)
     s = s.masked_fill(~keep, float("-inf"))

@@ -34,10 +34,16 @@ class AttentionSpec:
     softcap: float
     deterministic: bool
     alibi: bool = False
+    chunk: int = 0
 
     def op_args(self) -> tuple:
         """The spec as plain values, the way the custom ops carry it."""
-        return (self.layout, self.window_left, self.window_right, self.scale, self.softcap, self.deterministic)
+        return (self.layout, self.window_left, self.window_right, self.scale, self.softcap, self.deterministic,
+                self.chunk)
+
+    @property
+    def has_chunk(self) -> bool:
+        return self.chunk != 0
 
     @property
     def has_window_left(self) -> bool:
@@ -96,6 +102,7 @@ def resolve_spec(
     softcap: float | None,
     deterministic: bool,
     alibi: bool = False,
+    chunk: int | None = None,
 ) -> AttentionSpec:
     left, right = fold_window(causal, window)
     return AttentionSpec(
@@ -106,6 +113,7 @@ def resolve_spec(
         softcap=float(softcap) if softcap is not None else 0.0,
         deterministic=bool(deterministic),
         alibi=bool(alibi),
+        chunk=int(chunk) if chunk is not None else 0,
     )
 
 
@@ -119,9 +127,11 @@ def keep_mask(
     key_end: int | None = None,
     query_start: int = 0,
     query_end: int | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """(query_end - query_start, key_end - key_start) bool, by default (Sq, Sk): query i may
-    attend key j (bottom-right aligned).
+    attend key j (bottom-right aligned). ``chunk`` (> 0): also only keys in the query's chunk
+    (``chunk_of``); a row whose aligned position i + Sk - Sq is negative then keeps none.
 
     The host-side statement of the rule, used by the reference, the CPU path and the dynamic
     masks; the kernels' ``masking.apply_mask`` computes the same predicate per tile.
@@ -136,7 +146,16 @@ def keep_mask(
         keep &= offset_from_diagonal <= window_right
     if window_left != UNBOUNDED:
         keep &= offset_from_diagonal >= -window_left
+    if chunk:
+        keep &= chunk_of(rows + (seqlen_k - seqlen_q), chunk) == chunk_of(cols, chunk)
     return keep
+
+
+def chunk_of(position, chunk: int):
+    """The chunk index of an aligned position: floor(position / chunk), flooring for negative
+    positions too (torch's ``//`` on tensors and Python's on ints floor), so a query whose aligned
+    position i + Sk - Sq is negative lies in a chunk below 0 that holds no key."""
+    return position // chunk
 
 
 def alibi_distances(seqlen_q: int, seqlen_k: int, device=None, key_start: int = 0, key_end: int | None = None,

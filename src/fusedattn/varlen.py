@@ -349,7 +349,7 @@ def varlen_attention(
     backend = resolve_backend(q.device)
     if torch.compiler.is_compiling():
         out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, int(max_seqlen_q),
-                               int(max_seqlen_k), *spec.op_args()[1:], backend)
+                               int(max_seqlen_k), *spec.op_args()[1:6], backend)
     else:
         packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
         if beyond_first_order(q, k, v, sinks):  # each sequence through ``attention``'s plain torch ops

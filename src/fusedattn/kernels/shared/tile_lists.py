@@ -55,7 +55,8 @@ def rule_states(seqlen_q: int, seqlen_k: int, spec: AttentionSpec, block_q: int,
     """int8 (query blocks, key blocks): the causal/window keep rule per tile. Over a tile, the
     offset from the diagonal ``j - i - (Sk - Sq)`` takes every value of [dmin, dmax], so a tile is
     EMPTY iff that range misses [-window_left, window_right], and FULL iff it lies inside it and
-    the tile is whole (not cut by Sq or Sk)."""
+    the tile is whole (not cut by Sq or Sk). With ``chunk``: EMPTY also where the chunks of its
+    queries' aligned positions and of its keys do not meet, FULL only where all lie in one chunk."""
     rows0 = torch.arange(_cdiv(seqlen_q, block_q), device=device) * block_q
     cols0 = torch.arange(_cdiv(seqlen_k, block_k), device=device) * block_k
     rows1 = torch.clamp(rows0 + block_q, max=seqlen_q) - 1
@@ -71,6 +72,13 @@ def rule_states(seqlen_q: int, seqlen_k: int, spec: AttentionSpec, block_q: int,
     if spec.has_window_left:
         empty |= offset_max < -spec.window_left
         full &= offset_min >= -spec.window_left
+    if spec.has_chunk:  # the tile's query chunks [first, last] against its key chunks (floor division)
+        chunk = spec.chunk
+        q_first, q_last = (rows0 + diag) // chunk, (rows1 + diag) // chunk
+        k_first, k_last = cols0 // chunk, cols1 // chunk
+        empty |= (q_last[:, None] < k_first[None, :]) | (q_first[:, None] > k_last[None, :])
+        full &= ((q_first == q_last)[:, None] & (k_first == k_last)[None, :]
+                 & (q_first[:, None] == k_first[None, :]))
     return torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
 
 
@@ -132,7 +140,7 @@ def row_lists(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_
               block_k: int) -> torch.Tensor:
     """int32 (B|1, H|1, query blocks, 2 + key blocks): the key blocks each forward / dQ program
     visits (module doc)."""
-    key = ("rows", spec.window_left, spec.window_right, seqlen_q, seqlen_k, block_q, block_k)
+    key = ("rows", spec.window_left, spec.window_right, spec.chunk, seqlen_q, seqlen_k, block_q, block_k)
     return _cached(block_mask, key,
                    lambda: _lists(tile_states(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)))
 
@@ -155,7 +163,7 @@ def whole_and_even(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, se
     training step)."""
     per_mask = _cache.setdefault(block_mask.states, {})
     whole_key = _key(block_mask, ("whole", seqlen_q, seqlen_k, block_q, block_k))
-    even_key = _key(block_mask, ("even", spec.window_left, spec.window_right, seqlen_q, seqlen_k, block_q, block_k))
+    even_key = _key(block_mask, ("even", spec.window_left, spec.window_right, spec.chunk, seqlen_q, seqlen_k, block_q, block_k))
     if whole_key not in per_mask or even_key not in per_mask:
         # a list's length is its row's non-empty tiles: counted from the states, so that a mask the
         # Gluon forward declines (partial tiles) builds and keeps no list at its tiles
@@ -172,7 +180,7 @@ def column_lists(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seql
                  block_k: int, heads_q: int, heads_kv: int) -> torch.Tensor:
     """int32 (B|1, Hkv|1, key blocks, 2 + group * query blocks): the (query head of the group,
     query block) tiles each dK/dV program visits, as ``member * query_blocks + query_block``."""
-    key = ("columns", spec.window_left, spec.window_right, seqlen_q, seqlen_k, block_q, block_k, heads_q, heads_kv)
+    key = ("columns", spec.window_left, spec.window_right, spec.chunk, seqlen_q, seqlen_k, block_q, block_k, heads_q, heads_kv)
     return _cached(block_mask, key, lambda: _column_lists(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k,
                                                           heads_q, heads_kv))
 

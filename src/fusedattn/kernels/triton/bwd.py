@@ -43,7 +43,7 @@ from ...spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, gradient_li
 from ..shared.config import AttentionConfigs, KernelConfig
 from ..shared.block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from ..shared import tile_lists
-from .fwd import (bhs_strides, broadcast_args, dot_precision, mask_args, mask_descriptor, padded_dim, padded_dims,
+from .fwd import (bhs_strides, broadcast_args, chunk_arg, dot_precision, mask_args, mask_descriptor, padded_dim, padded_dims,
                   row_list_args, sequence_args, softcap_mode)
 from ..shared.constants import score_constants
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
@@ -62,7 +62,8 @@ def _probabilities(
     MASK_SHIFT_K: tl.constexpr, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
-    TRANSPOSED: tl.constexpr, alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
+    TRANSPOSED: tl.constexpr, alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
     scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
@@ -70,7 +71,8 @@ def _probabilities(
                            mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
                            MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT,
                            HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, TRANSPOSED,
-                           alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI)
+                           alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -194,7 +196,8 @@ def _dkdv_tiles(
     DBIAS_SUM_K: tl.constexpr, IS_MASKED: tl.constexpr, FROM_LIST: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
-    Alibi=0, HAS_ALIBI: tl.constexpr = False,
+    Alibi=0, HAS_ALIBI: tl.constexpr = False, chunk=1,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
     loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV.
@@ -243,7 +246,8 @@ def _dkdv_tiles(
                                      mask_head, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
                                      bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                      HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, True,
-                                     alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+                                     alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dlogit_t, ds_t = _score_grads(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True)
@@ -290,7 +294,8 @@ def _dkdv_program(
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DBIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr,
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr, MASK_TMA: tl.constexpr,
-    Alibi=0, HAS_ALIBI: tl.constexpr = False,
+    Alibi=0, HAS_ALIBI: tl.constexpr = False, chunk=1,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     """dK, dV of one key block of one KV head, summed over the query heads of its group. ``batch``:
     the batch (or packed sequence) index; ``q_index``, ``k_index``: what addresses its rows of the
@@ -330,28 +335,33 @@ def _dkdv_program(
             BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
             DBIAS_SUM_Q, DBIAS_SUM_K, HAS_BIAS,  # a -inf bias can empty a row on any tile
             True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, full_tiles, full_tiles + partial_tiles, 0, 0, *scores_args, tile_list + 2,
             query_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
             HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
-            MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
+            MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
     else:
         begin, interior_begin, interior_end, end = query_blocks_for_key_block(
-            n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+            chunk, HAS_CHUNK)
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, interior_begin, interior_end, interior_end, interior_end, *scores_args, TileLists, 0,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS,
             BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K,
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard it too
             False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         # both boundary stretches in one masked walk
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, begin, end, interior_begin, interior_end, *scores_args, TileLists, 0, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
             DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
 
     store_tile(tile_ptrs(head_base(DK, k_index, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile,
                          offs_d), dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -370,7 +380,8 @@ def _dq_tiles(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
-    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
+    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
     positions of ``tile_list`` (tile_lists.py), as the forward walks them."""
@@ -392,7 +403,8 @@ def _dq_tiles(
                                      mask_head, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
                                      bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                      HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False,
-                                     alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI)
+                                     alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         _, ds = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -417,7 +429,8 @@ def _dq_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
-    MASK_TMA: tl.constexpr, Alibi=0, HAS_ALIBI: tl.constexpr = False,
+    MASK_TMA: tl.constexpr, Alibi=0, HAS_ALIBI: tl.constexpr = False, chunk=1,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     """dQ of one query block of one query head, in registers: a fixed summation order. ``q_index``,
     ``k_index``: as for ``_dkdv_program``."""
@@ -459,28 +472,34 @@ def _dq_program(
                        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                        HAS_BIAS,  # a -inf bias can empty a row on any tile
                        True, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         dq = _dq_tiles(dq, *operands, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args, HEAD_DIM,
                        HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
                        BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
     else:
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
-            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+            chunk, HAS_CHUNK)
         dq = _dq_tiles(dq, *operands, interior_begin, interior_end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                        BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                        HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
                        False, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
-        if HAS_LEFT:
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+        if HAS_LEFT or HAS_CHUNK:  # boundary blocks before the interior
             dq = _dq_tiles(dq, *operands, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                            BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                            True, False, DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         dq = _dq_tiles(dq, *operands, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                        DOT_PRECISION, TMA_LOADS,
-                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+                       MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
     store_tile(tile_ptrs(head_base(DQ, q_index, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 
@@ -504,7 +523,7 @@ def _backward_kernel(
     stride_clb, stride_clh, stride_clr, stride_rlb, stride_rlh, stride_rlr, rows_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, stride_stats,
-    qk_scale, softcap_log2, scale, key_blocks, query_blocks, dkdv_programs, dkdv_block_major,
+    qk_scale, softcap_log2, scale, chunk, key_blocks, query_blocks, dkdv_programs, dkdv_block_major,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -512,7 +531,7 @@ def _backward_kernel(
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
-    MASK_TMA: tl.constexpr, VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    MASK_TMA: tl.constexpr, VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CHUNK: tl.constexpr,
 ):
     """The backward after the pre-pass. Programs ``[0, dkdv_programs)`` compute dK/dV (the heavier
     work, so it starts first), the rest compute dQ. Launched once with both kinds (they fill each
@@ -552,7 +571,8 @@ def _backward_kernel(
                     qk_scale, softcap_log2, scale,
                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                     HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
-                    INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS, MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI)
+                    INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS, MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -575,7 +595,8 @@ def _backward_kernel(
                     qk_scale, softcap_log2, scale,
                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                     HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS, MASK_TMA, Alibi=Alibi,
-                    HAS_ALIBI=HAS_ALIBI)
+                    HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
@@ -589,12 +610,12 @@ def _bias_grad_kernel(
     TileStates, stride_tb, stride_th, stride_tq, tiles_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, batch_size, heads_q, group_size, window_left, window_right, stride_stats,
-    qk_scale, softcap_log2, bias_batches, bias_heads, q_tiles, k_tiles,
+    qk_scale, softcap_log2, chunk, bias_batches, bias_heads, q_tiles, k_tiles,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr, DBIAS_SUM_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_CHUNK: tl.constexpr,
 ):
     """The bias gradient of a broadcast bias, bitwise reproducible (``deterministic=True``): one
     program per output tile -- (bias batch, bias head, query block, key block), a broadcast query
@@ -625,7 +646,8 @@ def _bias_grad_kernel(
         head = bias_head * heads_per_bias_head + member % heads_per_bias_head
         batch = bias_batch + member // heads_per_bias_head
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
-            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+            chunk, HAS_CHUNK)
         visited = (n_block >= begin) & (n_block < end)  # a tile with a kept pair
         if HAS_MASK:  # and one the mask does not empty
             state = tl.load(TileStates + batch * stride_tb + (head // tiles_head_div) * stride_th + m_block * stride_tq
@@ -661,7 +683,8 @@ def _bias_grad_kernel(
                 stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, Bias,
                 head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), 0, 0, stride_bq, stride_bk,
                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, False, False, True, False,
-                alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+                alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             dlogit, _ = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
             acc += dlogit
@@ -724,7 +747,7 @@ def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
-        DOT_PRECISION=dot_precision(q.dtype), HAS_ALIBI=spec.alibi,
+        DOT_PRECISION=dot_precision(q.dtype), HAS_ALIBI=spec.alibi, HAS_CHUNK=spec.has_chunk,
     )
 
 
@@ -759,7 +782,7 @@ def _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec: AttentionSpec, config
                # equal to 1, which removes the group walk's index arithmetic for MHA.
                seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,
                plan.padded_rows,
-               qk_scale, softcap_log2, spec.scale, key_blocks, query_blocks)
+               qk_scale, softcap_log2, spec.scale, chunk_arg(spec, seqlen_k), key_blocks, query_blocks)
     constexprs = dict(
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
         DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, VARLEN=packing is not None,
@@ -821,7 +844,7 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbia
         *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
         *user_mask[1:], state_args[0], *state_args[1:4], state_args[5], *bias_args[1:], *dbias_args[1:5],
         seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right, lse2.shape[1],
-        *score_constants(spec), bias_batches, bias_heads, q_tiles, k_tiles,
+        *score_constants(spec), chunk_arg(spec, seqlen_k), bias_batches, bias_heads, q_tiles, k_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **sums, **flags, num_warps=cfg.num_warps, num_stages=1)
 
 

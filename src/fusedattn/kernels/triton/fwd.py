@@ -38,7 +38,8 @@ def _forward_tiles(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
-    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
+    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
     positions of ``tile_list`` (tile_lists.py). ``HAS_ALIBI``: ALiBi with the program's slope."""
@@ -58,7 +59,8 @@ def _forward_tiles(
                                mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
                                MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT,
                                HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False,
-                               alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI)
+                               alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
@@ -81,12 +83,13 @@ def _forward_kernel(
     stride_lb, stride_lh, stride_lr, lists_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_lse_head,
-    qk_scale, softcap_log2,
+    qk_scale, softcap_log2, chunk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -136,32 +139,38 @@ def _forward_kernel(
             BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
             HAS_BIAS,  # a -inf bias can empty a row on any tile
             True, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
             BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
     else:
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
-            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+            chunk, HAS_CHUNK)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, interior_begin, interior_end, TileLists, *scores_args, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
             False, DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
-        if HAS_LEFT:
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+        if HAS_LEFT or HAS_CHUNK:  # boundary blocks before the interior
             acc, row_max, row_sum = _forward_tiles(
                 acc, row_max, row_sum, *common, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                 DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
             DOT_PRECISION, TMA_LOADS,
-            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI)
+            MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     o_base = head_base(Out, q_index, head, stride_ob, stride_oh)
@@ -171,6 +180,12 @@ def _forward_kernel(
 
 
 # ----------------------------------------------------------------------------- launcher
+
+def chunk_arg(spec: AttentionSpec, seqlen_k: int) -> int:
+    """The kernels' ``chunk`` (an int32): the spec's, at most Sk -- a chunk of Sk or more keeps the
+    same pairs (every key in chunk 0, every row at aligned position 0..Sk-1 too) -- or 1 when off."""
+    return min(spec.chunk, max(seqlen_k, 1)) if spec.has_chunk else 1
+
 
 def padded_dim(d: int) -> int:
     """Tile width for a head dim: a power of two, at least 16 (the smallest tl.dot K)."""
@@ -298,7 +313,7 @@ def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks:
             *bhs_strides(v, spec.layout, packing), *bhs_strides(out, spec.layout, packing), *user_mask[1:],
             *tile_lists[1:], *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
             seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
-            lse.shape[-1] if packing is not None else 0, qk_scale, softcap_log2,
+            lse.shape[-1] if packing is not None else 0, qk_scale, softcap_log2, chunk_arg(spec, seqlen_k),
         ),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
@@ -306,5 +321,6 @@ def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks:
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
         HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
         DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None, HAS_ALIBI=spec.alibi,
+        HAS_CHUNK=spec.has_chunk,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -1,5 +1,5 @@
 """The masking functions: ``adjust_scores`` applies, to a score tile, the user's bias, the keep
-rule of ``causal`` / ``window`` (``apply_mask``) and the user's boolean mask; forward and both
+rule of ``causal`` / ``window`` / ``chunk`` (``apply_mask``) and the user's boolean mask; forward and both
 backward passes call it, so every path modifies scores the same way.
 
 Interior tiles (see ``block_range``) skip the keep rule. The backward's dK/dV pass holds
@@ -27,19 +27,30 @@ ONE_ROW: tl.constexpr = tl.constexpr(-1)
 def apply_mask(
     scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, TRANSPOSED: tl.constexpr,
+    chunk=1, HAS_CHUNK: tl.constexpr = False,
 ):
     diag = seqlen_k - seqlen_q
     last_key = seqlen_k - 1 + offs_q * 0
     if HAS_RIGHT:
         last_key = tl.minimum(last_key, offs_q + (diag + window_right))
+    if HAS_CHUNK:
+        # the keys of the row's chunk, [chunk_first, chunk_first + chunk); none for a row at a negative
+        # aligned position (clamped to 0 first: the GPU's division truncates)
+        position = offs_q + diag
+        chunk_first = tl.maximum(position, 0) // chunk * chunk
+        last_key = tl.minimum(last_key, tl.where(position < 0, -1, chunk_first + chunk - 1))
     if TRANSPOSED:
         keep = offs_k[:, None] <= last_key[None, :]
         if HAS_LEFT:
             keep = keep & (offs_k[:, None] >= (offs_q + (diag - window_left))[None, :])
+        if HAS_CHUNK:
+            keep = keep & (offs_k[:, None] >= chunk_first[None, :])
     else:
         keep = offs_k[None, :] <= last_key[:, None]
         if HAS_LEFT:
             keep = keep & (offs_k[None, :] >= (offs_q + (diag - window_left))[:, None])
+        if HAS_CHUNK:
+            keep = keep & (offs_k[None, :] >= chunk_first[:, None])
     return tl.where(keep, scores, float("-inf"))
 
 
@@ -165,7 +176,7 @@ def adjust_scores(
     MASK_SHIFT_K: tl.constexpr, bias_desc, bias_base, bias_batch, bias_head,
     stride_bq, stride_bk, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr, IS_MASKED: tl.constexpr, TRANSPOSED: tl.constexpr,
-    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
+    alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1, HAS_CHUNK: tl.constexpr = False,
 ):
     """Everything attention does to a log2-domain score tile after scale and softcap: the user's
     bias (times log2 e; -inf entries mask), ALiBi (``HAS_ALIBI``: ``alibi_scores`` with the
@@ -183,7 +194,7 @@ def adjust_scores(
         scores = alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, alibi_slope_log2, TRANSPOSED)
     if IS_MASKED:
         scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
-                            HAS_LEFT, HAS_RIGHT, TRANSPOSED)
+                            HAS_LEFT, HAS_RIGHT, TRANSPOSED, chunk, HAS_CHUNK)
     if HAS_MASK:
         keep = load_mask_tile(mask_desc, mask_base, mask_batch, mask_head, start_q, start_k, offs_q, offs_k, seqlen_q,
                               seqlen_k, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, MASK_TMA, TRANSPOSED)
