@@ -46,6 +46,7 @@ class Case:
     bias_trainable: bool = True  # False: a fixed bias (no gradient asked for)
     # ALiBi slopes (SPEC 10): "heads" one per query head (Hq,), "batch" one per batch and head (B, Hq)
     alibi: str | None = None
+    chunk: int | None = None  # chunked local attention (chunk=C, SPEC 3.10)
     dtype: torch.dtype = torch.float16
 
     @property
@@ -80,10 +81,16 @@ class Case:
                          + ("" if self.bias_trainable else "-fixed"))
         if self.alibi:
             parts.append(f"alibi-{self.alibi}")
+        if self.chunk:
+            parts.append(f"chunk{self.chunk}")
         return "-".join(parts)
 
     def options(self) -> dict:
-        return dict(layout=self.layout, causal=self.causal, window=self.window, softcap=self.softcap, scale=self.scale)
+        options = dict(layout=self.layout, causal=self.causal, window=self.window, softcap=self.softcap,
+                       scale=self.scale)
+        if self.chunk is not None:  # only where set: some callers take no chunk
+            options["chunk"] = self.chunk
+        return options
 
 
 # Mask and bias shapes (SPEC 3.3), by name: every broadcast the API allows.
@@ -183,6 +190,28 @@ QUICK: list[Case] = [
          mask="keys"),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="heads", causal=True, deterministic=True,
          alibi="batch", dtype=torch.float32),
+    # chunk=C: alone, with causal (Llama 4's form), window, softcap, GQA/MQA, a full bias (gradient
+    # stored: skipped tiles keep their zeros), a broadcast bias, masks (elements and whole cells), sinks,
+    # ALiBi; odd lengths, Sq != Sk both ways (Sq > Sk: rows at negative aligned positions see no key),
+    # C not dividing the lengths or the 16-wide tiles, C = 1, C >= Sk (as no chunk where Sq <= Sk)
+    Case(seqlen_q=47, seqlen_k=47, chunk=16),
+    Case(seqlen_q=47, seqlen_k=47, chunk=13, causal=True, dtype=torch.float32),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=65, chunk=20, causal=True, layout="bhsd",
+         lse_grad=True),
+    Case(seqlen_q=65, seqlen_k=33, chunk=7, lse_grad=True, dtype=torch.float32),
+    Case(seqlen_q=65, seqlen_k=47, chunk=24, causal=True, deterministic=True),
+    Case(seqlen_q=47, seqlen_k=65, chunk=11, window=(9, 4), softcap=5.0, dtype=torch.float32),
+    Case(heads_q=6, heads_kv=1, seqlen_q=33, seqlen_k=47, chunk=10, causal=True, sinks=True),
+    Case(seqlen_q=33, seqlen_k=33, chunk=1, dtype=torch.float32),
+    Case(seqlen_q=17, seqlen_k=33, chunk=40),
+    Case(seqlen_q=33, seqlen_k=47, chunk=9, bias="full", window=(-1, 5)),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, chunk=16, bias="heads", deterministic=True,
+         dtype=torch.float32),
+    Case(heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=47, chunk=12, causal=True, mask="full", mask_cells=16),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=65, chunk=12, mask="full", mask_cells=16,
+         mask_cells_partial=False, dtype=torch.float32),
+    Case(batch=2, seqlen_q=33, seqlen_k=47, chunk=15, mask="keys", alibi="batch", dtype=torch.float32),
+    Case(seqlen_q=1, seqlen_k=33, chunk=8, causal=True, alibi="heads"),
 ]
 
 FULL_LENGTHS = [(1, 1), (17, 17), (113, 255), (255, 113), (127, 129), (1000, 1000), (1, 1000), (1000, 17)]

@@ -80,6 +80,11 @@ BAD_INPUTS = [
     ("alibi a list", lambda: (qkv(), {"alibi_slopes": [0.5, 0.5]}), TypeError, ["`alibi_slopes`", "list"]),
     ("alibi on another device", lambda: (qkv(), {"alibi_slopes": torch.ones(2, device="meta")}), ValueError,
      ["`alibi_slopes`", "meta", "cpu"]),
+    ("chunk zero", lambda: (qkv(), {"chunk": 0}), ValueError, ["`chunk`", ">= 1", "got 0"]),
+    ("chunk negative", lambda: (qkv(), {"chunk": -4}), ValueError, ["`chunk`", "got -4"]),
+    ("chunk a float", lambda: (qkv(), {"chunk": 8.0}), TypeError, ["`chunk`", "int", "float"]),
+    ("chunk a bool", lambda: (qkv(), {"chunk": True}), TypeError, ["`chunk`", "bool"]),
+    ("chunk a tensor", lambda: (qkv(), {"chunk": torch.tensor(8)}), TypeError, ["`chunk`", "Tensor"]),
 ]
 
 
