@@ -39,6 +39,7 @@ class VarlenCase:
     dtype: torch.dtype = torch.float16
     extra_max: int = 0  # max_seqlen given above the longest length (FlashAttention callers often round up)
     alibi: str | None = None  # ALiBi slopes: "heads" (Hq,), "sequences" (sequences, Hq)
+    chunk: int | None = None  # chunked local attention, aligned per sequence
 
     @property
     def keys(self) -> tuple[int, ...]:
@@ -58,10 +59,13 @@ class VarlenCase:
             parts.append(f"cap{self.softcap}")
         if self.alibi:
             parts.append(f"alibi-{self.alibi}")
+        if self.chunk:
+            parts.append(f"chunk{self.chunk}")
         return "-".join(parts)
 
     def options(self) -> dict:
-        return dict(causal=self.causal, window=self.window, softcap=self.softcap, deterministic=self.deterministic)
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap, deterministic=self.deterministic,
+                    chunk=self.chunk)
 
 
 QUICK = [
@@ -97,6 +101,19 @@ ALIBI_FULL = ALIBI + [
                dtype=torch.bfloat16, alibi="sequences"),
     VarlenCase((127, 300, 17), (500, 129, 1), heads_q=6, heads_kv=3, head_dim=64, window=(100, 20), softcap=30.0,
                deterministic=True, lse_grad=True, dtype=torch.bfloat16, alibi="heads"),
+]
+# chunk=C (issue 46): each sequence's rule (i + Sk - Sq) // C == j // C with its own i, j, Sq, Sk.
+CHUNK = [
+    # causal GQA, an empty sequence and a one-token one, lengths crossing chunks and 16-row tiles
+    VarlenCase((17, 1, 0, 33), heads_q=4, heads_kv=2, causal=True, chunk=8),
+    # Sq != Sk per sequence both ways (rows at negative aligned positions keep nothing), a sequence with
+    # queries and no keys, window + softcap + sinks, fp32, C not dividing any length
+    VarlenCase((5, 20, 3), (19, 7, 0), window=(8, 2), softcap=20.0, sinks=True, dtype=torch.float32, chunk=6),
+    # full attention (both sides of the diagonal within a chunk), MQA, a gradient through lse, ALiBi
+    VarlenCase((30, 9, 4), (12, 40, 4), heads_q=2, heads_kv=1, lse_grad=True, alibi="sequences", chunk=5),
+    # C = 1 (each row its own key) and C beyond every length (no chunk), deterministic
+    VarlenCase((9, 14), causal=True, deterministic=True, chunk=1),
+    VarlenCase((9, 14), (12, 3), causal=True, chunk=64),
 ]
 TRITON_CASES = FULL if ON_GPU else QUICK  # QUICK has no bf16: the interpreter's bf16 dot is unusable
 TRITON_ALIBI = ALIBI_FULL if ON_GPU else ALIBI
@@ -242,6 +259,50 @@ def test_varlen_alibi_torch_path_matches_per_sequence_reference(case):
     check_varlen_case(case, "torch", "cpu")
 
 
+@pytest.mark.parametrize("case", CHUNK, ids=lambda c: c.id)
+def test_varlen_chunk_kernels_match_per_sequence_reference(case):
+    check_varlen_case(case, "triton", TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("case", CHUNK, ids=lambda c: c.id)
+def test_varlen_chunk_torch_path_matches_per_sequence_reference(case):
+    check_varlen_case(case, "torch", "cpu")
+
+
+@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
+def test_varlen_chunk_compiles_and_differentiates_twice(backend, device):
+    """chunk through torch.compile(fullgraph=True) (the custom ops carry it) gives eager's values, and a
+    backward with create_graph (each sequence through ``attention``) the float64 reference's second
+    derivatives."""
+    case = VarlenCase((7, 0, 12), (9, 3, 12), heads_q=4, heads_kv=2, head_dim=16, causal=True, dtype=torch.float32,
+                      chunk=4)
+    q, k, v, dout, _, _ = make_inputs(case, device)
+    cu_q, cu_k = _offsets(case.lengths_q, device), _offsets(case.keys, device)
+
+    def run(q_, k_, v_):
+        with fusedattn.use_backend(backend):
+            return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, 12, 12, causal=True, chunk=4, return_lse=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    dlse = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(5)).to(device)
+    eager = forward_backward(run, q, k, v, dout, dlse, lse_grad=True)
+    got = forward_backward(compiled, q, k, v, dout, dlse, lse_grad=True)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+    def second(fn, dtype):
+        q_, k_, v_ = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        out = fn(q_, k_, v_)[0]
+        dq, = torch.autograd.grad(out, q_, dout.to(dtype), create_graph=True)
+        return torch.autograd.grad(dq.square().sum(), (k_, v_))
+
+    ours = second(run, torch.float32)
+    ref = second(lambda *t: reference_loop(*t, case), torch.float64)
+    for name, a, b in zip(["d2k", "d2v"], ours, ref):
+        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3, msg=name)
+
+
 @pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
 def test_varlen_alibi_per_head_slopes_are_a_row_per_sequence_repeated(backend, device):
     """(Hq,) slopes are the (sequences, Hq) slopes of equal rows; distinct rows give each sequence its own."""
@@ -384,6 +445,8 @@ def _bad_call(**changes):
     (dict(alibi_slopes=torch.ones(3, 2)), ValueError, r"\(sequences, Hq\) = \(2, 2\), got \(3, 2\)"),
     (dict(alibi_slopes=torch.ones(3)), ValueError, r"`alibi_slopes` must have shape \(Hq,\) = \(2,\)"),
     (dict(alibi_slopes=[0.5, 0.25]), TypeError, "`alibi_slopes` must be a torch.Tensor"),
+    (dict(chunk=0), ValueError, r"varlen_attention: `chunk` must be >= 1"),
+    (dict(chunk=2.0), TypeError, r"varlen_attention: `chunk` must be an int >= 1 or None"),
 ])
 def test_varlen_bad_input_is_a_clear_error(changes, error, match):
     with pytest.raises(error, match=match):

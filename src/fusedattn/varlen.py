@@ -13,7 +13,7 @@ import torch
 
 from typing import Optional
 
-from .checks import check_alibi, check_options, check_qkv, check_sinks, is_integer
+from .checks import check_alibi, check_chunk, check_options, check_qkv, check_sinks, is_integer
 from .dispatch import attention_backward, attention_forward, packed_configs, prepare_packed_maps, resolve_backend
 from .interface import (_backward_impl, _forward_impl, _unit_stride_head_dim, attention, beyond_first_order,
                         differentiable_grads)
@@ -217,9 +217,9 @@ class _VarlenAttention(torch.autograd.Function):
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
                 max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, scale: float,
-                softcap: float, deterministic: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                softcap: float, deterministic: bool, chunk: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk)
     out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=True, alibi=alibi)
     return out, lse
 
@@ -235,10 +235,10 @@ def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tens
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], sinks_grad: bool,
                  alibi: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, window_left: int,
-                 window_right: int, scale: float, softcap: float, deterministic: bool,
+                 window_right: int, scale: float, softcap: float, deterministic: bool, chunk: int,
                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk)
     dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, packing, spec, backend, alibi)
     return dq, dk, dv, dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
@@ -276,7 +276,7 @@ def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi=None) -> tup
     backward is differentiable in that mode."""
     spec = ctx.spec
     options = dict(window=(spec.window_left, spec.window_right), scale=spec.scale,
-                   softcap=spec.softcap if spec.has_softcap else None)
+                   softcap=spec.softcap if spec.has_softcap else None, chunk=spec.chunk or None)
     with torch.enable_grad():
         out, lse = _per_sequence(q, k, v, ctx.packing, sinks, options, q.shape[1], alibi)
     return differentiable_grads((out, lse), (dout, dlse), (q, k, v, sinks), ctx.needs_input_grad[:4])
@@ -317,6 +317,7 @@ def varlen_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
     deterministic: bool = False,
     return_lse: bool = False,
 ):
@@ -331,7 +332,9 @@ def varlen_attention(
     The options mean what they mean for ``fusedattn.attention``, per sequence (causal and window
     bottom-right aligned within each). ``alibi_slopes``: float32 (Hq,) or (sequences, Hq) -- FlashAttention
     2's varlen (batch, nheads), batch = sequences -- adds ``-slope * |i + Sk - Sq - j|`` with i, j, Sq, Sk
-    those of each sequence; constants, no gradient. Returns out (total_q, Hq, Dv), and with ``return_lse=True``
+    those of each sequence; constants, no gradient. ``chunk``: int >= 1, chunked local attention per sequence:
+    query i of a sequence sees its key j only if ``(i + Sk - Sq) // chunk == j // chunk`` (i, j, Sq, Sk
+    the sequence's own), ANDed with the other rules. Returns out (total_q, Hq, Dv), and with ``return_lse=True``
     also lse (Hq, total_q) float32 (FlashAttention's varlen layout). Bias and mask are not taken.
     """
     check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
@@ -339,21 +342,23 @@ def varlen_attention(
     shapes = check_qkv(q, k, v, "bshd", caller=_NAME, packed=True)
     heads_q = shapes.heads_q
     check_sinks(sinks, q, heads_q)
+    check_chunk(chunk, caller=_NAME)
     check_packing_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
     # the slopes of each sequence: their number from the offsets' shape (nothing read from the offsets)
     alibi = check_alibi(alibi_slopes, q, shapes._replace(batch=cu_seqlens_q.shape[0] - 1), caller=_NAME,
                         batch_name="sequences")
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
-                        deterministic=deterministic, alibi=alibi is not None)
+                        deterministic=deterministic, alibi=alibi is not None, chunk=chunk)
     backend = resolve_backend(q.device)
     if torch.compiler.is_compiling():
         out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, int(max_seqlen_q),
-                               int(max_seqlen_k), *spec.op_args()[1:6], backend)
+                               int(max_seqlen_k), *spec.op_args()[1:], backend)
     else:
         packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
         if beyond_first_order(q, k, v, sinks):  # each sequence through ``attention``'s plain torch ops
-            options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic)
+            options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic,
+                           chunk=chunk)
             out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q, alibi)
         else:
             out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec, backend, alibi)
