@@ -25,8 +25,17 @@ What each call of a model's attention becomes:
   own, ``window=(W - 1, 0)`` (``(W - 1, W - 1)`` when not causal); ``softcap`` (Gemma 2);
   ``s_aux`` (gpt-oss's sinks, with their gradient); ``scaling``; grouped-query heads as they are.
 
+- Llama 4's chunked layers (``config.layer_types[i] == "chunked_attention"``, chunks of
+  ``config.attention_chunk_size``): ``chunk=C`` with causal, in each of the paths above (per
+  sequence, or per document of a packed row: each document's chunks start at its first token, as
+  when it runs alone). Bottom-right alignment puts a query at its absolute position (less the left
+  padding, as transformers' ``chunked_overlay`` counts) wherever the keys start at the sequence's
+  first token; where a cache layer has dropped its oldest tokens (Llama 4's chunked layers keep the
+  last C - 1 in a ``DynamicSlidingWindowLayer``), the mask function gives the exact 4-D mask
+  instead (a decoding step: a few rows of at most C + S keys).
+
 Attention dropout is refused (``NotImplementedError``) until the kernels have it: train with
-``attention_dropout=0`` or in eval mode. Llama 4's chunked attention is refused the same way.
+``attention_dropout=0`` or in eval mode.
 """
 
 from __future__ import annotations
@@ -67,20 +76,36 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     """None where the model's own rule is causal (or bidirectional) plus a window the attention
     function applies itself; the 2-D padding mask, cut to the last ``kv_length`` keys, where a
     token is padding; and a full 4-D bool mask where the model overlays a rule of its own (the
-    fused kernels take it as a mask, exactly)."""
+    fused kernels take it as a mask, exactly).
+
+    A chunked mask (``create_chunked_causal_mask``: ``local_size`` = the config's
+    ``attention_chunk_size``) is the padding mask, as for the others -- the attention function
+    applies ``chunk=`` on the layers the config names chunked -- while the keys start at position 0
+    (``kv_offset == 0``); over a cache layer that dropped its first ``kv_offset`` tokens the chunk
+    boundaries no longer fall where bottom-right alignment puts them, and the exact 4-D mask is made."""
     config = kwargs.get("config")
-    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
-    if chunk is not None and _known(kv_length + kv_offset) and kv_length + kv_offset > chunk:
-        raise NotImplementedError(f"fusedattn: chunked attention (attention_chunk_size={chunk}) is not supported "
-                                  f"yet; use attn_implementation='sdpa' for this model")
+    overlaid = attention_mask is None and kwargs.get("allow_is_causal_skip", True) is False \
+        and not (_known(q_length) and q_length == 1)
+    if getattr(config, "attention_chunk_size", None) is not None and overlaid:
+        # Llama 4's layers do not hand position_ids to the attention function: a packed row found
+        # from them is seen here alone (transformers overlays its packing rule), so its own mask is
+        # made -- eager's, chunks counted from the row's start -- unless the caller passes cu_seq_lens_q/k
+        # too: they reach the attention function, which then runs each document alone (per-document chunks)
+        mask = _materialised(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                             kwargs.get("use_vmap", False), kwargs.get("device", "cpu"))
+        if not torch.compiler.is_compiling():
+            if len(_packing_masks) > 8:  # those of earlier forwards
+                _packing_masks.clear()
+            _packing_masks[id(mask)] = weakref.ref(mask)
+        return mask
+    if _chunked_mask(config, kwargs.get("local_size")) and not (_known(kv_offset) and kv_offset == 0):
+        return _materialised(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                             kwargs.get("use_vmap", False), kwargs.get("device", "cpu"))
     if kwargs.get("use_vmap", False):
         # the model combined its mask rule with another (or_mask_function / and_mask_function):
         # only the materialised mask says what it is.
-        from transformers.masking_utils import sdpa_mask
-        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                         allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
-                         use_vmap=True, device=kwargs.get("device", "cpu"))
+        return _materialised(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                             True, kwargs.get("device", "cpu"))
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]
@@ -90,8 +115,50 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     return attention_mask
 
 
+# The masks made for a packed row whose packing the attention function may also be told (cu_seq_lens).
+_packing_masks: dict = {}  # id -> weakref
+
+
+def _made_for_packing(mask: torch.Tensor) -> bool:
+    ref = _packing_masks.get(id(mask))
+    return ref is not None and ref() is mask
+
+
 def _known(value) -> bool:
     return isinstance(value, int)
+
+
+def _materialised(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, use_vmap,
+                  device) -> torch.Tensor:
+    """The model's mask rule as a (B, 1, Sq, Sk) bool tensor (True = attend), exactly as transformers makes it."""
+    from transformers.masking_utils import sdpa_mask
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
+
+
+def _chunked_mask(config, local_size) -> bool:
+    """Whether the mask asked for is ``create_chunked_causal_mask``'s: it alone passes the config's
+    ``attention_chunk_size`` as ``local_size`` (the sliding-window masks pass ``sliding_window``)."""
+    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
+    return chunk is not None and local_size == chunk and getattr(config, "sliding_window", None) != chunk
+
+
+def _layer_chunk(module: torch.nn.Module) -> Optional[int]:
+    """The chunk length of ``module``'s layer where it is a chunked one, else None: the config's
+    ``layer_types`` entry for the module's ``layer_idx`` (Llama 4: ``"chunked_attention"``), or, without
+    ``layer_types``, every layer of a config with ``attention_chunk_size`` (as transformers' caches read it)."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
+    if chunk is None:
+        return None
+    layer_types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if layer_types is None:
+        return int(chunk)
+    if layer is None:
+        raise NotImplementedError("fusedattn: chunked attention on a module without `layer_idx`: which layers are "
+                                  "chunked cannot be told; use attn_implementation='sdpa' for this model")
+    return int(chunk) if layer_types[layer] == "chunked_attention" else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +179,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # (B, S, H, D) views: transformers' projections are laid out this way before their transpose
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
+    if attention_mask is not None and attention_mask.dim() == 4 and _made_for_packing(attention_mask) \
+            and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
+        attention_mask = None  # the packing, given: each document alone (the varlen path below)
     if attention_mask is not None and attention_mask.dim() == 4:
         rule = dict(mask=attention_mask) if attention_mask.dtype == torch.bool else dict(bias=attention_mask)
         return attention(q, k, v, **rule, **options), None
@@ -119,7 +189,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     window = None
     if sliding_window:
         window = (sliding_window - 1, 0 if causal else sliding_window - 1)
-    options.update(causal=causal, window=window)
+    options.update(causal=causal, window=window, chunk=_layer_chunk(module))
 
     if attention_mask is not None:
         return _padded(q, k, v, attention_mask.bool(), options), None
