@@ -225,8 +225,9 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
         queries = mask_q.reshape(-1).nonzero().squeeze(1)
         lengths_q = mask_q.sum(1, dtype=torch.int32)
     cu_q, cu_k = _offsets(lengths_q), _offsets(lengths_k)
-    packed = varlen_attention(_tokens(q)[queries], _tokens(k)[keys], _tokens(v)[keys], cu_q, cu_k,
-                              int(lengths_q.max()), int(lengths_k.max()), **options)
+    max_q, max_k = torch.stack((lengths_q.max(), lengths_k.max())).tolist()  # one read of the device
+    packed = varlen_attention(_tokens(q)[queries], _tokens(k)[keys], _tokens(v)[keys], cu_q, cu_k, max_q, max_k,
+                              **options)
     out = packed.new_zeros(batch * seqlen_q, heads_q, packed.shape[-1])
     out = out.index_copy(0, queries, packed)  # out of place: the gradient flows back to `packed`
     return out.view(batch, seqlen_q, heads_q, -1)
@@ -249,9 +250,9 @@ def _packing(kwargs: dict, q: torch.Tensor, k: torch.Tensor):
     if cu_q is not None and cu_k is not None:
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-        max_q = int(max_q) if max_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
-        max_k = int(max_k) if max_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
-        return cu_q, cu_k, max_q, max_k
+        if max_q is None or max_k is None:  # one read of the device for both
+            max_q, max_k = torch.stack(((cu_q[1:] - cu_q[:-1]).max(), (cu_k[1:] - cu_k[:-1]).max())).tolist()
+        return cu_q, cu_k, int(max_q), int(max_k)
     position_ids = kwargs.get("position_ids")
     if position_ids is None or q.shape[0] != 1 or q.shape[1] < 2 or position_ids.shape[-1] != q.shape[1] \
             or k.shape[1] != q.shape[1]:  # keys beyond the queries (a cache) are not a packed batch
