@@ -189,26 +189,20 @@ def test_packed_documents_attend_within_their_own(name, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_llama4_documents_from_cu_seq_lens_are_chunked_alone(backend):
-    """Llama 4 with ``cu_seq_lens_q/k``: each document's chunks start at its first token (varlen with
-    ``chunk=``), so the row equals each document run alone with eager attention."""
+def test_llama4_packed_row_follows_transformers_mask_with_cu_seq_lens(backend):
+    """Llama 4 with ``position_ids`` that restart and ``cu_seq_lens_q/k`` as well: the model makes its
+    own packed mask (its layers do not pass position_ids on), and fusedattn follows it, chunks
+    counted from the row's start, as eager does, rather than the documents alone."""
     model64, model = models("llama4")
     gen = torch.Generator().manual_seed(9)
     documents = (20, 1, 16)  # two documents longer than two chunks
     ids = torch.randint(0, COMMON["vocab_size"], (1, sum(documents)), generator=gen).to(DEVICE)
     cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     positions = torch.cat([torch.arange(n) for n in documents])[None].to(DEVICE)
-    model.set_attn_implementation(NAME)
-    with torch.no_grad(), fusedattn.use_backend(backend):
-        packed = model(input_ids=ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                       max_length_q=max(documents), max_length_k=max(documents)).logits[0]
-    model64.set_attn_implementation("eager")
-    model.set_attn_implementation("eager")
-    with torch.no_grad():
-        alone64 = torch.cat([model64(input_ids=d[None], use_cache=False).logits[0]
-                             for d in torch.split(ids[0], documents)])
-        alone = torch.cat([model(input_ids=d[None], use_cache=False).logits[0] for d in torch.split(ids[0], documents)])
-    assert_close_to_reference("llama4 cu_seq_lens logits", packed, alone, alone64)
+    inputs = dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                  max_length_q=max(documents), max_length_k=max(documents))
+    valid = torch.ones(1, sum(documents), dtype=torch.bool, device=DEVICE)
+    check_against_eager("llama4", "cu_seq_lens", model64, model, inputs, valid, backend, None, gen)
 
 
 def test_packed_documents_from_cu_seq_lens():

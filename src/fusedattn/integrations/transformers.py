@@ -27,8 +27,10 @@ What each call of a model's attention becomes:
 
 - Llama 4's chunked layers (``config.layer_types[i] == "chunked_attention"``, chunks of
   ``config.attention_chunk_size``): ``chunk=C`` with causal, in each of the paths above (per
-  sequence, or per document of a packed row: each document's chunks start at its first token, as
-  when it runs alone). Bottom-right alignment puts a query at its absolute position (less the left
+  sequence, or per document of a row packed by ``cu_seq_lens_q/k``: each document's chunks start at
+  its first token, as when it runs alone). A row packed by ``position_ids`` alone gets transformers'
+  own 4-D mask, followed exactly (Llama 4's layers do not pass position_ids on, and its eager mask
+  counts chunks from the row's start). Bottom-right alignment puts a query at its absolute position (less the left
   padding, as transformers' ``chunked_overlay`` counts) wherever the keys start at the sequence's
   first token; where a cache layer has dropped its oldest tokens (Llama 4's chunked layers keep the
   last C - 1 in a ``DynamicSlidingWindowLayer``), the mask function gives the exact 4-D mask
@@ -89,16 +91,11 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     if getattr(config, "attention_chunk_size", None) is not None and overlaid:
         # Llama 4's layers do not hand position_ids to the attention function: a packed row found
         # from them is seen here alone (transformers overlays its packing rule), so its own mask is
-        # made -- eager's, chunks counted from the row's start -- unless the caller passes cu_seq_lens_q/k
-        # too: they reach the attention function, which then runs each document alone (per-document chunks)
-        mask = _materialised(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+        # made and followed, with eager's meaning (chunks counted from the row's start), whatever
+        # else (cu_seq_lens_q/k) the attention function is told.
+        return _materialised(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                              kwargs.get("use_vmap", False), kwargs.get("device", "cpu"))
-        if not torch.compiler.is_compiling():
-            if len(_packing_masks) > 8:  # those of earlier forwards
-                _packing_masks.clear()
-            _packing_masks[id(mask)] = weakref.ref(mask)
-        return mask
-    if _chunked_mask(config, kwargs.get("local_size")) and not (_known(kv_offset) and kv_offset == 0):
+    if _may_be_chunked_mask(config, kwargs.get("local_size")) and not (_known(kv_offset) and kv_offset == 0):
         return _materialised(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                              kwargs.get("use_vmap", False), kwargs.get("device", "cpu"))
     if kwargs.get("use_vmap", False):
@@ -115,15 +112,6 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
     return attention_mask
 
 
-# The masks made for a packed row whose packing the attention function may also be told (cu_seq_lens).
-_packing_masks: dict = {}  # id -> weakref
-
-
-def _made_for_packing(mask: torch.Tensor) -> bool:
-    ref = _packing_masks.get(id(mask))
-    return ref is not None and ref() is mask
-
-
 def _known(value) -> bool:
     return isinstance(value, int)
 
@@ -137,11 +125,12 @@ def _materialised(batch_size, q_length, kv_length, q_offset, kv_offset, mask_fun
                      allow_is_causal_skip=False, allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
 
 
-def _chunked_mask(config, local_size) -> bool:
-    """Whether the mask asked for is ``create_chunked_causal_mask``'s: it alone passes the config's
-    ``attention_chunk_size`` as ``local_size`` (the sliding-window masks pass ``sliding_window``)."""
+def _may_be_chunked_mask(config, local_size) -> bool:
+    """Whether the mask asked for may be ``create_chunked_causal_mask``'s: it passes the config's
+    ``attention_chunk_size`` as ``local_size``. A sliding-window mask of the same length cannot be
+    told apart; both are then materialised where keys were dropped, which is exact for either."""
     chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
-    return chunk is not None and local_size == chunk and getattr(config, "sliding_window", None) != chunk
+    return chunk is not None and local_size == chunk
 
 
 def _layer_chunk(module: torch.nn.Module) -> Optional[int]:
@@ -179,9 +168,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # (B, S, H, D) views: transformers' projections are laid out this way before their transpose
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
-    if attention_mask is not None and attention_mask.dim() == 4 and _made_for_packing(attention_mask) \
-            and kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None:
-        attention_mask = None  # the packing, given: each document alone (the varlen path below)
     if attention_mask is not None and attention_mask.dim() == 4:
         rule = dict(mask=attention_mask) if attention_mask.dtype == torch.bool else dict(bias=attention_mask)
         return attention(q, k, v, **rule, **options), None
