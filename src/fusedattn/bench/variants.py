@@ -13,7 +13,10 @@ window, mask), so a kernel that skips masked tiles gets credit for it. Each peer
 checked against fusedattn's on the same inputs (``output_agrees``). Bars: a variant keeps >= 0.8x the plain kernel
 and >= 1.5x FlexAttention on the same variant; a trainable (B,H,S,S) bias >= 0.6x plain and
 >= 2x FlexAttention; top-k 1024 with a trainable bias >= 3x the best peer; block-sparse top-k at
-25% density >= 3x faster than the dense plain kernel (its "vs plain" ratio).
+25% density >= 3x faster than the dense plain kernel (its "vs plain" ratio); ALiBi >= 0.95x
+plain and faster than Flex (score_mod) and SDPA (a dense ALiBi bias); chunked attention (C = 1024,
+causal) within 10% of a sliding window with the same kept fraction (its own row) and ahead of
+Flex's chunk block mask.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .timing import progress
 
 B, H, S, D = 4, 16, 4096, 128
 WINDOW = 1024  # keys each query sees in the sliding-window row, itself included
+CHUNK = 1024  # the chunked-attention row's chunk length (Llama 4's attention_chunk_size is 8192)
 
 
 @dataclass
@@ -55,6 +59,9 @@ class Variant:
     heads_kv: int = H
     kept_fraction: Callable[[], float] = lambda: 1.0
     make_extra: Callable[[torch.Generator], dict] = lambda gen: {}
+    window: int | None = None  # causal sliding window: keys each query sees, itself included
+    softcap: float | None = None
+    chunk: int | None = None  # chunked local attention (causal here)
 
 
 def _causal_fraction() -> float:
@@ -62,8 +69,23 @@ def _causal_fraction() -> float:
 
 
 def _window_fraction(window: int = WINDOW) -> float:
-    kept = sum(min(i + 1, window) for i in range(S))
+    kept = window * (window + 1) // 2 + (S - window) * window  # sum over rows i of min(i + 1, window)
     return kept / (S * S)
+
+
+def _chunk_fraction(chunk: int = CHUNK) -> float:
+    kept = sum(i % chunk + 1 for i in range(S))
+    return kept / (S * S)
+
+
+def _window_like_chunk(chunk: int = CHUNK) -> int:
+    """The causal window whose kept fraction is nearest the chunk's: the same work, walked as a band."""
+    return min(range(1, chunk + 1), key=lambda w: abs(_window_fraction(w) - _chunk_fraction(chunk)))
+
+
+def _alibi_slopes(gen):
+    """FlashAttention's and BLOOM's geometric slopes, 2^(-8 (h + 1) / H), fp32 (H,)."""
+    return dict(alibi_slopes=torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], device="cuda"))
 
 
 PADDED_LENGTHS = [S - 512 * b for b in range(B)]  # key-padding row: each sequence's real length
@@ -106,8 +128,8 @@ VARIANTS = [
     Variant("bias (B,H,S,S) trainable", False,
             make_extra=lambda gen: dict(bias=torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16,
                                                          generator=gen).requires_grad_())),
-    Variant("softcap 30", True, kept_fraction=_causal_fraction),
-    Variant(f"sliding window {WINDOW}", True, kept_fraction=_window_fraction),
+    Variant("softcap 30", True, kept_fraction=_causal_fraction, softcap=30.0),
+    Variant(f"sliding window {WINDOW}", True, kept_fraction=_window_fraction, window=WINDOW),
     Variant("sinks (trainable)", True, kept_fraction=_causal_fraction,
             make_extra=lambda gen: dict(sinks=torch.randn(H, device="cuda", generator=gen).requires_grad_())),
     Variant("GQA 16/2", True, heads_kv=2, kept_fraction=_causal_fraction),
@@ -119,12 +141,17 @@ VARIANTS = [
             make_extra=_topk_bias),
     Variant(f"block-sparse top-{SPARSE_KEEP}/{S // SPARSE_BLOCK} (25%)", False,
             kept_fraction=lambda: SPARSE_KEEP * SPARSE_BLOCK / S, make_extra=_block_sparse),
+    Variant("ALiBi (H,) slopes", True, kept_fraction=_causal_fraction, make_extra=_alibi_slopes),
+    Variant(f"chunk {CHUNK}", True, kept_fraction=_chunk_fraction, chunk=CHUNK),
+    # the chunk row's bar: the same kept fraction as a band
+    Variant(f"sliding window {_window_like_chunk()} (chunk {CHUNK}'s kept fraction)", True,
+            kept_fraction=lambda: _window_fraction(_window_like_chunk()), window=_window_like_chunk()),
 ]
 
 
 def _fused(variant: Variant, plain: bool):
-    window = (WINDOW - 1, 0) if variant.name.startswith("sliding") else None
-    softcap = 30.0 if variant.name.startswith("softcap") else None
+    options = dict(window=(variant.window - 1, 0) if variant.window else None, softcap=variant.softcap,
+                   chunk=variant.chunk)
     block_masks = {}  # a bool mask classified once (fusedattn.BlockMask), as Flex's block mask is built once
 
     def fn(inp: Inputs):  # the plain kernel's inputs carry no extras
@@ -135,7 +162,7 @@ def _fused(variant: Variant, plain: bool):
                 block_masks[id(mask)] = fusedattn.BlockMask.from_mask(mask)
             extra["mask"] = block_masks[id(mask)]
         return fusedattn.attention(inp.q, inp.k, inp.v, layout="bhsd", causal=variant.causal,
-                                   window=None if plain else window, softcap=None if plain else softcap, **extra)
+                                   **({} if plain else options), **extra)
 
     return fn
 
@@ -155,8 +182,10 @@ def _flex(variant: Variant):
         mask_mod, score_mod = None, None
         if variant.causal:
             mask_mod = lambda b, h, qi, ki: qi >= ki  # noqa: E731
-        if variant.name.startswith("sliding"):
-            mask_mod = lambda b, h, qi, ki: (qi >= ki) & (qi - ki < WINDOW)  # noqa: E731
+        if variant.window:
+            mask_mod = lambda b, h, qi, ki: (qi >= ki) & (qi - ki < variant.window)  # noqa: E731
+        if variant.chunk:  # the chunk block mask: only the tiles of a query's own chunk
+            mask_mod = lambda b, h, qi, ki: (qi >= ki) & (qi // variant.chunk == ki // variant.chunk)  # noqa: E731
         if isinstance(inp.extra.get("mask"), fusedattn.BlockMask):  # Flex's block mask of the same blocks
             blocks = inp.extra["mask"].source
             mask_mod = lambda b, h, qi, ki: blocks[b, h, qi // SPARSE_BLOCK, ki // SPARSE_BLOCK]  # noqa: E731
@@ -169,8 +198,11 @@ def _flex(variant: Variant):
         if "bias" in inp.extra:
             bias = inp.extra["bias"]
             score_mod = lambda s, b, h, qi, ki: s + bias[b, h, qi, ki]  # noqa: E731
-        if variant.name.startswith("softcap"):
-            score_mod = lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0)  # noqa: E731
+        if variant.softcap:
+            score_mod = lambda s, b, h, qi, ki: variant.softcap * torch.tanh(s / variant.softcap)  # noqa: E731
+        if "alibi_slopes" in inp.extra:
+            slopes = inp.extra["alibi_slopes"]
+            score_mod = lambda s, b, h, qi, ki: s - slopes[h] * (qi - ki).abs()  # noqa: E731
         if mask_mod is not None and "block_mask" not in cache:  # built once, outside the timed steps
             batch = B if "mask" in inp.extra else None
             heads = H if "mask" in inp.extra and inp.extra["mask"].shape[1] != 1 else None
@@ -188,6 +220,7 @@ def _sdpa(backend_name: str, variant: Variant):
     if variant.name.startswith(("sinks", "softcap")):
         raise Unavailable("SDPA has no " + variant.name.split()[0])
     backend = getattr(SDPBackend, backend_name)
+    dense = {}  # the ALiBi bias, made once per input outside the timed steps
 
     def fn(inp: Inputs):
         attn_mask, causal = None, variant.causal
@@ -200,9 +233,17 @@ def _sdpa(backend_name: str, variant: Variant):
             attn_mask = inp.extra["bias"]
         elif mask is not None:
             attn_mask = mask
-        if variant.name.startswith("sliding"):  # a dense boolean mask: SDPA has no window
-            i = torch.arange(S, device="cuda")
-            attn_mask, causal = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < WINDOW), False
+        i = torch.arange(S, device="cuda")
+        if variant.window:  # a dense boolean mask: SDPA has no window
+            attn_mask, causal = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < variant.window), False
+        if variant.chunk:  # nor chunks
+            attn_mask, causal = (i[:, None] >= i[None, :]) & (i[:, None] // variant.chunk == i[None, :] // variant.chunk), False
+        if "alibi_slopes" in inp.extra:  # a dense (1, H, S, S) bias in the inputs' dtype, causal folded in as -inf
+            slopes = inp.extra["alibi_slopes"]
+            if id(slopes) not in dense:
+                bias = -slopes[:, None, None] * (i[:, None] - i[None, :]).abs()
+                dense[id(slopes)] = bias.masked_fill(i[:, None] < i[None, :], float("-inf")).to(inp.q.dtype)[None]
+            attn_mask, causal = dense[id(slopes)], False
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(inp.q, inp.k, inp.v, attn_mask=attn_mask, is_causal=causal,
                                                   enable_gqa=variant.heads_kv != H)
@@ -220,14 +261,14 @@ def _flash_sparse(variant: Variant):
     the backward."""
     if "bias" in variant.name:
         return _flash_sparse_bias(variant)
-    if not variant.name.startswith(("sliding", "GQA")):
+    if not (variant.window or variant.name.startswith("GQA")):
         lacks = "key lengths in the backward (seqused_k reaches its forward only)" if "key-padding" in variant.name \
-            else "mask without a bias, sink logit or softcap"
+            else "mask without a bias, sink logit, softcap, ALiBi or chunks"
         raise Unavailable(f"flash-sparse-attn's Triton kernels have no {lacks}")
     fn = flash_dense_attn_func()
     window = None
-    if variant.name.startswith("sliding"):
-        window = torch.tensor([[0, 0, 0, WINDOW]] * variant.heads_kv, dtype=torch.int32, device="cuda")
+    if variant.window:
+        window = torch.tensor([[0, 0, 0, variant.window]] * variant.heads_kv, dtype=torch.int32, device="cuda")
 
     # Its layout is (B, S, H, D): its inputs are stored that way (``INPUT_LAYOUT``).
     return lambda inp: fn(inp.q.transpose(1, 2), inp.k.transpose(1, 2), inp.v.transpose(1, 2), is_causal=variant.causal,
