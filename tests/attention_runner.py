@@ -136,8 +136,19 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
     if alibi is not None:
         opts["alibi_slopes"] = alibi
 
+    ref_opts = dict(opts)
+    if case.dropout:  # the call's own mask: its seed drawn again from the same generator state
+        rng_seed = zlib.crc32(case.id.encode()) + 5
+        opts["dropout_p"] = case.dropout
+        torch.manual_seed(rng_seed)
+        keep = fusedattn.dropout.keep_mask(fusedattn.dropout.draw_seed(q.device), case.batch, case.heads_q,
+                                           case.seqlen_q, case.seqlen_k, case.dropout, q.device)
+        ref_opts.update(dropout_keep=keep, dropout_p=case.dropout)
+
     def ours(q_, k_, v_, sinks_=None, bias_=None):
         with fusedattn.use_backend(backend):
+            if case.dropout:
+                torch.manual_seed(rng_seed)
             return fusedattn.attention(q_, k_, v_, sinks=sinks_, mask=mask, bias=bias_,
                                        deterministic=case.deterministic, return_lse=True, **opts)
 
@@ -146,7 +157,7 @@ def check_case(case: Case, backend: str, device, inputs=None) -> None:
 
     def reference(q_, k_, v_, sinks_=None, bias_=None):
         return reference_attention(q_, k_, v_, sinks=sinks_, mask=dense_mask(mask), bias=as_4d(bias_), return_lse=True,
-                                   **opts)
+                                   **ref_opts)
 
     extras = dict(lse_grad=case.lse_grad, sinks=sinks, bias=bias, bias_grad=case.bias_trainable)
     got = forward_backward(ours, q, k, v, dout, dlse, **extras)

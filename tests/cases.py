@@ -47,6 +47,7 @@ class Case:
     # ALiBi slopes (SPEC 10): "heads" one per query head (Hq,), "batch" one per batch and head (B, Hq)
     alibi: str | None = None
     chunk: int | None = None  # chunked local attention (chunk=C, SPEC 3.10)
+    dropout: float | None = None  # attention dropout's p (SPEC 3.11): checked given the call's own mask
     dtype: torch.dtype = torch.float16
 
     @property
@@ -83,6 +84,8 @@ class Case:
             parts.append(f"alibi-{self.alibi}")
         if self.chunk:
             parts.append(f"chunk{self.chunk}")
+        if self.dropout:
+            parts.append(f"drop{self.dropout:g}")
         return "-".join(parts)
 
     def options(self) -> dict:
@@ -212,6 +215,23 @@ QUICK: list[Case] = [
          mask_cells_partial=False, dtype=torch.float32),
     Case(batch=2, seqlen_q=33, seqlen_k=47, chunk=15, mask="keys", alibi="batch", dtype=torch.float32),
     Case(seqlen_q=1, seqlen_k=33, chunk=8, causal=True, alibi="heads"),
+    # dropout: alone and with every other feature, odd lengths (keys not a multiple of 16: the
+    # random bytes come 16 keys at a time), Sq != Sk both ways, deterministic, lse in the loss
+    Case(seqlen_q=33, seqlen_k=47, dropout=0.3),
+    Case(seqlen_q=47, seqlen_k=47, dropout=0.1, causal=True, dtype=torch.float32),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=65, seqlen_k=33, dropout=0.5, causal=True, layout="bhsd",
+         lse_grad=True),
+    Case(seqlen_q=65, seqlen_k=47, window=(9, 4), softcap=5.0, dropout=0.2, dtype=torch.float32, deterministic=True),
+    Case(heads_q=6, heads_kv=1, seqlen_q=33, seqlen_k=129, causal=True, sinks=True, dropout=0.25),
+    Case(seqlen_q=33, seqlen_k=47, bias="full", dropout=0.3, window=(-1, 5)),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="heads", deterministic=True, dropout=0.4,
+         dtype=torch.float32),
+    Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="kv-heads", sinks=True, dropout=0.15),
+    Case(heads_q=4, heads_kv=2, seqlen_q=47, seqlen_k=65, mask="full", mask_cells=16, dropout=0.3,
+         dtype=torch.float32),
+    Case(batch=2, seqlen_q=33, seqlen_k=47, mask="keys", alibi="batch", chunk=15, dropout=0.2, causal=True),
+    Case(seqlen_q=1, seqlen_k=33, dropout=0.9, dtype=torch.float32),
+    Case(seqlen_q=129, seqlen_k=113, dropout=0.05, lse_grad=True, dtype=torch.float32),
 ]
 
 FULL_LENGTHS = [(1, 1), (17, 17), (113, 255), (255, 113), (127, 129), (1000, 1000), (1, 1000), (1000, 17)]

@@ -245,12 +245,30 @@ def test_with_kvcache_appends_rotates_and_attends(interleaved, causal):
         assert torch.allclose(lse[b].double(), ref_lse[0], atol=3e-2), b
 
 
-def test_unsupported_features_raise_naming_them():
-    (q, k, v), _ = _inputs((1, 8, 2, 16), (1, 8, 2, 16))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fa.flash_attn_func(q, k, v, dropout_p=0.1, alibi_slopes=torch.ones(2, device=DEVICE))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fa.flash_attn_func(q, k, v, dropout_p=0.1)
+def test_dropout_is_passed_through():
+    """dropout_p reaches fusedattn's dropout (SEMANTICS 3.11), with the other options: the same seed
+    gives the output of ``fusedattn.attention`` with the same arguments, the varlen and packed forms
+    too; dropout_p=0.0 is plain attention."""
+    import fusedattn
+
+    (q, k, v), _ = _inputs((2, 24, 4, 16), (2, 40, 2, 16))
+    slopes = torch.rand(4, device=DEVICE)
+    torch.manual_seed(1)
+    ours = fa.flash_attn_func(q, k, v, dropout_p=0.2, causal=True, alibi_slopes=slopes, window_size=(9, 0))
+    torch.manual_seed(1)
+    direct = fusedattn.attention(q, k, v, dropout_p=0.2, causal=True, alibi_slopes=slopes, window=(9, 0))
+    assert torch.equal(ours, direct)
+    assert not torch.equal(ours, fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, window_size=(9, 0)))
+    cu_q = torch.tensor([0, 24, 48], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 40, 80], dtype=torch.int32, device=DEVICE)
+    torch.manual_seed(2)
+    varlen = fa.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 24, 40,
+                                       dropout_p=0.3)
+    torch.manual_seed(2)
+    assert torch.equal(varlen, fusedattn.varlen_attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q,
+                                                          cu_k, 24, 40, dropout_p=0.3))
+    torch.manual_seed(2)  # sequence s is batch s of the mask: the batched call drops the same entries
+    assert torch.allclose(varlen.view(q.shape), fa.flash_attn_func(q, k, v, dropout_p=0.3), atol=1e-3)
     assert fa.flash_attn_func(q, k, v, dropout_p=0.0).shape == q.shape  # dropout_p=0.0 is plain attention
 
 

@@ -319,14 +319,42 @@ def test_an_overlaid_mask_rule_is_materialised_exactly():
     assert (out.double() - expected_out).abs().max() < 1e-5
 
 
-def test_dropout_is_refused():
-    model = build("llama", attention_dropout=0.1).train()
+def test_attention_dropout_in_training(monkeypatch):
+    """A model trained with ``attention_dropout``: transformers passes it in train mode, and each
+    attention call gets it as ``dropout_p`` -- on the plain and the padded path; eval mode passes 0;
+    the same seed reproduces the step, and the gradients flow."""
+    import fusedattn.integrations.transformers as integration
+
+    seen = []
+    for name in ("attention", "varlen_attention"):
+        real = getattr(integration, name)
+
+        def spy(*args, _real=real, **kwargs):
+            seen.append(kwargs.get("dropout_p"))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(integration, name, spy)
+    model = build("llama", attention_dropout=0.1).to(DEVICE).train()
     model.set_attn_implementation(NAME)
-    ids = torch.randint(0, COMMON["vocab_size"], (1, 9)).to(DEVICE)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        model(input_ids=ids)
-    model.eval()
-    model(input_ids=ids)  # eval mode passes dropout 0: it runs
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 9)).to(DEVICE)
+    padding = torch.ones(2, 9, dtype=torch.long, device=DEVICE)
+    padding[1, 6:] = 0
+    for mask in (None, padding):
+        seen.clear()
+        torch.manual_seed(0)
+        first = model(input_ids=ids, attention_mask=mask).logits
+        torch.manual_seed(0)
+        again = model(input_ids=ids, attention_mask=mask).logits
+        assert seen and set(seen) == {0.1}
+        assert torch.equal(first, again)
+        first.sum().backward()
+        assert all(p.grad is not None for p in model.model.layers[0].self_attn.parameters())
+        model.eval()
+        seen.clear()
+        with torch.no_grad():
+            evaluated = model(input_ids=ids, attention_mask=mask).logits
+        assert set(seen) == {0.0} and not torch.allclose(first, evaluated)
+        model.train()
 
 
 def test_the_chunked_mask_is_the_padding_mask_until_a_cache_drops_keys():

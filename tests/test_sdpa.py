@@ -136,8 +136,28 @@ def test_errors_as_torch_raises_them():
         sdpa(q, k, v, attn_mask=torch.ones(21, 29, dtype=torch.bool, device=DEVICE), is_causal=True)
     with pytest.raises(RuntimeError, match="enable_gqa"):
         sdpa(q, k[:, :2], v[:, :2])
-    with pytest.raises(NotImplementedError, match="dropout"):
-        sdpa(q, k, v, dropout_p=0.1)
+
+
+def test_dropout_is_the_documented_mask():
+    """dropout_p > 0: the probabilities of the call's mask (fusedattn.dropout.keep_mask) kept and
+    scaled, against the float64 math; the same seed reproduces it."""
+    from fusedattn import dropout
+
+    gen = torch.Generator().manual_seed(14)
+    q, k, v, _ = _case("plain", gen)
+    torch.manual_seed(6)
+    out = sdpa(q, k, v, dropout_p=0.25, is_causal=True)
+    torch.manual_seed(6)
+    keep = dropout.keep_mask(dropout.draw_seed(q.device), q.shape[0], q.shape[1], q.shape[2], k.shape[2], 0.25,
+                             q.device)
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    scores = qd @ kd.transpose(-1, -2) / q.shape[-1] ** 0.5
+    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+    expected = (probs * keep * dropout.keep_scale(0.25)) @ vd
+    assert (out.double() - expected).abs().max() < 2e-2
+    torch.manual_seed(6)
+    assert torch.equal(out, sdpa(q, k, v, dropout_p=0.25, is_causal=True))
 
 
 def test_routing_swaps_torch_sdpa_inside_the_block_only():

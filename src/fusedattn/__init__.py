@@ -8,7 +8,7 @@ from .merge import merge_attention
 from .torch_sdpa import routed_sdpa, sdpa
 from .varlen import varlen_attention
 
-from . import flash_attn
+from . import dropout, flash_attn
 from ._version import __version__
 
 __all__ = ["attention", "varlen_attention", "kvcache_attention", "merge_attention", "BlockMask", "topk_mask", "topk_block_mask",

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import dropout
 from .block_mask import EMPTY, BlockMask
 from .spec import UNBOUNDED, AttentionSpec, alibi_distances, from_bhsd, keep_mask, to_bhsd
 
@@ -116,16 +117,20 @@ def _user_layout(t_grouped: torch.Tensor, layout: str, dtype: torch.dtype) -> to
 
 
 def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
-            bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None):
+            bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
+            dropout_seed: torch.Tensor | None = None, dropout_first_batch: int = 0):
     """(out, lse) of attention for CPU tensors: out in q's layout and dtype, lse (B, Hq, Sq) float32.
-    ``alibi``: (B, Hq) float32 ALiBi slopes (with ``spec.alibi``)."""
+    ``alibi``: (B, Hq) float32 ALiBi slopes (with ``spec.alibi``). ``dropout_seed``: the call's
+    (1,) int64 seed (with ``spec.dropout_p``; the mask of dropout.py), ``dropout_first_batch`` the
+    batch index that mask gives q's first batch."""
     if q.is_cpu and uses_fused_kernel(spec, mask, bias):
         return _fused_forward(q, k, v, spec, sinks)
-    return _math_forward(q, k, v, spec, sinks, mask, bias, alibi)
+    return _math_forward(q, k, v, spec, sinks, mask, bias, alibi, dropout_seed, dropout_first_batch)
 
 
 def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
-                    bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None):
+                    bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
+                    dropout_seed: torch.Tensor | None = None):
     """The forward by key chunks with an online softmax, in plain differentiable torch ops only
     (matmul, exp, where, ...), on any device: autograd differentiates it to any order and forward-mode
     AD and torch.func transforms go through it. The calls no custom backward can serve use it
@@ -152,6 +157,10 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
         p = torch.exp(s - shift)
         alpha = torch.exp(row_max - shift)
         row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
+        if dropout_seed is not None:  # dropped probabilities leave the values' sum, not the normaliser
+            kept = dropout.keep_mask(dropout_seed, b, hkv * g, seqlen_q, seqlen_k, spec.dropout_p, q.device,
+                                     key_start=start, key_end=end).view(b, hkv, g, seqlen_q, end - start)
+            p = torch.where(kept, p, torch.zeros_like(p)) * dropout.keep_scale(spec.dropout_p)
         acc = acc * alpha + torch.matmul(p, vg[..., start:end, :])
         row_max = new_max
     empty = row_sum == 0
@@ -162,13 +171,15 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
 
 
 def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask: BlockMask | None = None,
-             bias: torch.Tensor | None = None, bias_grad: bool = False, alibi: torch.Tensor | None = None):
+             bias: torch.Tensor | None = None, bias_grad: bool = False, alibi: torch.Tensor | None = None,
+             dropout_seed: torch.Tensor | None = None, dropout_first_batch: int = 0):
     """(dq, dk, dv, dbias); dbias (with ``bias_grad``) has the bias's 4-D shape, summed over its
     broadcast dims in a fixed order. ``dlse``: a gradient on lse as well (or None). ``alibi``: as
     for ``forward`` (constants: no gradient)."""
     if q.is_cpu and uses_fused_kernel(spec, mask, bias):
         return (*_fused_backward(dout, dlse, q, k, v, out, lse, spec), None)
-    return _math_backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad, alibi)
+    return _math_backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad, alibi, dropout_seed,
+                          dropout_first_batch)
 
 
 # ----------------------------------------------------------------------------- the keys a row sees
@@ -281,8 +292,10 @@ def fused_parts(seqlen_q: int, seqlen_k: int, window_left: int, window_right: in
 def uses_fused_kernel(spec: AttentionSpec, mask, bias) -> bool:
     """Whether a call on CPU tensors goes to torch's fused CPU kernel (the "torch" backend asked for on
     GPU tensors takes the math path): the kernel knows no softcap, bias or boolean mask (a bias would
-    need its gradient, a mask the kernel's answer for rows it empties; ALiBi would be a bias, chunk a mask)."""
-    return not spec.has_softcap and not spec.alibi and not spec.has_chunk and mask is None and bias is None and fused_kernel_available()
+    need its gradient, a mask the kernel's answer for rows it empties; ALiBi would be a bias, chunk a mask;
+    its dropout draws its own mask, which no backward could regenerate)."""
+    return not spec.has_softcap and not spec.alibi and not spec.has_chunk and not spec.has_dropout and mask is None \
+        and bias is None and fused_kernel_available()
 
 
 @functools.lru_cache(maxsize=None)
@@ -506,7 +519,8 @@ class _Tiles:
     head, and for each query tile the key tiles its rows can see."""
 
     def __init__(self, q, k, v, spec: AttentionSpec, mask: BlockMask | None, bias: torch.Tensor | None,
-                 alibi: torch.Tensor | None = None):
+                 alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None,
+                 dropout_first_batch: int = 0):
         self.spec = spec
         self.qh, kh, vh = (to_bhsd(t, spec.layout) for t in (q, k, v))
         self.batch, self.heads_q, self.seqlen_q, self.head_dim = self.qh.shape
@@ -518,6 +532,17 @@ class _Tiles:
         self.mask = _grouped_mask(mask, self.heads_q, self.heads_kv)
         self.bias = _grouped_mask(bias, self.heads_q, self.heads_kv)
         self.alibi = _grouped_alibi(alibi, self.heads_kv)
+        self.dropout_seed = None if dropout_seed is None else int(dropout_seed.reshape(-1)[0])
+        self.dropout_first_batch = dropout_first_batch
+
+    def kept(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor | None:
+        """Dropout's keep mask of a tile as (B, Hkv, G, rows, keys), or None without dropout."""
+        if self.dropout_seed is None:
+            return None
+        keep = dropout.keep_mask(self.dropout_seed, self.batch, self.heads_q, self.seqlen_q, self.seqlen_k,
+                                 self.spec.dropout_p, self.k.device, batch_start=self.dropout_first_batch,
+                                 query_start=q0, query_end=q1, key_start=k0, key_end=k1)
+        return keep.view(self.batch, self.heads_kv, self.group, q1 - q0, k1 - k0)
 
     def query_tiles(self):
         """(q0, q1, key tiles [(k0, k1, whole)]) over the rows that see a key; ``whole``: every row of
@@ -588,8 +613,9 @@ def _rows_of(t: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
     return t if t.shape[-2] == 1 else t[..., q0:q1, :]
 
 
-def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias, alibi=None):
-    tiles = _Tiles(q, k, v, spec, mask, bias, alibi)
+def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias, alibi=None, dropout_seed=None,
+                  dropout_first_batch=0):
+    tiles = _Tiles(q, k, v, spec, mask, bias, alibi, dropout_seed, dropout_first_batch)
     b, hkv, g, seqlen_q, head_dim_v = tiles.batch, tiles.heads_kv, tiles.group, tiles.seqlen_q, tiles.v.shape[-1]
     out = tiles.k.new_zeros((b, hkv, g, seqlen_q, head_dim_v))
     if sinks is None:
@@ -611,10 +637,15 @@ def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias, alibi=None):
             p = s.sub_(shift).exp_()
             alpha = torch.exp(row_max - shift)
             row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
+            kept = tiles.kept(q0, q1, k0, k1)
+            if kept is not None:  # dropped probabilities leave the values' sum, not the normaliser
+                p = p.masked_fill_(~kept, 0.0)
             pv = torch.matmul(p.view(b, hkv, -1, k1 - k0), tiles.v[:, :, k0:k1]).view(acc.shape)
             acc = acc.mul_(alpha).add_(pv)
             row_max = new_max
         empty = row_sum == 0
+        if spec.has_dropout:
+            acc = acc.mul_(dropout.keep_scale(spec.dropout_p))
         out[..., q0:q1, :] = acc / torch.where(empty, torch.ones_like(row_sum), row_sum)
         lse[..., q0:q1] = torch.where(empty, torch.full_like(row_sum, float("-inf")),
                                       row_max + torch.log(row_sum)).squeeze(-1)
@@ -622,8 +653,9 @@ def _math_forward(q, k, v, spec: AttentionSpec, sinks, mask, bias, alibi=None):
     return _in_layout(out, spec.layout, q.dtype, head_dim_v), lse.view(b, hkv * g, seqlen_q)
 
 
-def _math_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask, bias, bias_grad: bool, alibi=None):
-    tiles = _Tiles(q, k, v, spec, mask, bias, alibi)
+def _math_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask, bias, bias_grad: bool, alibi=None,
+                   dropout_seed=None, dropout_first_batch=0):
+    tiles = _Tiles(q, k, v, spec, mask, bias, alibi, dropout_seed, dropout_first_batch)
     b, hkv, g, seqlen_q = tiles.batch, tiles.heads_kv, tiles.group, tiles.seqlen_q
     doh, oh = to_bhsd(dout, spec.layout), to_bhsd(out, spec.layout)
     dq = torch.zeros((b, tiles.heads_q, seqlen_q, tiles.head_dim), dtype=torch.float32, device=q.device)
@@ -644,9 +676,14 @@ def _math_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, mask, bia
             keys = k1 - k0
             s, tanh = tiles.scores(q_scaled, q0, q1, k0, k1, whole, keep_tanh=True)
             p = s.sub_(lse_rows).exp_()
-            p_flat = p.view(b, hkv, g * rows, keys)
+            kept = tiles.kept(q0, q1, k0, k1)
+            # with dropout, what multiplied V: p on kept entries times the keep scale, else 0
+            p_used = p if kept is None else p.masked_fill(~kept, 0.0).mul_(dropout.keep_scale(spec.dropout_p))
+            p_flat = p_used.view(b, hkv, g * rows, keys)
             dv[:, :, k0:k1] += torch.matmul(p_flat.transpose(-1, -2), dout_rows)
             dp = torch.matmul(dout_rows, tiles.v[:, :, k0:k1].transpose(-1, -2)).view(p.shape)
+            if kept is not None:  # d out / d p: the dropped entries' values never reached the output
+                dp = dp.masked_fill_(~kept, 0.0).mul_(dropout.keep_scale(spec.dropout_p))
             ds = dp.sub_(delta).mul_(p)
             if dbias is not None:  # the logit's gradient, summed down to the bias's broadcast shape
                 target = _chunk(_rows_of(dbias, q0, q1), k0, k1)

@@ -127,6 +127,8 @@ def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None
         return refused("alibi_slopes: the Gluon kernels have no ALiBi term")
     if spec.has_chunk:
         return refused("chunk: the Gluon kernels have no chunked-attention rule")
+    if spec.has_dropout:
+        return refused("dropout_p: the Gluon kernels have no dropout")
     if sinks is not None:
         return refused("sinks: the Gluon kernels have no sink term")
     if bias is not None:
@@ -235,10 +237,11 @@ def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None,
 
 def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
                       mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None,
-                      alibi: torch.Tensor | None = None):
+                      alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None):
     """(out in the user layout, lse (B, Hq, Sq) float32; packed sequences: (Hq, total_q)) by the
-    kernels ``plan_forward`` picks. ``sinks``, ``mask``, ``bias``, ``packing``, ``alibi``: as
-    ``kernels.triton.fwd.forward`` takes them (``alibi`` with ``spec.alibi``)."""
+    kernels ``plan_forward`` picks. ``sinks``, ``mask``, ``bias``, ``packing``, ``alibi``,
+    ``dropout_seed``: as ``kernels.triton.fwd.forward`` takes them (``alibi`` with ``spec.alibi``,
+    ``dropout_seed`` with ``spec.dropout_p``)."""
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, spec.layout)
     heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, spec.layout)[1:]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if spec.layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -255,7 +258,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
     plan = plan_forward(q, k, v, spec, config, sinks, mask, bias, packing)
     if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing):
         return out, lse
-    triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing, alibi)
+    triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing, alibi, dropout_seed)
     return out, lse
 
 
@@ -493,7 +496,7 @@ def dkdv_block_major(spec: AttentionSpec, group_size: int) -> bool:
 def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, configs: AttentionConfigs,
                        mask: BlockMask | None = None, bias: torch.Tensor | None = None, bias_grad: bool = False,
                        packing: Packing | None = None, sinks: torch.Tensor | None = None,
-                       alibi: torch.Tensor | None = None):
+                       alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None):
     """Returns (dq, dk, dv, dbias, dsinks), dq/dk/dv each in the layout and dtype of its input, by
     the kernels ``plan_backward`` picks. ``mask``, ``bias``, ``packing``: as for
     ``attention_forward``. ``dbias`` (with ``bias_grad``, else None) has the bias's 4-D shape and
@@ -539,7 +542,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
             return dq, dk, dv, dbias, dsinks
     dkdv_cfg = triton_dkdv_fallback(plan.dkdv) if plan.dkdv.family == "gluon" else plan.dkdv
     dq, dbias = triton_bwd.run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec, configs, plan,
-                                      dkdv_cfg, gluon_dkdv, mask, bias, dbias_mode, packing, alibi)
+                                      dkdv_cfg, gluon_dkdv, mask, bias, dbias_mode, packing, alibi, dropout_seed)
     return dq, dk, dv, dbias, dsinks
 
 
@@ -592,32 +595,41 @@ def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec
 # ----------------------------------------------------------------------------- one call, either backend
 
 
-def forward(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, bias, backend: str, alibi=None):
+def forward(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, bias, backend: str, alibi=None,
+            dropout_seed=None, dropout_first_batch=0):
     """(out, lse) of one call on ``backend`` (``resolve_backend``). ``alibi``: the ALiBi slopes as a
-    contiguous float32 (B, Hq) tensor (``checks.check_alibi``), with ``spec.alibi``."""
+    contiguous float32 (B, Hq) tensor (``checks.check_alibi``), with ``spec.alibi``. ``dropout_seed``:
+    the call's (1,) int64 seed on q's device (dropout.py), with ``spec.dropout_p``;
+    ``dropout_first_batch`` (the PyTorch backend's per-sequence calls of packed sequences): the batch
+    index the mask gives q's first batch."""
     if backend == "torch":
-        return cpu.forward(q, k, v, spec, sinks, mask, bias, alibi=alibi)
+        return cpu.forward(q, k, v, spec, sinks, mask, bias, alibi=alibi, dropout_seed=dropout_seed,
+                           dropout_first_batch=dropout_first_batch)
+    assert dropout_first_batch == 0, "the kernels index packed sequences themselves"
     configs = configs_for(q, v, spec, bhsd_shape(k, spec.layout)[2])
-    return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias, alibi=alibi)
+    return attention_forward(q, k, v, spec, configs.forward, sinks, mask, bias, alibi=alibi,
+                             dropout_seed=dropout_seed)
 
 
 def backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, sinks, sinks_grad: bool, mask, bias,
-             bias_grad: bool, backend: str, alibi=None):
+             bias_grad: bool, backend: str, alibi=None, dropout_seed=None, dropout_first_batch=0):
     """(dq, dk, dv, dbias, dsinks) of one call on ``backend``; dbias None unless ``bias_grad``,
-    dsinks (float32) None unless ``sinks_grad``. ``alibi``: as for ``forward`` (no gradient)."""
+    dsinks (float32) None unless ``sinks_grad``. ``alibi``: as for ``forward`` (no gradient).
+    ``dropout_seed``, ``dropout_first_batch``: the forward's, which regenerate its mask."""
     # A bias constant along the keys gets its gradient from row statistics (``row_bias_gradient``), on
     # every backend alike: summed from the softmax gradient it would be mostly rounding noise.
     row_bias_grad = bias_grad and bias.shape[3] == 1
     bias_grad = bias_grad and not row_bias_grad
     all_sinks, sinks = sinks, sinks if sinks_grad else None
     if backend == "torch":
-        dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad, alibi=alibi)
+        dq, dk, dv, dbias = cpu.backward(dout, dlse, q, k, v, out, lse, spec, mask, bias, bias_grad, alibi=alibi,
+                                         dropout_seed=dropout_seed, dropout_first_batch=dropout_first_batch)
         dq, dk, dv = (_in_strides_of(x, grad) for x, grad in ((q, dq), (k, dk), (v, dv)))
         dsinks = None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, spec.layout)
     else:
         configs = configs_for(q, v, spec, bhsd_shape(k, spec.layout)[2])
         dq, dk, dv, dbias, dsinks = attention_backward(dout, dlse, q, k, v, out, lse, spec, configs, mask, bias,
-                                                       bias_grad, sinks=sinks, alibi=alibi)
+                                                       bias_grad, sinks=sinks, alibi=alibi, dropout_seed=dropout_seed)
     if row_bias_grad:
         dbias = row_bias_gradient(bias, out, dout, lse, dlse, all_sinks, spec.layout)
     return dq, dk, dv, dbias, dsinks

@@ -6,15 +6,19 @@ with FlashAttention's signatures, defaults and conventions: (B, S, H, D) tensors
 bottom-right aligned; ``window_size=(left, right)``, -1 unbounded, ``causal`` forcing right to 0;
 ``softmax_scale`` None for 1/sqrt(D); ``softcap`` 0 for none; ``softmax_lse`` (B, H, Sq), or (H,
 total_q) for the varlen functions; ``return_attn_probs`` giving (out, softmax_lse, None) -- the
-probabilities FlashAttention returns only with dropout. ``flash_attn_with_kvcache`` takes
+probabilities FlashAttention returns for testing with dropout are not formed
+(``fusedattn.dropout.keep_mask`` gives a call's dropout mask). ``flash_attn_with_kvcache`` takes
 ``cache_batch_idx`` (which cache row each sequence uses) and ``cache_leftpad`` (where each
 sequence's cache starts), ``flash_attn_varlen_func`` a paged ``block_table``, with FlashAttention's
 rules (neither ``cache_batch_idx`` nor ``cache_leftpad`` together with a paged cache).
 ``alibi_slopes``: float32 (nheads,) or (batch, nheads) -- batch the number of sequences for the
 varlen functions -- adding ``-alibi_slope * |i + seqlen_k - seqlen_q - j|`` to the scores after
 softcap (bottom-right aligned, per sequence for varlen; for ``flash_attn_with_kvcache`` seqlen_k is
-cache_seqlens + the new tokens, counted from ``cache_leftpad``); no gradient for the slopes. Not yet
-available, and raising ``NotImplementedError``: ``dropout_p > 0``.
+cache_seqlens + the new tokens, counted from ``cache_leftpad``); no gradient for the slopes.
+``dropout_p``: attention dropout as FlashAttention applies it, whenever it is > 0 (pass 0.0 in
+evaluation): probabilities dropped at p rounded to a multiple of 1/256, as FlashAttention's 8-bit draw,
+and the kept ones scaled by the inverse of the kept fraction drawn (docs/SEMANTICS.md 3.11); the
+mask is fusedattn's own (a Philox stream seeded from torch's generator), not FlashAttention's.
 fusedattn also takes fp32 inputs, which FlashAttention refuses.
 """
 
@@ -31,16 +35,15 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
 
 
 def _options(caller: str, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes=None) -> dict:
-    """FlashAttention's arguments as fusedattn's options (``alibi_slopes`` only where given: not every
-    function takes it yet)."""
-    if dropout_p:
-        raise NotImplementedError(f"fusedattn.flash_attn.{caller}: dropout_p > 0 is not supported yet "
-                                  f"(got {dropout_p}); use dropout_p=0.0")
+    """FlashAttention's arguments as fusedattn's options (``alibi_slopes`` and ``dropout_p`` only where
+    given: ``kvcache_attention`` takes no dropout)."""
     left, right = (int(window_size[0]), int(window_size[1]))
     window = None if (left, right) == (-1, -1) else (left, right)
     options = dict(causal=bool(causal), window=window, scale=softmax_scale, softcap=softcap if softcap else None)
     if alibi_slopes is not None:  # FlashAttention's (nheads,) or (batch, nheads) float32 slopes
         options["alibi_slopes"] = alibi_slopes
+    if dropout_p:
+        options["dropout_p"] = dropout_p
     return options
 
 

@@ -16,8 +16,9 @@ from typing import Optional
 import torch
 from torch.autograd import forward_ad
 
-from . import cpu, dispatch
+from . import cpu, dispatch, dropout
 from .block_mask import BlockMask
+from .dropout import check_dropout
 from .checks import check_alibi, check_bias, check_chunk, check_mask, check_options, check_qkv, check_sinks
 from .dispatch import use_backend  # noqa: F401  (public: fusedattn.use_backend)
 from .spec import AttentionSpec, bhsd_shape, gradient_like, resolve_spec
@@ -65,31 +66,34 @@ def _block_mask(mask, mask_states, mask_grid, q, k, layout: str) -> BlockMask | 
 _spec = functools.lru_cache(maxsize=256)(AttentionSpec)
 
 
-def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right, scale,
-                  softcap, deterministic, chunk, backend):
-    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk)
+def _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, dropout_seed, layout, window_left,
+                  window_right, scale, softcap, deterministic, chunk, dropout_p, backend, dropout_first_batch=0):
+    """``dropout_first_batch``: the batch index dropout's mask gives q's first batch (a packed
+    sequence run alone on the PyTorch path keeps its index in the packing)."""
+    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk, dropout_p)
     mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     if bias is not None:
         bias = bias.detach()
-    return dispatch.forward(q, k, v, spec, sinks, mask, bias, backend, alibi=alibi)
+    return dispatch.forward(q, k, v, spec, sinks, mask, bias, backend, alibi=alibi, dropout_seed=dropout_seed,
+                            dropout_first_batch=dropout_first_batch)
 
 
 @torch.library.custom_op("fusedattn::attention_forward", mutates_args=())
 def _forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mask: Optional[torch.Tensor],
     mask_states: Optional[torch.Tensor], mask_grid: list[int], bias: Optional[torch.Tensor],
-    alibi: Optional[torch.Tensor], layout: str, window_left: int, window_right: int, scale: float, softcap: float,
-    deterministic: bool, chunk: int, backend: str,
+    alibi: Optional[torch.Tensor], dropout_seed: Optional[torch.Tensor], layout: str, window_left: int,
+    window_right: int, scale: float, softcap: float, deterministic: bool, chunk: int, dropout_p: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right,
-                         scale, softcap, deterministic, chunk, backend)
+    return _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, dropout_seed, layout, window_left,
+                         window_right, scale, softcap, deterministic, chunk, dropout_p, backend)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, layout, window_left, window_right, scale,
-                  softcap, deterministic, chunk, backend):
+def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, dropout_seed, layout, window_left,
+                  window_right, scale, softcap, deterministic, chunk, dropout_p, backend):
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
     head_dim_v = v.shape[-1]
     out_shape = (batch, seqlen_q, heads_q, head_dim_v) if layout == "bshd" else (batch, heads_q, seqlen_q, head_dim_v)
@@ -97,15 +101,17 @@ def _forward_fake(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, lay
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
-                   alibi, layout, window_left, window_right, scale, softcap, deterministic, chunk, backend):
+                   alibi, dropout_seed, layout, window_left, window_right, scale, softcap, deterministic, chunk,
+                   dropout_p, backend, dropout_first_batch=0):
     """(dq, dk, dv, dbias, dsinks); dbias None unless ``bias_grad``, dsinks (float32) None unless
-    ``sinks_grad`` (the custom op returns empty tensors in their place: ``_backward_op``)."""
-    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk)
+    ``sinks_grad`` (the custom op returns empty tensors in their place: ``_backward_op``).
+    ``dropout_first_batch``: as for ``_forward_impl``."""
+    spec = _spec(layout, window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk, dropout_p)
     mask = _block_mask(mask, mask_states, mask_grid, q, k, layout)
     if bias is not None:
         bias = bias.detach()
     return dispatch.backward(dout, dlse, q, k, v, out, lse, spec, sinks, sinks_grad, mask, bias, bias_grad, backend,
-                             alibi=alibi)
+                             alibi=alibi, dropout_seed=dropout_seed, dropout_first_batch=dropout_first_batch)
 
 
 @torch.library.custom_op("fusedattn::attention_backward", mutates_args=())
@@ -114,19 +120,20 @@ def _backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     sinks: Optional[torch.Tensor], sinks_grad: bool,
     mask: Optional[torch.Tensor], mask_states: Optional[torch.Tensor], mask_grid: list[int],
-    bias: Optional[torch.Tensor], bias_grad: bool, alibi: Optional[torch.Tensor], layout: str, window_left: int,
-    window_right: int, scale: float, softcap: float, deterministic: bool, chunk: int, backend: str,
+    bias: Optional[torch.Tensor], bias_grad: bool, alibi: Optional[torch.Tensor], dropout_seed: Optional[torch.Tensor],
+    layout: str, window_left: int, window_right: int, scale: float, softcap: float, deterministic: bool, chunk: int,
+    dropout_p: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dbias, dsinks = _backward_impl(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states,
-                                               mask_grid, bias, bias_grad, alibi, layout, window_left, window_right,
-                                               scale, softcap, deterministic, chunk, backend)
+                                               mask_grid, bias, bias_grad, alibi, dropout_seed, layout, window_left,
+                                               window_right, scale, softcap, deterministic, chunk, dropout_p, backend)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0), \
         dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states, mask_grid, bias, bias_grad,
-                   alibi, *options):
+                   alibi, dropout_seed, *options):
     # dq, dk, dv in their inputs' strides where those are dense, else contiguous (``empty_like``),
     # as both backends return them
     return gradient_like(q), gradient_like(k), gradient_like(v), \
@@ -135,9 +142,9 @@ def _backward_fake(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, *options = inputs
+    q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, dropout_seed, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks, mask, mask_states, bias, alibi)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, mask, mask_states, bias, alibi, dropout_seed)
     ctx.mask_grid = mask_grid
     ctx.options = options
     ctx.set_materialize_grads(False)
@@ -153,7 +160,7 @@ _EAGER_INPUTS = ("q", "k", "v", "sinks", "bias")
 def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bool):
     """(dq, dk, dv, dsinks, dbias) -- ``_EAGER_INPUTS`` order -- of a call saved by ``_setup_context``;
     dsinks / dbias None unless asked."""
-    q, k, v, out, lse, sinks, mask, mask_states, bias, alibi = ctx.saved_tensors
+    q, k, v, out, lse, sinks, mask, mask_states, bias, alibi, dropout_seed = ctx.saved_tensors
     if dout is None:  # only lse was used
         dout = torch.zeros_like(out)
     dout = _unit_stride_head_dim(dout)  # e.g. the expanded ones of out.sum() have stride 0
@@ -162,14 +169,14 @@ def _backward_with(backward_fn, ctx, dout, dlse, sinks_grad: bool, bias_grad: bo
     bias_grad = bias is not None and bias_grad
     sinks_grad = sinks is not None and sinks_grad
     dq, dk, dv, dbias, dsinks = backward_fn(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, mask, mask_states,
-                                            ctx.mask_grid, bias, bias_grad, alibi, *ctx.options)
+                                            ctx.mask_grid, bias, bias_grad, alibi, dropout_seed, *ctx.options)
     return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, dbias if bias_grad else None
 
 
 def _backward(ctx, dout, dlse):
     needs = dict(zip(_OP_INPUTS, ctx.needs_input_grad))
     grads = dict(zip(_EAGER_INPUTS, _backward_with(_backward_op, ctx, dout, dlse, needs["sinks"], needs["bias"])))
-    # None for the mask, its tiles, the ALiBi slopes (constants: no gradient) and the options
+    # None for the mask, its tiles, the ALiBi slopes (constants: no gradient), the seed and the options
     return tuple(grads.get(name) for name in _OP_INPUTS)
 
 
@@ -187,9 +194,10 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, bias, rest):
-        mask, mask_states, mask_grid, alibi, *options = rest
-        out, lse = _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, *options)
-        _setup_context(ctx, (q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, *options), (out, lse))
+        mask, mask_states, mask_grid, alibi, dropout_seed, *options = rest
+        out, lse = _forward_impl(q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, dropout_seed, *options)
+        _setup_context(ctx, (q, k, v, sinks, mask, mask_states, mask_grid, bias, alibi, dropout_seed, *options),
+                       (out, lse))
         return out, lse
 
     @staticmethod
@@ -209,12 +217,12 @@ def _differentiable_backward(ctx, dout, dlse, needs: tuple) -> tuple:
     hand blocks to fused CPU kernels), so the forward is recomputed through ``cpu.chunked_forward``,
     whose plain torch ops autograd differentiates to any order -- on every device, so CPU and GPU
     agree. Costs what autograd through plain attention costs: every chunk's probabilities are kept."""
-    q, k, v, _, _, sinks, mask, mask_states, bias, alibi = ctx.saved_tensors
+    q, k, v, _, _, sinks, mask, mask_states, bias, alibi, dropout_seed = ctx.saved_tensors
     layout = ctx.options[0]
-    spec = _spec(*ctx.options[:6], alibi is not None, ctx.options[6])
+    spec = _spec(*ctx.options[:6], alibi is not None, *ctx.options[6:8])
     block_mask = _block_mask(mask, mask_states, ctx.mask_grid, q, k, layout)
     with torch.enable_grad():
-        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, block_mask, bias, alibi=alibi)
+        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, block_mask, bias, alibi=alibi, dropout_seed=dropout_seed)
     return differentiable_grads((out, lse), (dout, dlse), (q, k, v, sinks, bias), needs)
 
 
@@ -234,7 +242,7 @@ def differentiable_grads(outputs: tuple, cotangents: tuple, inputs: tuple, needs
 
 
 def _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks, deterministic, return_lse,
-                  alibi_slopes=None, chunk=None):
+                  alibi_slopes=None, chunk=None, dropout_p=0.0):
     """``attention``'s arguments checked and resolved (``explain`` takes the same): (q, k, v with a
     unit-stride head dim, the mask as a BlockMask, the bias, the frozen AttentionSpec, the ALiBi
     slopes as a contiguous float32 (B, Hq) tensor or None)."""
@@ -246,9 +254,11 @@ def _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, s
     bias = check_bias(bias, shapes, q)
     alibi = check_alibi(alibi_slopes, q, shapes)
     check_chunk(chunk)
+    dropout_p = check_dropout(dropout_p)
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout=layout, causal=causal, window=window, scale=scale,
-                        softcap=softcap, deterministic=deterministic, alibi=alibi is not None, chunk=chunk)
+                        softcap=softcap, deterministic=deterministic, alibi=alibi is not None, chunk=chunk,
+                        dropout_p=dropout_p)
     return q, k, v, mask, bias, spec, alibi
 
 
@@ -267,6 +277,7 @@ def attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     chunk: int | None = None,
+    dropout_p: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
 ):
@@ -283,17 +294,23 @@ def attention(
     ``chunk``: int >= 1, chunked local attention (Llama 4): query i sees key j only if both lie in the
     same chunk of ``chunk`` positions, ``(i + Sk - Sq) // chunk == j // chunk``, combined with every
     other rule by AND; key blocks outside a query block's chunks are skipped.
+    ``dropout_p``: attention dropout on the probabilities, p in [0, 1) rounded to a multiple of 1/256,
+    the kept ones scaled by the inverse of the kept fraction (docs/SEMANTICS.md 3.11). The call draws
+    its seed from torch's generator on q's device (``fusedattn.dropout``: ``torch.manual_seed``
+    reproduces the mask, ``dropout.keep_mask`` returns it); the backward regenerates the same mask.
+    ``lse`` stays that of the undropped probabilities. Pass 0.0 in evaluation, as with SDPA.
     """
     q, k, v, mask, bias, spec, alibi = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask,
-                                                     sinks, deterministic, return_lse, alibi_slopes, chunk)
+                                                     sinks, deterministic, return_lse, alibi_slopes, chunk, dropout_p)
     mask_args, options = _mask_args(mask), (*spec.op_args(), dispatch.resolve_backend(q.device))
-    args = (q, k, v, sinks, *mask_args, bias, alibi, *options)
+    seed = dropout.draw_seed(q.device) if spec.has_dropout else None
+    args = (q, k, v, sinks, *mask_args, bias, alibi, seed, *options)
     if torch.compiler.is_compiling():
         out, lse = _forward_op(*args)
     elif beyond_first_order(q, k, v, sinks, bias):
-        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, mask, bias, alibi=alibi)
+        out, lse = cpu.chunked_forward(q, k, v, spec, sinks, mask, bias, alibi=alibi, dropout_seed=seed)
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks, bias)):
-        out, lse = _EagerAttention.apply(q, k, v, sinks, bias, (*mask_args, alibi, *options))
+        out, lse = _EagerAttention.apply(q, k, v, sinks, bias, (*mask_args, alibi, seed, *options))
     else:  # nothing to differentiate: no autograd node (its host time is a fifth of an inference call's)
         out, lse = _forward_impl(*args)
     return (out, lse) if return_lse else out
@@ -314,6 +331,7 @@ def explain(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     chunk: int | None = None,
+    dropout_p: float = 0.0,
     deterministic: bool = False,
     show: bool = True,
 ):
@@ -323,7 +341,7 @@ def explain(
     The backward's bias and sinks gradients are planned where those tensors require a gradient.
     ``show=False`` only returns it (``str()`` of the result is the printed text)."""
     q, k, v, mask, bias, spec, _ = _checked_call(q, k, v, layout, causal, window, scale, softcap, bias, mask, sinks,
-                                                 deterministic, False, alibi_slopes, chunk)
+                                                 deterministic, False, alibi_slopes, chunk, dropout_p)
     plans = dispatch.explain_plans(q, k, v, spec, None if sinks is None else sinks.detach().float(), mask,
                                    None if bias is None else bias.detach(), dispatch.resolve_backend(q.device),
                                    bias_grad=bias is not None and bias.requires_grad,

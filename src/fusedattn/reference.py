@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from .dropout import keep_scale
 from .spec import alibi_distances, fold_window, from_bhsd, keep_mask, to_bhsd
 
 
@@ -30,8 +31,13 @@ def reference_attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     chunk: int | None = None,
+    dropout_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     return_lse: bool = False,
 ):
+    """``dropout_keep``: with ``dropout_p``, a bool (B, Hq, Sq, Sk) mask of the probabilities kept
+    (``dropout.keep_mask``); the kept ones are scaled by ``dropout.keep_scale(dropout_p)``, the
+    others dropped; lse is the undropped one."""
     qh, kh, vh = to_bhsd(q, layout), to_bhsd(k, layout), to_bhsd(v, layout)
     batch, heads_q, seqlen_q, head_dim = qh.shape
     heads_kv, seqlen_k = kh.shape[1], kh.shape[2]
@@ -68,6 +74,8 @@ def reference_attention(
     # Divide and take logs of 1 on empty rows: a NaN there would leak through torch.where's backward.
     safe_denom = torch.where(empty, torch.ones_like(denom), denom)
     p = e / safe_denom
+    if dropout_keep is not None:
+        p = torch.where(dropout_keep, p * keep_scale(dropout_p), torch.zeros_like(p))
     out = torch.matmul(p.to(vh.dtype), vh)
     out = from_bhsd(out, layout)
     if not return_lse:

@@ -25,6 +25,8 @@ class AttentionSpec:
     bottom-right aligned diagonal; ``UNBOUNDED`` (-1) means no bound.
     ``softcap`` is 0.0 when off. ``alibi``: the call has ALiBi slopes (the tensor travels beside
     the spec, as the sinks do); part of the spec so that every plan and launch cache keys on it.
+    ``dropout_p``: attention dropout's probability, 0.0 when off (dropout.py; the seed travels
+    beside the spec).
     """
 
     layout: str
@@ -35,11 +37,16 @@ class AttentionSpec:
     deterministic: bool
     alibi: bool = False
     chunk: int = 0
+    dropout_p: float = 0.0
 
     def op_args(self) -> tuple:
         """The spec as plain values, the way the custom ops carry it."""
         return (self.layout, self.window_left, self.window_right, self.scale, self.softcap, self.deterministic,
-                self.chunk)
+                self.chunk, self.dropout_p)
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout_p != 0.0
 
     @property
     def has_chunk(self) -> bool:
@@ -103,6 +110,7 @@ def resolve_spec(
     deterministic: bool,
     alibi: bool = False,
     chunk: int | None = None,
+    dropout_p: float = 0.0,
 ) -> AttentionSpec:
     left, right = fold_window(causal, window)
     return AttentionSpec(
@@ -114,6 +122,7 @@ def resolve_spec(
         deterministic=bool(deterministic),
         alibi=bool(alibi),
         chunk=int(chunk) if chunk is not None else 0,
+        dropout_p=float(dropout_p),
     )
 
 

@@ -5,7 +5,9 @@ aligned (query i sees keys j <= i, whatever Sq and Sk); a bool ``attn_mask`` kee
 float one is added to the scores (and gets its gradient); masks and key/value batch and head dims
 broadcast as torch broadcasts them; ``enable_gqa`` lets Hq be a multiple of Hkv. A row that keeps
 no key gives zeros, as torch's math backend, CPU kernel and memory-efficient kernel do (its cuDNN
-backend gives other values there). ``dropout_p > 0`` raises ``NotImplementedError``.
+backend gives other values there). ``dropout_p``: attention dropout whenever it is > 0, as torch
+applies it (pass 0.0 in evaluation), with fusedattn's mask (docs/SEMANTICS.md 3.11: p rounded to a
+multiple of 1/256, the kept probabilities scaled by the inverse of the kept fraction drawn).
 
 ``routed_sdpa()`` routes ``torch.nn.functional.scaled_dot_product_attention`` to it inside a
 ``with`` block and restores torch's afterwards: code that looks the function up at call time (as
@@ -34,8 +36,6 @@ def _as_4d(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention, computed by ``fusedattn.attention``."""
-    if dropout_p:
-        raise NotImplementedError(f"{_NAME}: dropout_p > 0 is not supported yet (got {dropout_p})")
     if is_causal and attn_mask is not None:
         raise RuntimeError(f"{_NAME}: an explicit attn_mask should not be set when is_causal=True (as in torch)")
     three_d = query.dim() == 3
@@ -64,7 +64,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             bias = full
     if mask is not None and mask.dim() == 2:
         mask = mask.reshape(1, 1, *mask.shape)
-    out = attention(q, k, v, layout="bhsd", window=window, scale=scale, mask=mask, bias=bias)
+    out = attention(q, k, v, layout="bhsd", window=window, scale=scale, mask=mask, bias=bias, dropout_p=dropout_p)
     return out.squeeze(1) if three_d else out
 
 

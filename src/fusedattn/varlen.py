@@ -13,6 +13,7 @@ import torch
 
 from typing import Optional
 
+from .dropout import check_dropout, draw_seed
 from .checks import check_alibi, check_chunk, check_options, check_qkv, check_sinks, is_integer
 from .dispatch import attention_backward, attention_forward, packed_configs, prepare_packed_maps, resolve_backend
 from .interface import (_backward_impl, _forward_impl, _unit_stride_head_dim, attention, beyond_first_order,
@@ -115,10 +116,11 @@ def poison(packing: Packing, *tensors):
 
 
 def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str, for_backward: bool,
-             alibi: torch.Tensor | None = None):
+             alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None):
     """(out (total_q, Hq, Dv), lse (Hq, total_q)) of every sequence, no autograd: the kernels over the
     packed tensors ("triton"), or the PyTorch path sequence by sequence ("torch"). ``alibi`` (with
-    ``spec.alibi``): the contiguous float32 (sequences, Hq) slopes (``checks.check_alibi``)."""
+    ``spec.alibi``): the contiguous float32 (sequences, Hq) slopes (``checks.check_alibi``).
+    ``dropout_seed`` (with ``spec.dropout_p``): the call's seed; sequence s is batch s of its mask."""
     heads_q = q.shape[1]
     if q.shape[0] == 0:  # no query in any sequence
         return q.new_empty((0, heads_q, v.shape[-1])), q.new_empty((heads_q, 0), dtype=torch.float32)
@@ -128,7 +130,8 @@ def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str
         for index, ((q0, q1), (k0, k1)) in enumerate(_sequences(packing)):
             if q1 > q0:
                 out_s, lse_s = _forward_impl(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], sinks, None, None,
-                                             [0, 0, 0, 0], None, _slopes_of(alibi, index), *spec.op_args(), "torch")
+                                             [0, 0, 0, 0], None, _slopes_of(alibi, index), dropout_seed,
+                                             *spec.op_args(), "torch", dropout_first_batch=index)
                 out[q0:q1], lse[:, q0:q1] = out_s[0], lse_s[0]
         return out, lse
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
@@ -136,14 +139,15 @@ def _forward(q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str
     if for_backward:
         prepare_packed_maps(q4, k4, v4, sinks, packing, spec, configs)
     kernel_sinks = sinks.detach().float().contiguous() if sinks is not None else None
-    out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing, alibi=alibi)
+    out, lse = attention_forward(q4, k4, v4, spec, configs.forward, kernel_sinks, packing=packing, alibi=alibi,
+                                 dropout_seed=dropout_seed)
     return poison(packing, out[0], lse)
 
 
 def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: Packing, spec: AttentionSpec,
-              backend: str, alibi: torch.Tensor | None = None):
+              backend: str, alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None):
     """(dq, dk, dv, dsinks (float32, or None unless ``sinks_grad``)) of ``_forward`` (``alibi``: its
-    slopes; constants, no gradient)."""
+    slopes; constants, no gradient; ``dropout_seed``: its seed)."""
     dout = torch.zeros_like(out) if dout is None else _unit_stride_head_dim(dout)
     if dlse is not None:
         dlse = dlse.float().contiguous()
@@ -158,7 +162,8 @@ def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: P
                 parts = _backward_impl(dout[None, q0:q1], None if dlse is None else dlse[None, :, q0:q1],
                                        q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                                        lse[None, :, q0:q1], sinks, sinks_grad, None, None, [0, 0, 0, 0], None, False,
-                                       _slopes_of(alibi, index), *spec.op_args(), "torch")
+                                       _slopes_of(alibi, index), dropout_seed, *spec.op_args(), "torch",
+                                       dropout_first_batch=index)
                 dq[q0:q1], dk[k0:k1], dv[k0:k1] = parts[0][0], parts[1][0], parts[2][0]
                 if sinks_grad:
                     dsinks += parts[4]
@@ -166,7 +171,8 @@ def _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad: bool, packing: P
     q4, k4, v4 = (t.unsqueeze(0) for t in (q, k, v))
     dq, dk, dv, _, dsinks = attention_backward(dout.unsqueeze(0), dlse, q4, k4, v4, out.unsqueeze(0), lse, spec,
                                                packed_configs(q, v, spec), packing=packing,
-                                               sinks=sinks if sinks_grad else None, alibi=alibi)
+                                               sinks=sinks if sinks_grad else None, alibi=alibi,
+                                               dropout_seed=dropout_seed)
     return poison(packing, dq[0], dk[0], dv[0], dsinks)
 
 
@@ -186,25 +192,35 @@ class _VarlenAttention(torch.autograd.Function):
     context (torch.compile traces the custom ops below instead; both run the same code)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str, alibi=None):
+    def forward(ctx, q, k, v, sinks, packing: Packing, spec: AttentionSpec, backend: str, alibi=None,
+                dropout_seed=None):
         out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=any(ctx.needs_input_grad[:4]),
-                            alibi=alibi)
+                            alibi=alibi, dropout_seed=dropout_seed)
         # the inputs themselves: a backward with create_graph differentiates through them
-        ctx.save_for_backward(q, k, v, out, lse, sinks, alibi)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, alibi, dropout_seed)
         ctx.packing, ctx.spec, ctx.backend = packing, spec, backend
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, sinks, alibi = ctx.saved_tensors
+        q, k, v, out, lse, sinks, alibi, dropout_seed = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (interface._differentiable_backward)
-            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi), None, None, None, None)
+            _refuse_dropout_beyond_first_order(ctx.spec, "a backward with create_graph=True")
+            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi), None, None, None, None, None)
         sinks_grad = sinks is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, ctx.packing, ctx.spec,
-                                       ctx.backend, alibi)
-        # no gradient for the packing, spec, backend or the ALiBi slopes (constants)
-        return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, None, None, None, None
+                                       ctx.backend, alibi, dropout_seed)
+        # no gradient for the packing, spec, backend, the ALiBi slopes (constants) or the seed
+        return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, None, None, None, None, None
+
+
+def _refuse_dropout_beyond_first_order(spec: AttentionSpec, what: str) -> None:
+    """The differentiable per-sequence form runs ``attention`` on each sequence, which would draw a
+    mask of its own: with dropout it cannot reproduce the call."""
+    if spec.has_dropout:
+        raise NotImplementedError(f"{_NAME}: dropout_p > 0 with {what} is not supported (its per-sequence form "
+                                  "cannot regenerate the call's dropout mask); fusedattn.attention supports it")
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -216,16 +232,19 @@ class _VarlenAttention(torch.autograd.Function):
 @torch.library.custom_op("fusedattn::varlen_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
-                max_seqlen_q: int, max_seqlen_k: int, window_left: int, window_right: int, scale: float,
-                softcap: float, deterministic: bool, chunk: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                dropout_seed: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, window_left: int,
+                window_right: int, scale: float, softcap: float, deterministic: bool, chunk: int, dropout_p: float,
+                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk)
-    out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=True, alibi=alibi)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk,
+                         dropout_p)
+    out, lse = _forward(q, k, v, sinks, packing, spec, backend, for_backward=True, alibi=alibi,
+                        dropout_seed=dropout_seed)
     return out, lse
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, *options):
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, dropout_seed, *options):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]),
                                                                            dtype=torch.float32)
 
@@ -234,36 +253,40 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, *options):
 def _backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor], sinks_grad: bool,
-                 alibi: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, window_left: int,
-                 window_right: int, scale: float, softcap: float, deterministic: bool, chunk: int,
+                 alibi: Optional[torch.Tensor], dropout_seed: Optional[torch.Tensor], max_seqlen_q: int,
+                 max_seqlen_k: int, window_left: int, window_right: int, scale: float, softcap: float,
+                 deterministic: bool, chunk: int, dropout_p: float,
                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk)
-    dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, packing, spec, backend, alibi)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, deterministic, alibi is not None, chunk,
+                         dropout_p)
+    dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, packing, spec, backend, alibi,
+                                   dropout_seed)
     return dq, dk, dv, dsinks if dsinks is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, sinks_grad, alibi, *options):
+def _backward_fake(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, sinks_grad, alibi, dropout_seed,
+                   *options):
     return gradient_like(q), gradient_like(k), gradient_like(v), \
         q.new_empty(sinks.shape if sinks_grad else (0,), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, sinks, alibi)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, dropout_seed, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, sinks, alibi, dropout_seed)
     ctx.options = options
     ctx.set_materialize_grads(False)
 
 
 def _op_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi, dropout_seed = ctx.saved_tensors
     sinks_grad = sinks is not None and ctx.needs_input_grad[5]
     dout = torch.zeros_like(out) if dout is None else dout
     dq, dk, dv, dsinks = _backward_op(dout, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, sinks_grad,
-                                      alibi, *ctx.options)
-    # None for the offsets, the ALiBi slopes (constants) and the options
-    return dq, dk, dv, None, None, dsinks.to(sinks.dtype) if sinks_grad else None, None, \
+                                      alibi, dropout_seed, *ctx.options)
+    # None for the offsets, the ALiBi slopes (constants), the seed and the options
+    return dq, dk, dv, None, None, dsinks.to(sinks.dtype) if sinks_grad else None, None, None, \
         *(None,) * len(ctx.options)
 
 
@@ -318,6 +341,7 @@ def varlen_attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     chunk: int | None = None,
+    dropout_p: float = 0.0,
     deterministic: bool = False,
     return_lse: bool = False,
 ):
@@ -334,7 +358,8 @@ def varlen_attention(
     2's varlen (batch, nheads), batch = sequences -- adds ``-slope * |i + Sk - Sq - j|`` with i, j, Sq, Sk
     those of each sequence; constants, no gradient. ``chunk``: int >= 1, chunked local attention per sequence:
     query i of a sequence sees its key j only if ``(i + Sk - Sq) // chunk == j // chunk`` (i, j, Sq, Sk
-    the sequence's own), ANDed with the other rules. Returns out (total_q, Hq, Dv), and with ``return_lse=True``
+    the sequence's own), ANDed with the other rules. ``dropout_p``: as for ``fusedattn.attention``, sequence s
+    being batch s of the mask (``fusedattn.dropout.keep_mask``). Returns out (total_q, Hq, Dv), and with ``return_lse=True``
     also lse (Hq, total_q) float32 (FlashAttention's varlen layout). Bias and mask are not taken.
     """
     check_options(layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
@@ -343,23 +368,26 @@ def varlen_attention(
     heads_q = shapes.heads_q
     check_sinks(sinks, q, heads_q)
     check_chunk(chunk, caller=_NAME)
+    dropout_p = check_dropout(dropout_p)
     check_packing_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q)
     # the slopes of each sequence: their number from the offsets' shape (nothing read from the offsets)
     alibi = check_alibi(alibi_slopes, q, shapes._replace(batch=cu_seqlens_q.shape[0] - 1), caller=_NAME,
                         batch_name="sequences")
     q, k, v = (_unit_stride_head_dim(t) for t in (q, k, v))
     spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
-                        deterministic=deterministic, alibi=alibi is not None, chunk=chunk)
+                        deterministic=deterministic, alibi=alibi is not None, chunk=chunk, dropout_p=dropout_p)
     backend = resolve_backend(q.device)
+    seed = draw_seed(q.device) if spec.has_dropout else None
     if torch.compiler.is_compiling():
-        out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, int(max_seqlen_q),
+        out, lse = _forward_op(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi, seed, int(max_seqlen_q),
                                int(max_seqlen_k), *spec.op_args()[1:], backend)
     else:
         packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
         if beyond_first_order(q, k, v, sinks):  # each sequence through ``attention``'s plain torch ops
+            _refuse_dropout_beyond_first_order(spec, "forward-mode AD or a torch.func transform")
             options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic,
                            chunk=chunk)
             out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q, alibi)
         else:
-            out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec, backend, alibi)
+            out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec, backend, alibi, seed)
     return (out, lse) if return_lse else out

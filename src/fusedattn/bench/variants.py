@@ -16,12 +16,14 @@ and >= 1.5x FlexAttention on the same variant; a trainable (B,H,S,S) bias >= 0.6
 25% density >= 3x faster than the dense plain kernel (its "vs plain" ratio); ALiBi >= 0.95x
 plain and faster than Flex (score_mod) and SDPA (a dense ALiBi bias); chunked attention (C = 1024,
 causal) within 10% of a sliding window with the same kept fraction (its own row) and ahead of
-Flex's chunk block mask.
+Flex's chunk block mask; dropout 0.1 >= 0.85x plain and faster than SDPA's flash and efficient
+backends with dropout. A dropout row's peers draw their own masks: each is checked at dropout 0
+against fusedattn at dropout 0 (the same call otherwise), then timed at its p.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -62,6 +64,7 @@ class Variant:
     window: int | None = None  # causal sliding window: keys each query sees, itself included
     softcap: float | None = None
     chunk: int | None = None  # chunked local attention (causal here)
+    dropout: float = 0.0  # attention dropout's p
 
 
 def _causal_fraction() -> float:
@@ -142,6 +145,7 @@ VARIANTS = [
     Variant(f"block-sparse top-{SPARSE_KEEP}/{S // SPARSE_BLOCK} (25%)", False,
             kept_fraction=lambda: SPARSE_KEEP * SPARSE_BLOCK / S, make_extra=_block_sparse),
     Variant("ALiBi (H,) slopes", True, kept_fraction=_causal_fraction, make_extra=_alibi_slopes),
+    Variant("dropout 0.1", True, kept_fraction=_causal_fraction, dropout=0.1),
     Variant(f"chunk {CHUNK}", True, kept_fraction=_chunk_fraction, chunk=CHUNK),
     # the chunk row's bar: the same kept fraction as a band
     Variant(f"sliding window {_window_like_chunk()} (chunk {CHUNK}'s kept fraction)", True,
@@ -151,7 +155,7 @@ VARIANTS = [
 
 def _fused(variant: Variant, plain: bool):
     options = dict(window=(variant.window - 1, 0) if variant.window else None, softcap=variant.softcap,
-                   chunk=variant.chunk)
+                   chunk=variant.chunk, dropout_p=variant.dropout)
     block_masks = {}  # a bool mask classified once (fusedattn.BlockMask), as Flex's block mask is built once
 
     def fn(inp: Inputs):  # the plain kernel's inputs carry no extras
@@ -176,6 +180,9 @@ def _flex(variant: Variant):
     compiled = torch.compile(flex_attention, dynamic=False)
     if variant.name.startswith("sinks"):
         raise Unavailable("FlexAttention has no sink logit")
+    if variant.dropout:
+        raise Unavailable("FlexAttention has no dropout (a score_mod changes logits before the softmax, not the "
+                          "probabilities after it)")
     cache = {}
 
     def fn(inp: Inputs):
@@ -219,6 +226,9 @@ def _sdpa(backend_name: str, variant: Variant):
 
     if variant.name.startswith(("sinks", "softcap")):
         raise Unavailable("SDPA has no " + variant.name.split()[0])
+    if backend_name == "FLASH_ATTENTION" and not variant.dropout:
+        raise Unavailable("SDPA's flash backend is timed in the dropout row only (no bias or mask; the standard "
+                          "rows time plain attention)")
     backend = getattr(SDPBackend, backend_name)
     dense = {}  # the ALiBi bias, made once per input outside the timed steps
 
@@ -246,7 +256,7 @@ def _sdpa(backend_name: str, variant: Variant):
             attn_mask, causal = dense[id(slopes)], False
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(inp.q, inp.k, inp.v, attn_mask=attn_mask, is_causal=causal,
-                                                  enable_gqa=variant.heads_kv != H)
+                                                  enable_gqa=variant.heads_kv != H, dropout_p=variant.dropout)
 
     return fn
 
@@ -316,6 +326,7 @@ SYSTEMS = {
     "flex": _flex,
     "sdpa-cudnn": lambda variant: _sdpa("CUDNN_ATTENTION", variant),
     "sdpa-efficient": lambda variant: _sdpa("EFFICIENT_ATTENTION", variant),
+    "sdpa-flash": lambda variant: _sdpa("FLASH_ATTENTION", variant),
     "flash-sparse-attn": _flash_sparse,
     "flaggems": _flaggems,
 }
@@ -362,8 +373,8 @@ def measure(variant: Variant, system: str, baseline_out: torch.Tensor | None = N
         fn = SYSTEMS[system](variant)
         inp = _inputs(variant, plain=system == "fusedattn-plain", layout=INPUT_LAYOUT.get(system, "bhsd"))
         leaves = inp.leaves()
-        with torch.no_grad():
-            out = fn(inp)
+        with torch.no_grad():  # the output checked: with dropout, each system's at dropout 0 (their masks differ)
+            out = (SYSTEMS[system](replace(variant, dropout=0.0)) if variant.dropout else fn)(inp)
         fwd_ms, fwdbwd_ms, peak_gb = time_step(lambda: fn(inp), lambda: torch.autograd.grad(fn(inp), leaves,
                                                                                           inp.dout))
     except Unavailable as e:  # the peer has no such feature

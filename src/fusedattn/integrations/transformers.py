@@ -36,8 +36,9 @@ What each call of a model's attention becomes:
   last C - 1 in a ``DynamicSlidingWindowLayer``), the mask function gives the exact 4-D mask
   instead (a decoding step: a few rows of at most C + S keys).
 
-Attention dropout is refused (``NotImplementedError``) until the kernels have it: train with
-``attention_dropout=0`` or in eval mode.
+Attention dropout: transformers passes ``dropout`` (the config's ``attention_dropout`` in training, 0
+in eval mode) and it becomes ``dropout_p`` on every path above (docs/SEMANTICS.md 3.11: fusedattn's
+own mask, p rounded to a multiple of 1/256).
 """
 
 from __future__ import annotations
@@ -160,11 +161,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None, **kwargs):
     """transformers' attention-function contract: query (B, Hq, Sq, D), key / value (B, Hkv, Sk, D)
     in, (out (B, Sq, Hq, Dv), None) out -- fusedattn does not form the attention weights."""
-    if dropout:
-        raise NotImplementedError(f"fusedattn: attention dropout is not supported yet (got {dropout}); set the "
-                                  f"config's attention_dropout to 0 or call model.eval()")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    options = dict(scale=scaling, softcap=softcap or None, sinks=s_aux)
+    options = dict(scale=scaling, softcap=softcap or None, sinks=s_aux, dropout_p=float(dropout or 0.0))
     # (B, S, H, D) views: transformers' projections are laid out this way before their transpose
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 

@@ -43,7 +43,8 @@ from ...spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride, gradient_li
 from ..shared.config import AttentionConfigs, KernelConfig
 from ..shared.block_range import key_blocks_for_query_block, query_blocks_for_key_block
 from ..shared import tile_lists
-from .fwd import (bhs_strides, broadcast_args, chunk_arg, dot_precision, mask_args, mask_descriptor, padded_dim, padded_dims,
+from .dropout import dropout_keep
+from .fwd import (bhs_strides, broadcast_args, chunk_arg, dot_precision, dropout_args, mask_args, mask_descriptor, padded_dim, padded_dims,
                   row_list_args, sequence_args, softcap_mode)
 from ..shared.constants import score_constants
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
@@ -197,7 +198,8 @@ def _dkdv_tiles(
     DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
     Alibi=0, HAS_ALIBI: tl.constexpr = False, chunk=1,
-    HAS_CHUNK: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False, BLOCK_N: tl.constexpr = 16, dropout_seed=0, dropout_threshold=0, dropout_scale=1.0,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """Query blocks ``[block_begin, block_end)`` of every query head of the KV group, as one flat
     loop (head-major): one software pipeline runs across the heads, and no loop nest holds dK, dV.
@@ -248,8 +250,15 @@ def _dkdv_tiles(
                                      HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, True,
                                      alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
             chunk=chunk, HAS_CHUNK=HAS_CHUNK)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:  # what multiplied V: the kept probabilities, scaled
+            keep_t = dropout_keep(dropout_seed, dq_row, offs_m, start_n, dropout_threshold, BLOCK_N, True)
+            dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv,
+                        input_precision=DOT_PRECISION)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:  # a dropped probability's value never reached the output
+            dp_t = tl.where(keep_t, dp_t * dropout_scale, 0.0)
         dlogit_t, ds_t = _score_grads(p_t, dp_t, delta, tanh_t, HAS_SOFTCAP, True)
         if DBIAS != 0:
             # the gradient has the bias's shape: the same slice indices
@@ -295,7 +304,8 @@ def _dkdv_program(
     DBIAS_SUM_K: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr, TMA_LOADS: tl.constexpr, MASK_TMA: tl.constexpr,
     Alibi=0, HAS_ALIBI: tl.constexpr = False, chunk=1,
-    HAS_CHUNK: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False, dropout_seed=0, dropout_threshold=0, dropout_scale=1.0,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """dK, dV of one key block of one KV head, summed over the query heads of its group. ``batch``:
     the batch (or packed sequence) index; ``q_index``, ``k_index``: what addresses its rows of the
@@ -336,13 +346,15 @@ def _dkdv_program(
             DBIAS_SUM_Q, DBIAS_SUM_K, HAS_BIAS,  # a -inf bias can empty a row on any tile
             True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, BLOCK_N=BLOCK_N, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, full_tiles, full_tiles + partial_tiles, 0, 0, *scores_args, tile_list + 2,
             query_blocks, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True,
             HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, True, True, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
             MASKED_STAGES, TMA_LOADS, MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, BLOCK_N=BLOCK_N, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
     else:
         begin, interior_begin, interior_end, end = query_blocks_for_key_block(
             n_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
@@ -354,14 +366,16 @@ def _dkdv_program(
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard it too
             False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, INTERIOR_STAGES, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, BLOCK_N=BLOCK_N, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
         # both boundary stretches in one masked walk
         dk, dv = _dkdv_tiles(
             dk, dv, *operands, begin, end, interior_begin, interior_end, *scores_args, TileLists, 0, HEAD_DIM,
             HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, DBIAS,
             DBIAS_SUM_Q, DBIAS_SUM_K, True, False, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, MASKED_STAGES, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, BLOCK_N=BLOCK_N, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
 
     store_tile(tile_ptrs(head_base(DK, k_index, head_kv, stride_dkb, stride_dkh), start_n, stride_dks, offs_tile,
                          offs_d), dk * scale, offs_n, seqlen_k, offs_d, HEAD_DIM)
@@ -381,7 +395,8 @@ def _dq_tiles(
     FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
     alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1,
-    HAS_CHUNK: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False, batch_head=0, dropout_seed=0, dropout_threshold=0, dropout_scale=1.0,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
     positions of ``tile_list`` (tile_lists.py), as the forward walks them."""
@@ -406,6 +421,9 @@ def _dq_tiles(
                                      alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
             chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:  # a dropped probability's value never reached the output
+            keep = dropout_keep(dropout_seed, batch_head, offs_m, start_n, dropout_threshold, BLOCK_N, False)
+            dp = tl.where(keep, dp * dropout_scale, 0.0)
         _, ds = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
@@ -430,7 +448,8 @@ def _dq_program(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_TMA: tl.constexpr, Alibi=0, HAS_ALIBI: tl.constexpr = False, chunk=1,
-    HAS_CHUNK: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False, dropout_seed=0, dropout_threshold=0, dropout_scale=1.0,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """dQ of one query block of one query head, in registers: a fixed summation order. ``q_index``,
     ``k_index``: as for ``_dkdv_program``."""
@@ -473,12 +492,14 @@ def _dq_program(
                        HAS_BIAS,  # a -inf bias can empty a row on any tile
                        True, DOT_PRECISION, TMA_LOADS,
                        MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, batch_head=batch_head, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
         dq = _dq_tiles(dq, *operands, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args, HEAD_DIM,
                        HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
                        BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
                        MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, batch_head=batch_head, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
     else:
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
             m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
@@ -488,18 +509,21 @@ def _dq_program(
                        HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
                        False, DOT_PRECISION, TMA_LOADS,
                        MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, batch_head=batch_head, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
         if HAS_LEFT or HAS_CHUNK:  # boundary blocks before the interior
             dq = _dq_tiles(dq, *operands, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                            BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA,
                            True, False, DOT_PRECISION, TMA_LOADS,
                        MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, batch_head=batch_head, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
         dq = _dq_tiles(dq, *operands, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
                        BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                        DOT_PRECISION, TMA_LOADS,
                        MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, batch_head=batch_head, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
     store_tile(tile_ptrs(head_base(DQ, q_index, head, stride_dqb, stride_dqh), start_m, stride_dqs, offs_tile, offs_d),
                dq * scale, offs_m, seqlen_q, offs_d, HEAD_DIM)
 
@@ -511,7 +535,7 @@ def _dq_program(
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "key_blocks", "query_blocks", "dkdv_programs"])
 def _backward_kernel(
     Q, K, V, DOut, Lse2, Delta, DK, DV, DQ, Mask, Bias, DBias, ColumnLists, RowLists, CuSeqlensQ, CuSeqlensK, Alibi,
-    q_desc, do_desc, k_desc, v_desc, dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc, mask_dkdv_desc, mask_dq_desc,
+    DropoutSeed, q_desc, do_desc, k_desc, v_desc, dq_desc, bias_dkdv_desc, bias_dq_desc, dbias_desc, mask_dkdv_desc, mask_dq_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -523,7 +547,8 @@ def _backward_kernel(
     stride_clb, stride_clh, stride_clr, stride_rlb, stride_rlh, stride_rlr, rows_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, heads_q, heads_kv, group_size, window_left, window_right, stride_stats,
-    qk_scale, softcap_log2, scale, chunk, key_blocks, query_blocks, dkdv_programs, dkdv_block_major,
+    qk_scale, softcap_log2, scale, chunk, dropout_threshold, dropout_scale, key_blocks, query_blocks, dkdv_programs,
+    dkdv_block_major,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DKDV_BLOCK_M: tl.constexpr, DKDV_BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -532,6 +557,7 @@ def _backward_kernel(
     INTERIOR_STAGES: tl.constexpr, MASKED_STAGES: tl.constexpr,
     RUN_DKDV: tl.constexpr, RUN_DQ: tl.constexpr, DKDV_TMA_LOADS: tl.constexpr, DQ_TMA_LOADS: tl.constexpr,
     MASK_TMA: tl.constexpr, VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """The backward after the pre-pass. Programs ``[0, dkdv_programs)`` compute dK/dV (the heavier
     work, so it starts first), the rest compute dQ. Launched once with both kinds (they fill each
@@ -546,6 +572,10 @@ def _backward_kernel(
     counts are its), a shorter sequence's extra blocks do nothing (``memory.sequence_rows``).
     """
     pid = tl.program_id(0)
+    if HAS_DROPOUT:
+        dropout_seed = tl.load(DropoutSeed)
+    else:
+        dropout_seed = 0
     if RUN_DKDV:
         if not RUN_DQ or pid < dkdv_programs:
             if dkdv_block_major:  # every head's first key block, then every head's second, ...
@@ -572,7 +602,8 @@ def _backward_kernel(
                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DKDV_BLOCK_M, DKDV_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                     HAS_MASK, HAS_BIAS, BIAS_TMA, DBIAS, DBIAS_SUM_Q, DBIAS_SUM_K, ATOMIC_DQ, DQ_TMA, DOT_PRECISION,
                     INTERIOR_STAGES, MASKED_STAGES, DKDV_TMA_LOADS, MASK_TMA, Alibi=Alibi, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
     if RUN_DQ:
         if not RUN_DKDV or pid >= dkdv_programs:
             dq_pid = pid - dkdv_programs
@@ -596,12 +627,13 @@ def _backward_kernel(
                     HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                     HAS_MASK, HAS_BIAS, BIAS_TMA, DOT_PRECISION, DQ_TMA_LOADS, MASK_TMA, Alibi=Alibi,
                     HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, dropout_seed=dropout_seed,
+            dropout_threshold=dropout_threshold, dropout_scale=dropout_scale, HAS_DROPOUT=HAS_DROPOUT)
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _bias_grad_kernel(
-    Q, K, V, DOut, Lse2, Delta, Mask, Bias, DBias, Alibi,
+    Q, K, V, DOut, Lse2, Delta, Mask, Bias, DBias, Alibi, DropoutSeed,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -610,12 +642,12 @@ def _bias_grad_kernel(
     TileStates, stride_tb, stride_th, stride_tq, tiles_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
     seqlen_q, seqlen_k, batch_size, heads_q, group_size, window_left, window_right, stride_stats,
-    qk_scale, softcap_log2, chunk, bias_batches, bias_heads, q_tiles, k_tiles,
+    qk_scale, softcap_log2, chunk, dropout_threshold, dropout_scale, bias_batches, bias_heads, q_tiles, k_tiles,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, DBIAS_SUM_Q: tl.constexpr, DBIAS_SUM_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_CHUNK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     """The bias gradient of a broadcast bias, bitwise reproducible (``deterministic=True``): one
     program per output tile -- (bias batch, bias head, query block, key block), a broadcast query
@@ -686,6 +718,10 @@ def _bias_grad_kernel(
                 alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
             chunk=chunk, HAS_CHUNK=HAS_CHUNK)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            if HAS_DROPOUT:
+                keep = dropout_keep(tl.load(DropoutSeed), batch * heads_q + head, offs_m, start_n, dropout_threshold,
+                                    BLOCK_N, False)
+                dp = tl.where(keep, dp * dropout_scale, 0.0)
             dlogit, _ = _score_grads(p, dp, delta, tanh_arg, HAS_SOFTCAP, False)
             acc += dlogit
     _write_bias_grad(acc, DBias, head_base(DBias, bias_batch, bias_head, stride_dbb, stride_dbh), 0, 0, 0, 0,
@@ -748,6 +784,7 @@ def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
         DOT_PRECISION=dot_precision(q.dtype), HAS_ALIBI=spec.alibi, HAS_CHUNK=spec.has_chunk,
+        HAS_DROPOUT=spec.has_dropout,
     )
 
 
@@ -782,7 +819,8 @@ def _triton_passes(q, k, v, dout, dk, dv, dq_buffer, spec: AttentionSpec, config
                # equal to 1, which removes the group walk's index arithmetic for MHA.
                seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, spec.window_right,
                plan.padded_rows,
-               qk_scale, softcap_log2, spec.scale, chunk_arg(spec, seqlen_k), key_blocks, query_blocks)
+               qk_scale, softcap_log2, spec.scale, chunk_arg(spec, seqlen_k), *dropout_args(spec), key_blocks,
+               query_blocks)
     constexprs = dict(
         DKDV_BLOCK_M=dkdv_cfg.block_m, DKDV_BLOCK_N=dkdv_cfg.block_n, DQ_BLOCK_M=dq_cfg.block_m,
         DQ_BLOCK_N=dq_cfg.block_n, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma, VARLEN=packing is not None,
@@ -826,7 +864,8 @@ def bias_grad_sums(bias: torch.Tensor | None) -> dict:
 
 
 def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec: AttentionSpec,
-                    cfg: KernelConfig, flags: dict, alibi: torch.Tensor | None = None):
+                    cfg: KernelConfig, flags: dict, alibi: torch.Tensor | None = None,
+                    dropout_seed: torch.Tensor | None = None):
     """Launch ``_bias_grad_kernel``: one program per output tile of the (broadcast) bias gradient."""
     layout = spec.layout
     batch, heads_q, seqlen_q, _ = bhsd_shape(q, layout)
@@ -841,10 +880,12 @@ def _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbia
     state_args = broadcast_args(states, heads_q, heads_kv, lse2)
     _bias_grad_kernel[(bias_batches * bias_heads * q_tiles * k_tiles,)](
         q, k, v, dout, lse2, delta, user_mask[0], bias, dbias_args[0], alibi if alibi is not None else lse2,
+        dropout_seed if dropout_seed is not None else lse2,
         *bhs_strides(q, layout), *bhs_strides(k, layout), *bhs_strides(v, layout), *bhs_strides(dout, layout),
         *user_mask[1:], state_args[0], *state_args[1:4], state_args[5], *bias_args[1:], *dbias_args[1:5],
         seqlen_q, seqlen_k, batch, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right, lse2.shape[1],
-        *score_constants(spec), chunk_arg(spec, seqlen_k), bias_batches, bias_heads, q_tiles, k_tiles,
+        *score_constants(spec), chunk_arg(spec, seqlen_k), *dropout_args(spec), bias_batches, bias_heads, q_tiles,
+        k_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **sums, **flags, num_warps=cfg.num_warps, num_stages=1)
 
 
@@ -872,13 +913,15 @@ def preprocess_launcher(out, dout, dlse, spec: AttentionSpec, head_dim: int, hea
 
 def run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec: AttentionSpec, configs: AttentionConfigs,
                plan, dkdv_cfg: KernelConfig, gluon_dkdv: bool, mask, bias, dbias_mode: int,
-               packing: Packing | None, alibi: torch.Tensor | None = None):
+               packing: Packing | None, alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None):
     """The Triton passes of a backward the planner sent here (``dispatch.plan_backward``): dK and dV
     (unless the Gluon pass computed them: ``gluon_dkdv``), dQ -- summed by atomics into the fp32
     ``dq_buffer`` by the dK/dV programs where ``plan.atomic_dq``, else by the dQ programs -- and the
     bias gradient into ``dbias`` as ``dbias_mode`` says. ``alibi`` (with ``spec.alibi``): the
-    contiguous float32 (B, Hq) ALiBi slopes. Returns (dq, dbias) in their final dtypes."""
+    contiguous float32 (B, Hq) ALiBi slopes. ``dropout_seed`` (with ``spec.dropout_p``): the forward's
+    (1,) int64 seed. Returns (dq, dbias) in their final dtypes."""
     assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
+    assert spec.has_dropout == (dropout_seed is not None), "spec.dropout_p and the seed go together"
     layout = spec.layout
     _, heads_q, seqlen_q, head_dim = bhsd_shape(q, layout)
     heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, layout)[1:]
@@ -918,7 +961,8 @@ def run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec: Atten
         [mask_descriptor(mask, dkdv_cfg.block_m, dkdv_cfg.block_n),
          mask_descriptor(mask, dq_cfg.block_m, dq_cfg.block_n)], lse2)
     tensors = (q, k, v, dout, lse2, delta, dk, dv, dq_buffer, user_mask[0], bias_args[0], dbias_args[0],
-               column_lists[0], row_lists[0], *sequence_args(packing, lse2), alibi if alibi is not None else lse2)
+               column_lists[0], row_lists[0], *sequence_args(packing, lse2), alibi if alibi is not None else lse2,
+               dropout_seed if dropout_seed is not None else lse2)
 
     def call_arguments(run_dkdv: bool, run_dq: bool) -> tuple:
         """The kernel's leading arguments, the call's tensors and descriptors (its others follow)."""
@@ -946,7 +990,7 @@ def run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec: Atten
         launcher(*call_arguments(run_dkdv, run_dq))
     if dbias_mode == DBIAS_PASS:
         _bias_grad_pass(q, k, v, dout, lse2, delta, mask, user_mask, bias_args, dbias_args, spec, dq_cfg,
-                        _kernel_flags(q, v, spec, mask, bias), alibi)
+                        _kernel_flags(q, v, spec, mask, bias), alibi, dropout_seed)
     elif dbias_mode == DBIAS_ATOMIC:
         dbias = dbias.to(bias.dtype)
     if atomic_dq:

@@ -14,12 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import dropout
 from ...block_mask import BlockMask
 from ...spec import AttentionSpec, Packing, bhsd_shape, bhsd_stride
 from ..shared.config import KernelConfig
 from ..shared.block_range import key_blocks_for_query_block
 from ..shared.constants import score_constants
 from ..shared.launch import cdiv, launch, next_power_of_2
+from .dropout import dropout_keep
 from .masking import ONE_ROW, adjust_scores, alibi_slope, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
                      sequence_pair, store_tile, tile_ptrs)
@@ -39,10 +41,13 @@ def _forward_tiles(
     FROM_LIST: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr,
     MASK_SHIFT_Q: tl.constexpr, MASK_SHIFT_K: tl.constexpr, MASK_TMA: tl.constexpr,
     alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1,
-    HAS_CHUNK: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False, dropout_seed=0, batch_head=0, dropout_threshold=0,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
-    positions of ``tile_list`` (tile_lists.py). ``HAS_ALIBI``: ALiBi with the program's slope."""
+    positions of ``tile_list`` (tile_lists.py). ``HAS_ALIBI``: ALiBi with the program's slope.
+    ``HAS_DROPOUT``: the dropped probabilities leave the sum over values but not the row's
+    normaliser (the caller scales the kept ones once, at the end)."""
     offs_tile = tl.arange(0, BLOCK_N)
     for position in range(block_begin, block_end):
         if FROM_LIST:
@@ -62,6 +67,9 @@ def _forward_tiles(
                                alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
             chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
+        if HAS_DROPOUT:
+            p = tl.where(dropout_keep(dropout_seed, batch_head, offs_m, start_n, dropout_threshold, BLOCK_N, False),
+                         p, 0.0)
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
         acc = acc * alpha[:, None]
@@ -73,7 +81,7 @@ def _forward_tiles(
 # (decoding), and Triton 3.6's ptxas (12.8) crashed on the backward specialised so.
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "stride_lse_head"])
 def _forward_kernel(
-    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, CuSeqlensQ, CuSeqlensK, Alibi, k_desc, v_desc, bias_desc,
+    Q, K, V, Out, Lse, Sinks, Mask, Bias, TileLists, CuSeqlensQ, CuSeqlensK, Alibi, DropoutSeed, k_desc, v_desc, bias_desc,
     mask_desc,
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
@@ -83,13 +91,13 @@ def _forward_kernel(
     stride_lb, stride_lh, stride_lr, lists_head_div,
     stride_bb, stride_bh, stride_bq, stride_bk, bias_head_div,
     seqlen_q, seqlen_k, heads_q, group_size, window_left, window_right, stride_lse_head,
-    qk_scale, softcap_log2, chunk,
+    qk_scale, softcap_log2, chunk, dropout_threshold, dropout_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA_LOADS: tl.constexpr, VARLEN: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_CHUNK: tl.constexpr,
+    HAS_CHUNK: tl.constexpr, HAS_DROPOUT: tl.constexpr,
 ):
     # With a right window bound the last query blocks see the most keys: run them first.
     if HAS_RIGHT:
@@ -104,6 +112,10 @@ def _forward_kernel(
         slope = alibi_slope(Alibi, batch, head, heads_q)
     else:
         slope = 0.0
+    if HAS_DROPOUT:
+        seed = tl.load(DropoutSeed)
+    else:
+        seed = 0
     # Packed sequences: the grid covers the longest; a shorter one's extra query blocks stop here.
     q_index, seqlen_q, k_index, seqlen_k = sequence_pair(CuSeqlensQ, CuSeqlensK, batch, seqlen_q, seqlen_k, VARLEN)
     start_m = m_block * BLOCK_M
@@ -140,13 +152,15 @@ def _forward_kernel(
             HAS_BIAS,  # a -inf bias can empty a row on any tile
             True, DOT_PRECISION, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, dropout_seed=seed, batch_head=batch_head, dropout_threshold=dropout_threshold,
+            HAS_DROPOUT=HAS_DROPOUT)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, full_tiles, full_tiles + partial_tiles, tile_list + 2, *scores_args,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, HAS_BIAS,
             BIAS_TMA, True, True, DOT_PRECISION, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, dropout_seed=seed, batch_head=batch_head, dropout_threshold=dropout_threshold,
+            HAS_DROPOUT=HAS_DROPOUT)
     else:
         begin, interior_begin, interior_end, end = key_blocks_for_query_block(
             m_block, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT,
@@ -157,21 +171,26 @@ def _forward_kernel(
             HAS_BIAS,  # a -inf bias can empty a row on any tile: guard every tile
             False, DOT_PRECISION, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, dropout_seed=seed, batch_head=batch_head, dropout_threshold=dropout_threshold,
+            HAS_DROPOUT=HAS_DROPOUT)
         if HAS_LEFT or HAS_CHUNK:  # boundary blocks before the interior
             acc, row_max, row_sum = _forward_tiles(
                 acc, row_max, row_sum, *common, begin, interior_begin, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
                 DOT_PRECISION, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, dropout_seed=seed, batch_head=batch_head, dropout_threshold=dropout_threshold,
+            HAS_DROPOUT=HAS_DROPOUT)
         acc, row_max, row_sum = _forward_tiles(
             acc, row_max, row_sum, *common, interior_end, end, TileLists, *scores_args, HEAD_DIM, HEAD_DIM_V,
             BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, False, HAS_BIAS, BIAS_TMA, True, False,
             DOT_PRECISION, TMA_LOADS,
             MASK_SHIFT_Q=MASK_SHIFT_Q, MASK_SHIFT_K=MASK_SHIFT_K, MASK_TMA=MASK_TMA, alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, dropout_seed=seed, batch_head=batch_head, dropout_threshold=dropout_threshold,
+            HAS_DROPOUT=HAS_DROPOUT)
 
+    if HAS_DROPOUT:  # the kept probabilities, scaled by the inverse of the kept fraction
+        acc = acc * dropout_scale
     out, lse = finalize_rows(acc, row_max, row_sum)
     o_base = head_base(Out, q_index, head, stride_ob, stride_oh)
     store_tile(tile_ptrs(o_base, start_m, stride_os, offs_tile, offs_dv), out, offs_m, seqlen_q, offs_dv, HEAD_DIM_V)
@@ -185,6 +204,14 @@ def chunk_arg(spec: AttentionSpec, seqlen_k: int) -> int:
     """The kernels' ``chunk`` (an int32): the spec's, at most Sk -- a chunk of Sk or more keeps the
     same pairs (every key in chunk 0, every row at aligned position 0..Sk-1 too) -- or 1 when off."""
     return min(spec.chunk, max(seqlen_k, 1)) if spec.has_chunk else 1
+
+
+def dropout_args(spec: AttentionSpec) -> tuple[int, float]:
+    """The kernels' (dropout_threshold, dropout_scale): the byte below which a probability is
+    dropped and the kept ones' scale (dropout.py); (0, 1.0) when off."""
+    if not spec.has_dropout:
+        return 0, 1.0
+    return dropout.threshold(spec.dropout_p), dropout.keep_scale(spec.dropout_p)
 
 
 def padded_dim(d: int) -> int:
@@ -281,7 +308,7 @@ def row_list_args(mask: BlockMask | None, spec: AttentionSpec, seqlen_q: int, se
 
 def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks: torch.Tensor | None = None,
             mask: BlockMask | None = None, bias: torch.Tensor | None = None, packing: Packing | None = None,
-            alibi: torch.Tensor | None = None) -> None:
+            alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None) -> None:
     """``_forward_kernel`` into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32; packed
     sequences: (Hq, total_q)) with ``config``'s tiles (the planner's: ``dispatch.plan_forward``).
     ``sinks`` (Hq,) float32: one extra logit per head in every row's denominator. ``mask``: the
@@ -289,8 +316,10 @@ def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks:
     ones run without the mask (tile_lists.py). ``bias``: the user's additive bias, 4-D and broadcast
     the same way, any float dtype. ``packing``: q, k, v are (1, total, H, D) "bshd" views of packed
     sequences (spec.Packing; no mask or bias), read by pointers. ``alibi`` (with ``spec.alibi``): the
-    contiguous float32 (B, Hq) ALiBi slopes (B: sequences when packed)."""
+    contiguous float32 (B, Hq) ALiBi slopes (B: sequences when packed). ``dropout_seed`` (with
+    ``spec.dropout_p``): the call's (1,) int64 seed (dropout.py)."""
     assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
+    assert spec.has_dropout == (dropout_seed is not None), "spec.dropout_p and the seed go together"
     batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, spec.layout)
     heads_kv, seqlen_k, head_dim_v = bhsd_shape(v, spec.layout)[1:]
     if packing is not None:
@@ -307,13 +336,15 @@ def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks:
     launch(
         _forward_kernel, grid, (
             q, k, v, out, lse, sinks if sinks is not None else lse, user_mask[0], bias if bias is not None else lse,
-            tile_lists[0], *sequence_args(packing, lse), alibi if alibi is not None else lse, *(descs or (k, v)),
+            tile_lists[0], *sequence_args(packing, lse), alibi if alibi is not None else lse,
+            dropout_seed if dropout_seed is not None else lse, *(descs or (k, v)),
             bias_desc if bias_desc is not None else lse, mask_desc if mask_desc is not None else lse,
             *bhs_strides(q, spec.layout, packing), *bhs_strides(k, spec.layout, packing),
             *bhs_strides(v, spec.layout, packing), *bhs_strides(out, spec.layout, packing), *user_mask[1:],
             *tile_lists[1:], *broadcast_args(bias, heads_q, heads_kv, lse)[1:],
             seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left, spec.window_right,
             lse.shape[-1] if packing is not None else 0, qk_scale, softcap_log2, chunk_arg(spec, seqlen_k),
+            *dropout_args(spec),
         ),
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, TMA_LOADS=descs is not None,
@@ -321,6 +352,6 @@ def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks:
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
         HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
         DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None, HAS_ALIBI=spec.alibi,
-        HAS_CHUNK=spec.has_chunk,
+        HAS_CHUNK=spec.has_chunk, HAS_DROPOUT=spec.has_dropout,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
