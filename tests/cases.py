@@ -193,6 +193,12 @@ QUICK: list[Case] = [
          mask="keys"),
     Case(batch=2, heads_q=4, heads_kv=2, seqlen_q=33, seqlen_k=47, bias="heads", causal=True, deterministic=True,
          alibi="batch", dtype=torch.float32),
+    # the key-term form (every kept key left of the diagonal): causal with sinks (rows with no key among
+    # them), a left window and lse in the loss, Sq != Sk both ways
+    Case(heads_q=4, heads_kv=2, seqlen_q=65, seqlen_k=47, causal=True, sinks=True, alibi="heads", lse_grad=True),
+    Case(batch=2, seqlen_q=47, seqlen_k=129, window=(20, 0), alibi="batch", lse_grad=True, deterministic=True,
+         dtype=torch.float32),
+    Case(seqlen_q=113, seqlen_k=97, causal=True, window=(30, 0), alibi="heads", sinks=True, dtype=torch.float32),
     # chunk=C: alone, with causal (Llama 4's form), window, softcap, GQA/MQA, a full bias (gradient
     # stored: skipped tiles keep their zeros), a broadcast bias, masks (elements and whole cells), sinks,
     # ALiBi; odd lengths, Sq != Sk both ways (Sq > Sk: rows at negative aligned positions see no key),

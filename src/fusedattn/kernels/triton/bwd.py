@@ -48,7 +48,7 @@ from .fwd import (bhs_strides, broadcast_args, chunk_arg, dot_precision, dropout
                   row_list_args, sequence_args, softcap_mode)
 from ..shared.constants import score_constants
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
-from .masking import adjust_scores, alibi_slope, broadcast_tile_offsets, slice_indices
+from .masking import ALIBI_KEY_TERM, adjust_scores, alibi_mode, alibi_row_term, alibi_slope, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
 from .softmax import log2_scores, lse_for_backward
@@ -74,6 +74,8 @@ def _probabilities(
                            HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, TRANSPOSED,
                            alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
             chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+    if HAS_ALIBI == ALIBI_KEY_TERM:  # the scores lack their row term: take it out of lse instead
+        lse2 = lse2 - alibi_row_term(offs_q, start_q, alibi_slope_log2)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -783,7 +785,7 @@ def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
-        DOT_PRECISION=dot_precision(q.dtype), HAS_ALIBI=spec.alibi, HAS_CHUNK=spec.has_chunk,
+        DOT_PRECISION=dot_precision(q.dtype), HAS_ALIBI=alibi_mode(spec), HAS_CHUNK=spec.has_chunk,
         HAS_DROPOUT=spec.has_dropout,
     )
 

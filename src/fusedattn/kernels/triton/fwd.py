@@ -22,10 +22,10 @@ from ..shared.block_range import key_blocks_for_query_block
 from ..shared.constants import score_constants
 from ..shared.launch import cdiv, launch, next_power_of_2
 from .dropout import dropout_keep
-from .masking import ONE_ROW, adjust_scores, alibi_slope, slice_indices
+from .masking import ALIBI_KEY_TERM, ONE_ROW, adjust_scores, alibi_mode, alibi_row_term, alibi_slope, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
                      sequence_pair, store_tile, tile_ptrs)
-from .softmax import TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
+from .softmax import LN2, TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
 from ..shared.tile_lists import row_lists
 
 
@@ -137,6 +137,8 @@ def _forward_kernel(
                   offs_d, HEAD_DIM, True, HEAD_DIM != BLOCK_D)
 
     row_max, row_sum = initial_row_stats(Sinks, head, BLOCK_M, HAS_SINKS)
+    if HAS_ALIBI == ALIBI_KEY_TERM:  # the sink's logit against scores without their row term
+        row_max = row_max - alibi_row_term(offs_m, start_m, slope)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     common = (q, k_desc, v_desc, k_base, v_base, batch, head_kv, stride_ks, stride_vs)
     scores_args = (start_m, offs_m, seqlen_q, seqlen_k, window_left, window_right, qk_scale, softcap_log2, mask_desc,
@@ -192,6 +194,8 @@ def _forward_kernel(
     if HAS_DROPOUT:  # the kept probabilities, scaled by the inverse of the kept fraction
         acc = acc * dropout_scale
     out, lse = finalize_rows(acc, row_max, row_sum)
+    if HAS_ALIBI == ALIBI_KEY_TERM:  # the row term the scores left out
+        lse = lse + alibi_row_term(offs_m, start_m, slope) * LN2
     o_base = head_base(Out, q_index, head, stride_ob, stride_oh)
     store_tile(tile_ptrs(o_base, start_m, stride_os, offs_tile, offs_dv), out, offs_m, seqlen_q, offs_dv, HEAD_DIM_V)
     lse_rows = Lse + lse_offset(batch, head, heads_q, seqlen_q, q_index, stride_lse_head, VARLEN)
@@ -351,7 +355,7 @@ def forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, sinks:
         HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, HAS_MASK=mask is not None,
         HAS_BIAS=bias is not None, BIAS_TMA=bias_desc is not None, MASK_TMA=mask_desc is not None,
-        DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None, HAS_ALIBI=spec.alibi,
+        DOT_PRECISION=dot_precision(q.dtype), VARLEN=packing is not None, HAS_ALIBI=alibi_mode(spec),
         HAS_CHUNK=spec.has_chunk, HAS_DROPOUT=spec.has_dropout,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

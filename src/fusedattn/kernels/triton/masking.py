@@ -157,10 +157,45 @@ def alibi_slope(Alibi, batch, head, heads_q):
     return tl.load(Alibi + batch.to(tl.int64) * heads_q + head) * LOG2E
 
 
+# HAS_ALIBI's values: the distance form, and the key-term form where no kept key lies right of the
+# diagonal (``alibi_mode``).
+ALIBI_DISTANCE: tl.constexpr = tl.constexpr(1)
+ALIBI_KEY_TERM: tl.constexpr = tl.constexpr(2)
+
+
+def alibi_mode(spec) -> int:
+    """The Triton attention kernels' HAS_ALIBI: 0 without ALiBi; ``ALIBI_KEY_TERM`` where every kept
+    key is at or left of its query's aligned position (a right bound <= 0: causal), so
+    ``-slope * |i' - j| = slope * (j - c) - slope * (i' - c)`` for any c: the kernels add the key term
+    ``slope * (j - c)`` to each score (one add, c the tile's first aligned row: small numbers near the
+    diagonal, where the row maxima are) and fold the row term into the row statistics
+    (``alibi_row_term``); else ``ALIBI_DISTANCE``, the distance per score."""
+    if not spec.alibi:
+        return 0
+    if spec.has_window_right and spec.window_right <= 0:
+        return ALIBI_KEY_TERM.value
+    return ALIBI_DISTANCE.value
+
+
 @triton.jit
-def alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, slope_log2, TRANSPOSED: tl.constexpr):
+def alibi_row_term(offs_q, start_q, slope_log2):
+    """The row term ``-slope * (i' - c)`` of the key-term form (log2 units), with c the aligned
+    position of row ``start_q``: what the true scores of row i differ from the kernels' by."""
+    return -slope_log2 * (offs_q - start_q).to(tl.float32)
+
+
+@triton.jit
+def alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, slope_log2, TRANSPOSED: tl.constexpr,
+                 MODE: tl.constexpr = 1, start_q=0):
     """``scores - slope * |i + Sk - Sq - j|`` (``slope_log2``: the slope times log2 e, the scores'
-    units); the torch statement is ``spec.alibi_distances``."""
+    units); the torch statement is ``spec.alibi_distances``. ``MODE == ALIBI_KEY_TERM``: only the
+    key term ``slope * (j - c)``, c = ``start_q + Sk - Sq`` (``alibi_mode``)."""
+    if MODE == ALIBI_KEY_TERM:
+        key_term = slope_log2 * (offs_k - (start_q + seqlen_k - seqlen_q)).to(tl.float32)
+        if TRANSPOSED:
+            return scores + key_term[:, None]
+        else:
+            return scores + key_term[None, :]
     diagonal = offs_q + (seqlen_k - seqlen_q)
     if TRANSPOSED:
         distance = tl.abs(offs_k[:, None] - diagonal[None, :])
@@ -179,8 +214,8 @@ def adjust_scores(
     alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1, HAS_CHUNK: tl.constexpr = False,
 ):
     """Everything attention does to a log2-domain score tile after scale and softcap: the user's
-    bias (times log2 e; -inf entries mask), ALiBi (``HAS_ALIBI``: ``alibi_scores`` with the
-    program's slope, ``alibi_slope``), the keep rule (boundary tiles only: ``IS_MASKED``)
+    bias (times log2 e; -inf entries mask), ALiBi (``HAS_ALIBI``, an ``alibi_mode``: ``alibi_scores``
+    with the program's slope, ``alibi_slope``; the key-term form leaves its row term to the caller), the keep rule (boundary tiles only: ``IS_MASKED``)
     and the user's boolean mask (True = attend). ``mask_base`` / ``bias_base`` point at this
     (batch, head) of their 4-D tensor; either may instead come through a descriptor read at its
     own (batch, head) indices (``load_bias_tile``, ``load_mask_tile``).
@@ -191,7 +226,8 @@ def adjust_scores(
         scores += load_bias_tile(bias_desc, bias_base, bias_batch, bias_head, start_q, start_k, offs_q, offs_k,
                                  seqlen_q, seqlen_k, stride_bq, stride_bk, BIAS_TMA, TRANSPOSED) * LOG2E
     if HAS_ALIBI:
-        scores = alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, alibi_slope_log2, TRANSPOSED)
+        scores = alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, alibi_slope_log2, TRANSPOSED, HAS_ALIBI,
+                              start_q)
     if IS_MASKED:
         scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT, TRANSPOSED, chunk, HAS_CHUNK)
