@@ -58,7 +58,7 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, num_sta
         elif name.startswith("stride"):
             signature[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "softcap_log2", "scale"):
+        elif name in ("qk_scale", "softcap_log2", "scale", "dropout_scale"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -102,7 +102,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     torch_dtype = TYPES[dtype]
     flags = dict(dict(HAS_MASK=False, MASK_SHIFT_Q=0, MASK_SHIFT_K=0, MASK_TMA=False, HAS_SINKS=False, HAS_BIAS=False,
                       BIAS_TMA=False, DBIAS=0, DBIAS_SUM_Q=False, DBIAS_SUM_K=False, VARLEN=False,
-                      HAS_ALIBI=False, HAS_CHUNK=False), **flags)
+                      HAS_ALIBI=False, HAS_CHUNK=False, HAS_DROPOUT=False), **flags)
     configs = _cuda_configs(torch_dtype, head_dim, head_dim, 4096, (9, 0), flags["HAS_LEFT"], flags["HAS_RIGHT"],
                             flags["HAS_SOFTCAP"])
     block_d = fwd.padded_dim(head_dim)
@@ -113,6 +113,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     common["HAS_SOFTCAP"] = fwd.softcap_mode(softcap_spec, torch_dtype, torch.device("cuda"))
     fp32_ptrs = dict(Lse="fp32", Lse2="fp32", Delta="fp32", DLse="fp32", Sinks="fp32", Mask="u8", TileLists="i32",
                      ColumnLists="i32", RowLists="i32", CuSeqlensQ="i32", CuSeqlensK="i32", Alibi="fp32",
+                     DropoutSeed="i64",
                      DBias="fp32" if flags["DBIAS"] == bwd.DBIAS_ATOMIC else dtype)
 
     def descs(rows: int, *names: str) -> dict:
@@ -120,10 +121,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
     gluon_forward, gluon_dkdv = configs.forward, configs.dkdv
     # a mask: by its tile lists; a bias by elements through TMA: the Gluon forward reads it
-    # ALiBi: the planner refuses the Gluon kernels (dispatch.gluon_support), only the Triton ones compile
-    gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"] and not flags["HAS_ALIBI"]
-    gluon_forward_runs = not flags["HAS_SINKS"] and not flags["HAS_ALIBI"] and (not flags["HAS_BIAS"]
-                                                                             or flags["BIAS_TMA"])
+    # ALiBi, chunk, dropout: the planner refuses the Gluon kernels (dispatch.gluon_support), only the Triton ones compile
+    triton_only = flags["HAS_ALIBI"] or flags["HAS_CHUNK"] or flags["HAS_DROPOUT"]
+    gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"] and not triton_only
+    gluon_forward_runs = not flags["HAS_SINKS"] and not triton_only and (not flags["HAS_BIAS"] or flags["BIAS_TMA"])
     # a mask of partial tiles (read through TMA or pointers) keeps the Triton kernels
     gluon_forward_runs = gluon_forward_runs and not (flags["HAS_MASK"] and flags["HAS_BIAS"])
     if (flags["HAS_MASK"] or flags["HAS_BIAS"]) and gluon_dkdv.hopper_overlap is not None:
@@ -435,8 +436,12 @@ def main() -> None:
         # packed sequences (varlen_attention): the Triton kernels with pointer loads
         "varlen+causal": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, VARLEN=True),
         # ALiBi slopes: the Triton kernels (the Gluon ones decline ALiBi)
-        "causal+alibi": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=True),
-        "window+softcap+alibi": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True),
+        # (causal: the key-term form, masking.alibi_mode; a window open to the right: the distance form)
+        "causal+alibi": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=2),
+        "window+softcap+alibi": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=1),
+        # chunked attention and dropout: the Triton kernels too
+        "causal+chunk": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_CHUNK=True),
+        "causal+dropout": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_DROPOUT=True),
     }
     problems = 0
     for d in map(int, args.head_dims.split(",")):

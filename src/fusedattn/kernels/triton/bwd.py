@@ -48,7 +48,7 @@ from .fwd import (bhs_strides, broadcast_args, chunk_arg, dot_precision, dropout
                   row_list_args, sequence_args, softcap_mode)
 from ..shared.constants import score_constants
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
-from .masking import ALIBI_KEY_TERM, adjust_scores, alibi_mode, alibi_row_term, alibi_slope, broadcast_tile_offsets, slice_indices
+from .masking import ALIBI_KEY_TERM, adjust_scores, alibi_in_scores, alibi_mode, alibi_row_term, alibi_slope, broadcast_tile_offsets, slice_indices
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
 from .softmax import log2_scores, lse_for_backward
@@ -64,9 +64,11 @@ def _probabilities(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_TMA: tl.constexpr, MASK_TMA: tl.constexpr, IS_MASKED: tl.constexpr,
     TRANSPOSED: tl.constexpr, alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1,
-    HAS_CHUNK: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False, key_part=0.0, KEY_PART: tl.constexpr = False,
 ):
-    """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain)."""
+    """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain). ``KEY_PART``:
+    ``key_part``, a vector over the tile's keys, is added to the scores (ALiBi's key term, whose
+    rest the caller took out of ``lse2``)."""
     scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
     scores = adjust_scores(scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
                            mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
@@ -74,6 +76,11 @@ def _probabilities(
                            HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, TRANSPOSED,
                            alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
             chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+    if KEY_PART:
+        if TRANSPOSED:
+            scores = scores + key_part[:, None]
+        else:
+            scores = scores + key_part[None, :]
     if HAS_ALIBI == ALIBI_KEY_TERM:  # the scores lack their row term: take it out of lse instead
         lse2 = lse2 - alibi_row_term(offs_q, start_q, alibi_slope_log2)
     if TRANSPOSED:
@@ -245,13 +252,20 @@ def _dkdv_tiles(
             slope = alibi_slope(Alibi, batch, head, heads_q)
         else:
             slope = 0.0
+        if HAS_ALIBI == ALIBI_KEY_TERM:
+            # -slope * (i' - j) = slope * (j - start_n) - slope * (i' - start_n): a vector over this
+            # program's keys, and a row term taken out of lse
+            key_part = slope * (offs_n - start_n).to(tl.float32)
+            lse2 = lse2 + slope * (offs_m + (seqlen_k - seqlen_q) - start_n).to(tl.float32)
+        else:
+            key_part = 0.0
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
                                      window_right, qk_scale, softcap_log2, mask_desc, mask_base, mask_batch,
                                      mask_head, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
                                      bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                      HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, True,
-                                     alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+                                     alibi_slope_log2=slope, HAS_ALIBI=alibi_in_scores(HAS_ALIBI),
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, key_part=key_part, KEY_PART=HAS_ALIBI == ALIBI_KEY_TERM)
         if HAS_DROPOUT:  # what multiplied V: the kept probabilities, scaled
             keep_t = dropout_keep(dropout_seed, dq_row, offs_m, start_n, dropout_threshold, BLOCK_N, True)
             dv = tl.dot(tl.where(keep_t, p_t * dropout_scale, 0.0).to(do.dtype), do, dv,
@@ -403,6 +417,14 @@ def _dq_tiles(
     """Key blocks ``[block_begin, block_end)``, or with ``FROM_LIST`` the entries at those
     positions of ``tile_list`` (tile_lists.py), as the forward walks them."""
     offs_tile = tl.arange(0, BLOCK_N)
+    if HAS_ALIBI == ALIBI_KEY_TERM:
+        # -slope * (i' - j) = slope * (j - start_n) - slope * (i' - start_n): a loop-invariant vector
+        # over a tile's keys, and a row term taken out of lse per tile (as in the forward: a vector
+        # over the keys made per tile inside the pipelined loop made ptxas serialise the kernel's
+        # wgmmas). i' - start_n is formed in integers: small near the diagonal, where p is not.
+        key_part = offs_tile.to(tl.float32) * alibi_slope_log2
+    else:
+        key_part = 0.0
     for position in range(block_begin, block_end):
         if FROM_LIST:
             n_block = tl.load(tile_list + position)
@@ -415,13 +437,17 @@ def _dq_tiles(
         v = load_block(v_desc, v_base, batch, head_kv, start_n, stride_vs, seqlen_k, HEAD_DIM_V, BLOCK_N, BLOCK_DV,
                        IS_MASKED, TMA_LOADS)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p, tanh_arg = _probabilities(qk, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
+        if HAS_ALIBI == ALIBI_KEY_TERM:
+            lse2_tile = lse2 + alibi_slope_log2 * (offs_m + (seqlen_k - seqlen_q) - start_n).to(tl.float32)
+        else:
+            lse2_tile = lse2
+        p, tanh_arg = _probabilities(qk, lse2_tile, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
                                      window_right, qk_scale, softcap_log2, mask_desc, mask_base, mask_batch,
                                      mask_head, stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, bias_desc, bias_base,
                                      bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
                                      HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False,
-                                     alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
-            chunk=chunk, HAS_CHUNK=HAS_CHUNK)
+                                     alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=alibi_in_scores(HAS_ALIBI),
+            chunk=chunk, HAS_CHUNK=HAS_CHUNK, key_part=key_part, KEY_PART=HAS_ALIBI == ALIBI_KEY_TERM)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:  # a dropped probability's value never reached the output
             keep = dropout_keep(dropout_seed, batch_head, offs_m, start_n, dropout_threshold, BLOCK_N, False)

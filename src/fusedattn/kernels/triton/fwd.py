@@ -22,7 +22,7 @@ from ..shared.block_range import key_blocks_for_query_block
 from ..shared.constants import score_constants
 from ..shared.launch import cdiv, launch, next_power_of_2
 from .dropout import dropout_keep
-from .masking import ALIBI_KEY_TERM, ONE_ROW, adjust_scores, alibi_mode, alibi_row_term, alibi_slope, slice_indices
+from .masking import ALIBI_KEY_TERM, ONE_ROW, adjust_scores, alibi_in_scores, alibi_mode, alibi_row_term, alibi_slope, slice_indices
 from .memory import (head_base, load_block, load_tile, loop_descriptors, lse_offset, score_tile_descriptor,
                      sequence_pair, store_tile, tile_ptrs)
 from .softmax import LN2, TANH_APPROX, finalize_rows, initial_row_stats, log2_scores, online_softmax_step
@@ -49,6 +49,14 @@ def _forward_tiles(
     ``HAS_DROPOUT``: the dropped probabilities leave the sum over values but not the row's
     normaliser (the caller scales the kept ones once, at the end)."""
     offs_tile = tl.arange(0, BLOCK_N)
+    if HAS_ALIBI == ALIBI_KEY_TERM:
+        # The key term slope * (j - c), c the program's first aligned row, as a loop-invariant vector
+        # slope * (j - start_n) and the tile's constant slope * (start_n - c), which the online
+        # softmax takes as a shift of its row maxima (a vector made per tile defined registers inside
+        # the pipelined wgmma's stage: ptxas then serialised every wgmma of the kernel).
+        key_part = offs_tile.to(tl.float32) * alibi_slope_log2
+    else:
+        key_part = offs_tile.to(tl.float32) * 0.0
     for position in range(block_begin, block_end):
         if FROM_LIST:
             n_block = tl.load(tile_list + position)
@@ -64,9 +72,14 @@ def _forward_tiles(
                                mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
                                MASK_SHIFT_K, bias_desc, bias_base, bias_batch, bias_head, stride_bq, stride_bk, HAS_LEFT,
                                HAS_RIGHT, HAS_MASK, HAS_BIAS, BIAS_TMA, MASK_TMA, IS_MASKED, False,
-                               alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=HAS_ALIBI,
+                               alibi_slope_log2=alibi_slope_log2, HAS_ALIBI=alibi_in_scores(HAS_ALIBI),
             chunk=chunk, HAS_CHUNK=HAS_CHUNK)
-        p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
+        if HAS_ALIBI == ALIBI_KEY_TERM:
+            tile_shift = alibi_slope_log2 * (start_n - (start_m + seqlen_k - seqlen_q)).to(tl.float32)
+            p, alpha, row_max, row_sum = online_softmax_step(scores + key_part[None, :], row_max, row_sum, IS_MASKED,
+                                                             tile_shift, True)
+        else:
+            p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, IS_MASKED)
         if HAS_DROPOUT:
             p = tl.where(dropout_keep(dropout_seed, batch_head, offs_m, start_n, dropout_threshold, BLOCK_N, False),
                          p, 0.0)

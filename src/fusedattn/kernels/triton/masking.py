@@ -177,6 +177,13 @@ def alibi_mode(spec) -> int:
     return ALIBI_DISTANCE.value
 
 
+@triton.constexpr_function
+def alibi_in_scores(mode):
+    """The HAS_ALIBI a loop passes to ``adjust_scores`` where it adds the key-term form itself: the
+    distance form stays there, the key term does not (a constexpr: a local assigned from one is not)."""
+    return 0 if mode == ALIBI_KEY_TERM else mode
+
+
 @triton.jit
 def alibi_row_term(offs_q, start_q, slope_log2):
     """The row term ``-slope * (i' - c)`` of the key-term form (log2 units), with c the aligned

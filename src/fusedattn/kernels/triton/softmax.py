@@ -66,18 +66,27 @@ def initial_row_stats(Sinks, head, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexp
 
 
 @triton.jit
-def online_softmax_step(scores, row_max, row_sum, IS_MASKED: tl.constexpr):
+def online_softmax_step(scores, row_max, row_sum, IS_MASKED: tl.constexpr, tile_shift=0.0,
+                        HAS_TILE_SHIFT: tl.constexpr = False):
     """One key tile of the online softmax: returns (p, alpha, new row_max, new row_sum).
 
     ``alpha`` rescales what was accumulated so far. Only boundary tiles can leave a row
     at -inf, so only they pay for shifting such rows by 0 instead (exp2(-inf - -inf) is NaN).
+    ``tile_shift``: a constant the tile's true scores exceed ``scores`` by (ALiBi's key term split
+    into a vector and a per-tile constant, ``HAS_TILE_SHIFT``): added to the maxima, not to every score.
     """
-    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    if HAS_TILE_SHIFT:
+        new_max = tl.maximum(row_max, tl.max(scores, 1) + tile_shift)
+    else:
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
     if IS_MASKED:
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
     else:
         shift = new_max
-    p = tl.math.exp2(scores - shift[:, None])
+    if HAS_TILE_SHIFT:
+        p = tl.math.exp2(scores - (shift - tile_shift)[:, None])
+    else:
+        p = tl.math.exp2(scores - shift[:, None])
     alpha = tl.math.exp2(row_max - shift)
     row_sum = row_sum * alpha + tl.sum(p, 1)
     return p, alpha, new_max, row_sum
