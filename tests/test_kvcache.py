@@ -44,6 +44,7 @@ class CacheCase:
     num_splits: int | None = None
     dtype: torch.dtype = torch.float16
     alibi: str | None = None  # ALiBi slopes: "heads" (Hq,), "batch" (B, Hq)
+    chunk: int | None = None  # chunked local attention (Llama 4's chunked layers decoding)
 
     @property
     def id(self) -> str:
@@ -60,10 +61,12 @@ class CacheCase:
             parts.append(f"cap{self.softcap}")
         if self.alibi:
             parts.append(f"alibi-{self.alibi}")
+        if self.chunk:
+            parts.append(f"chunk{self.chunk}")
         return "-".join(parts)
 
     def options(self) -> dict:
-        return dict(causal=self.causal, window=self.window, softcap=self.softcap)
+        return dict(causal=self.causal, window=self.window, softcap=self.softcap, chunk=self.chunk)
 
 
 QUICK = [
@@ -108,8 +111,26 @@ ALIBI_FULL = ALIBI + [
     CacheCase((3000, 2100, 17), 3072, seqlen_q=300, new=64, page_size=16, heads_q=6, heads_kv=3, head_dim=96,
               causal=True, num_splits=5, dtype=torch.float16, alibi="heads"),
 ]
+# chunk=C (Llama 4's chunked layers decoding over a cache of the whole sequence): (i + Sk - Sq) // C ==
+# j // C with Sk = cache_seqlens[b] + S_new; only the key blocks of the rows' chunks are walked
+CHUNK = [
+    # decoding, GQA, an empty cache, chunk boundaries inside and at the end of the cache, splits 3
+    CacheCase((0, 150, 128, 200), 200, num_splits=3, causal=True, chunk=64),
+    # paged, append 5 + causal over Sq = 5 crossing a chunk boundary, softcap + sinks, fp32, C not dividing 16
+    CacheCase((60, 5, 90), 112, seqlen_q=5, new=5, page_size=16, heads_kv=1, softcap=20.0, sinks=True, causal=True,
+              num_splits=2, dtype=torch.float32, chunk=23),
+    # more queries than keys (rows before the keys see none), ALiBi, no split
+    CacheCase((3, 40), 64, seqlen_q=6, new=2, num_splits=1, causal=True, alibi="batch", chunk=8),
+]
+CHUNK_FULL = CHUNK + [
+    CacheCase((4000, 1, 2500, 0, 3999), 4096, new=1, page_size=64, heads_q=32, heads_kv=8, head_dim=128,
+              causal=True, dtype=torch.bfloat16, chunk=1024),
+    CacheCase((3000, 2100, 17), 3072, seqlen_q=300, new=64, page_size=16, heads_q=6, heads_kv=3, head_dim=96,
+              causal=True, num_splits=5, dtype=torch.float16, chunk=512),
+]
 TRITON_CASES = FULL if ON_GPU else QUICK  # QUICK has no bf16: the interpreter's bf16 dot is unusable
 TRITON_ALIBI = ALIBI_FULL if ON_GPU else ALIBI
+TRITON_CHUNK = CHUNK_FULL if ON_GPU else CHUNK
 
 
 @dataclass
@@ -243,6 +264,29 @@ def test_kvcache_alibi_kernels_match_per_sequence_reference(case):
 @pytest.mark.parametrize("case", ALIBI, ids=lambda c: c.id)
 def test_kvcache_alibi_torch_path_matches_per_sequence_reference(case):
     check_cache_case(case, "torch", "cpu")
+
+
+@pytest.mark.parametrize("case", TRITON_CHUNK, ids=lambda c: c.id)
+def test_kvcache_chunk_kernels_match_per_sequence_reference(case):
+    check_cache_case(case, "triton", TRITON_DEVICE)
+
+
+@pytest.mark.parametrize("case", CHUNK, ids=lambda c: c.id)
+def test_kvcache_chunk_torch_path_matches_per_sequence_reference(case):
+    check_cache_case(case, "torch", "cpu")
+
+
+def test_kvcache_chunk_changes_the_result_and_bad_chunks_are_errors():
+    case = CacheCase((70, 9), 96, seqlen_q=2, new=1, causal=True)
+    inputs = make_inputs(case, TRITON_DEVICE)
+    args = (inputs.q, inputs.k_cache.clone(), inputs.v_cache.clone(), inputs.cache_seqlens)
+    plain = fusedattn.kvcache_attention(*args, causal=True)
+    chunked = fusedattn.kvcache_attention(*args, causal=True, chunk=32)
+    assert not torch.allclose(plain[0], chunked[0])  # sequence 0's rows (position 70) lose keys 0..63
+    assert torch.allclose(plain[1], chunked[1])  # sequence 1 lies inside its first chunk
+    for bad, error in ((0, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="chunk"):
+            fusedattn.kvcache_attention(*args, causal=True, chunk=bad)
 
 
 @pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])

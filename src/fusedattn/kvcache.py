@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_alibi, check_heads_and_dims, check_options, check_sinks, check_tensors, is_integer
+from .checks import check_alibi, check_chunk, check_heads_and_dims, check_options, check_sinks, check_tensors, is_integer
 from .dispatch import resolve_backend
 from .interface import attention, beyond_first_order
 from .kernels.triton.kvcache import kvcache_forward
@@ -199,7 +199,7 @@ def _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
 
 
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, alibi, window_left: int,
-                  window_right: int, scale: float, softcap: float, num_splits: int | None, backend: str,
+                  window_right: int, scale: float, softcap: float, chunk: int, num_splits: int | None, backend: str,
                   shape: CacheShape | None = None):
     """The call once its arguments are checked by shape (``shape``, or checked again here): the checks
     that read values or addresses, then the append and the attention, (out, lse). Both the eager call
@@ -208,9 +208,10 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
     shape = shape or check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     if not _capturing(q.device):
         check_values(cache_seqlens, block_table, shape)
-    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, False, alibi is not None)
+    spec = AttentionSpec("bshd", window_left, window_right, scale, softcap, False, alibi is not None, chunk)
     if backend == "torch":
-        options = dict(window=(window_left, window_right), scale=scale, softcap=softcap if softcap else None)
+        options = dict(window=(window_left, window_right), scale=scale, softcap=softcap if softcap else None,
+                       chunk=chunk or None)
         return _per_sequence(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options, sinks, alibi)
     kernel_sinks = sinks.float().contiguous() if sinks is not None else None
     table = block_table.contiguous() if block_table is not None else None  # the kernels step pages by 1
@@ -222,13 +223,13 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
 def _kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                 block_table: Optional[torch.Tensor], k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor],
                 sinks: Optional[torch.Tensor], alibi: Optional[torch.Tensor], window_left: int, window_right: int,
-                scale: float, softcap: float, num_splits: Optional[int],
+                scale: float, softcap: float, chunk: int, num_splits: Optional[int],
                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.compile traces this op, not the checks that read values: ``kvcache_attention`` compiles
     with fullgraph=True and, under CUDA-graph capture (mode="reduce-overhead"), the kernels guard
     themselves as in an eager capture."""
     return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, alibi, window_left,
-                         window_right, scale, softcap, num_splits, backend)
+                         window_right, scale, softcap, chunk, num_splits, backend)
 
 
 @_kvcache_op.register_fake
@@ -254,6 +255,7 @@ def kvcache_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    chunk: int | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
 ):
@@ -266,7 +268,9 @@ def kvcache_attention(
     (decoding); None chooses from the shapes, 1 turns splitting off (at most 64 are used, and at most
     one per 64-key tile of the cache's capacity). Options as in
     ``fusedattn.attention``; ``alibi_slopes`` float32 (Hq,) or (B, Hq), with distances aligned as
-    causal is (module docstring). Returns out (B, Sq, Hq, Dv), and with ``return_lse=True`` lse (B, Hq,
+    causal is (module docstring); ``chunk``: chunked local attention, ``(i + Sk - Sq) // chunk == j //
+    chunk`` with Sk = ``cache_seqlens[b]`` + the new tokens (Llama 4's chunked layers decoding over a
+    cache holding the whole sequence; the kernel walks only the key blocks of its rows' chunks). Returns out (B, Sq, Hq, Dv), and with ``return_lse=True`` lse (B, Hq,
     Sq) float32.
 
     Bad lengths or pages raise before anything is written; this reads ``cache_seqlens`` (and the
@@ -283,6 +287,7 @@ def kvcache_attention(
     shape = check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new)
     check_sinks(sinks, q, shape.heads_q)
     alibi = check_alibi(alibi_slopes, q, shape, caller=_NAME)
+    check_chunk(chunk, caller=_NAME)
     if num_splits is not None and (not is_integer(num_splits) or num_splits < 1):
         raise ValueError(f"{_NAME}: `num_splits` must be an int >= 1 or None (automatic), got {num_splits!r}")
     if not isinstance(cache_seqlens, torch.Tensor):
@@ -291,8 +296,8 @@ def kvcache_attention(
     if k_new is not None:
         k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
     spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
-                        deterministic=False, alibi=alibi is not None)
-    args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, alibi, *spec.op_args()[1:5],
+                        deterministic=False, alibi=alibi is not None, chunk=chunk)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, sinks, alibi, *spec.op_args()[1:5], spec.chunk,
             None if num_splits is None else int(num_splits), resolve_backend(q.device))
     out, lse = _kvcache_op(*args) if compiling else _kvcache_impl(*args, shape=shape)
     return (out, lse) if return_lse else out

@@ -92,6 +92,7 @@ def _cache_tiles(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False,
+    chunk=1, HAS_CHUNK: tl.constexpr = False,
 ):
     """Key blocks ``block_begin, block_begin + block_step, ...`` below ``block_end`` of the cache
     (``split_key_blocks``); ``lost`` counts kept keys whose page lay outside the cache (they read as
@@ -117,7 +118,7 @@ def _cache_tiles(
         # No user mask or bias here: their arguments are placeholders the flags turn off.
         scores = adjust_scores(scores, offs_q, offs_n, 0, start_n, seqlen_q, seqlen_k, window_left, window_right,
                                None, None, 0, 0, 0, 0, 0, 0, None, None, 0, 0, 0, 0, HAS_LEFT, HAS_RIGHT, False,
-                               False, False, False, True, False)
+                               False, False, False, True, False, chunk=chunk, HAS_CHUNK=HAS_CHUNK)
         p, alpha, row_max, row_sum = online_softmax_step(scores, row_max, row_sum, True)
         v_rows = page * stride_vp + row * stride_vs + head_kv * stride_vh
         v = tl.load(VCache + v_rows[:, None] + offs_dv[None, :],
@@ -137,12 +138,12 @@ def _cache_attention_kernel(
     stride_o_split, stride_ob, stride_os, stride_oh,
     stride_l_split, stride_lb, stride_lh, stride_ls,
     stride_table, seqlen_q, new_len, group_size, heads_kv, page_size, num_pages, capacity,
-    window_left, window_right, qk_scale, softcap_log2,
+    window_left, window_right, qk_scale, softcap_log2, chunk,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, WAIT_PRIOR: tl.constexpr,
-    HAS_ALIBI: tl.constexpr = False,
+    HAS_ALIBI: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
 ):
     if WAIT_PRIOR:  # launched early (programmatic dependent launch): the previous kernel's writes first
         tl.extra.cuda.gdc_wait()
@@ -176,7 +177,7 @@ def _cache_attention_kernel(
 
     last_row = tl.minimum(first_row + BLOCK_M, packed_rows) - 1
     begin, _, _, end = key_blocks_for_rows(first_row // group_size, last_row // group_size, seqlen_q, seqlen_k,
-                                           window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                           window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT, chunk, HAS_CHUNK)
     begin, end, step = split_key_blocks(begin, end, split, tl.num_programs(2))
 
     row_max, row_sum = initial_row_stats(Sinks, head, BLOCK_M, HAS_SINKS)
@@ -195,7 +196,7 @@ def _cache_attention_kernel(
     acc, row_max, row_sum, lost = _cache_tiles(
         acc, row_max, row_sum, lost, *common, begin, end, step, *scores_args, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
         BLOCK_DV, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, PAGED, DOT_PRECISION, alibi_slope_log2=slopes,
-        HAS_ALIBI=HAS_ALIBI)
+        HAS_ALIBI=HAS_ALIBI, chunk=chunk, HAS_CHUNK=HAS_CHUNK)
 
     out, lse = finalize_rows(acc, row_max, row_sum)
     poisoned = bad_length | (lost > 0)
@@ -323,10 +324,14 @@ def _sm90_or_later(device_index: int | None) -> bool:
 
 
 def key_reach(spec: AttentionSpec, seqlen_q: int, capacity: int) -> int:
-    """The most keys one program's rows can see: the capacity, or the window's span."""
-    if not spec.has_window_left:
-        return capacity
-    return min(capacity, spec.window_left + seqlen_q + max(spec.window_right, 0) + KEY_TILE)
+    """The most keys one program's rows can see: the capacity, the window's span, or the chunks its
+    rows lie in."""
+    reach = capacity
+    if spec.has_window_left:
+        reach = min(reach, spec.window_left + seqlen_q + max(spec.window_right, 0) + KEY_TILE)
+    if spec.has_chunk:
+        reach = min(reach, spec.chunk + seqlen_q + KEY_TILE)
+    return reach
 
 
 def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, spec: AttentionSpec, sinks,
@@ -380,11 +385,13 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_ne
         alibi if alibi is not None else lse, *q.stride()[:3], *cache_strides, split_strides[0], *part_out.stride()[-4:-1], split_strides[1],
         *part_lse.stride()[-3:], stride_table, seqlen_q, new_len, group, heads_kv, page_size, num_pages, capacity,
         spec.window_left, spec.window_right, qk_scale, softcap_log2,
+        min(spec.chunk, max(capacity, 1)) if spec.has_chunk else 1,  # a chunk of every key: any C >= capacity
     ), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=block_m,
         BLOCK_N=KEY_TILE, HAS_LEFT=spec.has_window_left, HAS_RIGHT=spec.has_window_right,
         HAS_SOFTCAP=softcap_mode(spec, q.dtype, q.device), HAS_SINKS=sinks is not None, PAGED=paged,
         DOT_PRECISION=dot_precision(q.dtype),
-        PDL=pdl and num_splits > 1, WAIT_PRIOR=early, HAS_ALIBI=spec.alibi, num_warps=NUM_WARPS,
+        PDL=pdl and num_splits > 1, WAIT_PRIOR=early, HAS_ALIBI=spec.alibi, HAS_CHUNK=spec.has_chunk,
+        num_warps=NUM_WARPS,
         num_stages=pipeline_stages(block_d, block_dv, q.element_size(), paged, num_splits > 1),
         **({"launch_pdl": True} if early else {}))
     if num_splits > 1:
