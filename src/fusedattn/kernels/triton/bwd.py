@@ -218,6 +218,7 @@ def _dkdv_tiles(
     (tile_lists.column_lists)."""
     offs_tile = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    query_unit = offs_tile.to(tl.float32)  # ALiBi's key-term form: i' - c of a step's rows
     skipped = skip_end - skip_begin
     blocks = block_end - block_begin - skipped
     steps = block_end - block_begin if FROM_LIST else blocks * group_size
@@ -253,10 +254,11 @@ def _dkdv_tiles(
         else:
             slope = 0.0
         if HAS_ALIBI == ALIBI_KEY_TERM:
-            # -slope * (i' - j) = slope * (j - start_n) - slope * (i' - start_n): a vector over this
-            # program's keys, and a row term taken out of lse
-            key_part = slope * (offs_n - start_n).to(tl.float32)
-            lse2 = lse2 + slope * (offs_m + (seqlen_k - seqlen_q) - start_n).to(tl.float32)
+            # -slope * (i' - j) = slope * (j - c) - slope * (i' - c), c = start_m + Sk - Sq: a vector over
+            # the keys (the tile's rows here, a few values a thread) and the row term taken out of lse
+            # as slope times a loop-invariant vector (the queries are the tile's columns, many a thread)
+            key_part = slope * (offs_n - (start_m + seqlen_k - seqlen_q)).to(tl.float32)
+            lse2 = lse2 + slope * query_unit
         else:
             key_part = 0.0
         p_t, tanh_t = _probabilities(qk_t, lse2, offs_m, offs_n, start_m, start_n, seqlen_q, seqlen_k, window_left,
