@@ -12,5 +12,5 @@ from . import dropout, flash_attn
 from ._version import __version__
 
 __all__ = ["attention", "varlen_attention", "kvcache_attention", "merge_attention", "BlockMask", "topk_mask", "topk_block_mask",
-           "use_backend", "explain", "flash_attn", "sdpa", "routed_sdpa",
+           "use_backend", "explain", "flash_attn", "dropout", "sdpa", "routed_sdpa",
            "__version__"]
