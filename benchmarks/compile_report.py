@@ -371,7 +371,7 @@ def report_kvcache(head_dim: int, dtype: str) -> int:
              kvcache._cache_attention_kernel,
              dict(common, BLOCK_M=kvcache.row_tile(4), BLOCK_N=kvcache.KEY_TILE, HAS_LEFT=False, HAS_RIGHT=True,
                   HAS_SOFTCAP=False, HAS_SINKS=False, PAGED=paged, DOT_PRECISION=fwd.dot_precision(TYPES[dtype]),
-                  PDL=split, HAS_ALIBI=False),
+                  PDL=split, HAS_ALIBI=False, HAS_CHUNK=False),
              kvcache.NUM_WARPS, kvcache.pipeline_stages(block_d, block_d, TYPES[dtype].itemsize, paged, split))
             for paged, split in ((False, True), (True, True), (True, False))]
     jobs += [("kvcache append paged", kvcache._append_kernel, dict(common, BLOCK_S=16, PAGED=True), 4, 1),
@@ -379,7 +379,9 @@ def report_kvcache(head_dim: int, dtype: str) -> int:
                                                                        BLOCK_SPLITS=32, PDL=True), 4, 1)]
     # ALiBi slopes (HAS_ALIBI): the paged split kernel with a slope per packed row
     jobs += [("kvcache paged causal split alibi", kvcache._cache_attention_kernel,
-              dict(jobs[1][2], HAS_ALIBI=True), jobs[1][3], jobs[1][4])]
+              dict(jobs[1][2], HAS_ALIBI=True), jobs[1][3], jobs[1][4]),
+             ("kvcache paged causal split chunk", kvcache._cache_attention_kernel,
+              dict(jobs[1][2], HAS_CHUNK=True), jobs[1][3], jobs[1][4])]
     problems = 0
     for name, kernel, constexprs, warps, num_stages in jobs:
         shown = f"{name:<30} w{warps} s{num_stages}"
