@@ -1,6 +1,7 @@
 """ALiBi (``alibi_slopes``, SPEC 10) beyond the grid of cases.py: what the option means, against an
 explicit bias; the two slope shapes; no gradient for the slopes; torch.compile; the routing (the Gluon
-kernels and torch's fused CPU kernel decline it, and ``explain`` says so)."""
+kernels decline it but for the causal forward -- tests/test_hopper_forward.py -- and torch's fused CPU
+kernel declines it, and ``explain`` says so)."""
 
 import types
 

@@ -330,3 +330,46 @@ def test_tensors_tma_cannot_address_run_the_triton_kernel(forward, gluon_launche
         step = fusedattn.explain(q, k, v, layout="bhsd", causal=True, show=False).forward[0]
     assert not gluon_launches  # declined before any launch
     assert step.kernel == "Triton forward" and "TMA" in step.why
+
+
+# ALiBi's causal (key-term) form in the warp-specialised forward: a slope per (batch, head); the
+# backward runs the Triton kernels. Sq > Sk (rows that see no key), a left window, GQA, lse in the loss.
+ALIBI_CASES = [
+    Case(1, 4, 2, 333, 517, 128, causal=True, alibi="heads", dtype=torch.bfloat16),
+    Case(2, 2, 2, 517, 333, 64, causal=True, alibi="batch", lse_grad=True),
+    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), alibi="heads", dtype=torch.bfloat16),
+    Case(2, 4, 4, 700, 700, 128, causal=True, alibi="batch", softcap=20.0, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("forward", SCHEDULES[6:], ids=[schedule_id(c) for c in SCHEDULES[6:]])
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=[c.id for c in ALIBI_CASES])
+def test_gluon_forward_computes_causal_alibi(case, forward, gluon_launches):
+    with pinned_forward(case, forward):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+
+
+@pytest.mark.parametrize("forward", [SCHEDULES[6]], ids=schedule_id)
+def test_persistent_alibi_launches_give_the_same_bits(forward, gluon_launches, monkeypatch):
+    """Persistent programs carry each tile's own slope: the bits of one program per tile."""
+    case = Case(2, 5, 5, 700, 700, 128, causal=True, alibi="batch", dtype=torch.bfloat16)
+    q, k, v, _, _ = make_inputs(case, "cuda")
+    slopes = 0.02 + 0.5 * torch.rand(case.batch, case.heads_q, device="cuda")
+    results = {}
+    with pinned_forward(case, forward):
+        for programs in (0, 5, 13):
+            set_knobs(monkeypatch, programs=programs)
+            results[programs] = fusedattn.attention(q, k, v, causal=True, alibi_slopes=slopes, return_lse=True)
+    for programs, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0])), programs
+    assert gluon_launches and all(gluon_launches)
+
+
+@pytest.mark.parametrize("case", [Case(1, 4, 2, 333, 517, 128, alibi="heads", dtype=torch.bfloat16),
+                                  Case(1, 4, 2, 333, 517, 128, causal=True, alibi="heads", mask="keys",
+                                       dtype=torch.bfloat16)], ids=["not-causal", "with-a-mask"])
+def test_alibi_the_gluon_forward_has_no_form_for_runs_the_triton_kernel(case, gluon_launches):
+    with pinned_forward(case, SCHEDULES[6]):
+        check_case(case, "triton", "cuda")
+    assert not any(gluon_launches)

@@ -116,15 +116,18 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
     return TAKEN
 
 
-def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False) -> Support:
+def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False,
+                  forward_alibi=False) -> Support:
     """Whether the Gluon kernels take the problem: no ALiBi, no chunk, no sinks; a bias only in a kernel that reads one
     (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
     (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
-    q, k, v addressable by TMA (16-byte aligned)."""
+    q, k, v addressable by TMA (16-byte aligned). ``forward_alibi``: the forward's question, which
+    has ALiBi's causal form (``gluon_forward_takes_alibi``)."""
     if not q.is_cuda:
         return refused("not a CUDA tensor")
-    if spec.alibi:
-        return refused("alibi_slopes: the Gluon kernels have no ALiBi term")
+    if spec.alibi and not forward_alibi:
+        return refused("alibi_slopes: only the causal warp-specialised Gluon forward has an ALiBi term (the "
+                       "backward passes run the Triton kernels)")
     if spec.has_chunk:
         return refused("chunk: the Gluon kernels have no chunked-attention rule")
     if spec.has_dropout:
@@ -218,7 +221,7 @@ def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None,
     if not named:  # decided without looking at the mask: no host sync where no Gluon kernel could run
         return ForwardPlan("triton", fallback, named.reason, fallback)
     if packing is not None:
-        support = gluon_support(q, k, v, spec, sinks)
+        support = gluon_support(q, k, v, spec, sinks)  # (refuses ALiBi: packed sequences have none here)
         if support and not config.hopper_split:
             support = refused("packed sequences run the warp-specialised Gluon forward only; the config names "
                               "the 8-warp one")
@@ -228,7 +231,11 @@ def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None,
         if not support:
             return ForwardPlan("triton", fallback, support.reason, fallback)
         return ForwardPlan("gluon", config, "", fallback)
-    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True)
+    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True, forward_alibi=spec.alibi)
+    if support and spec.alibi:
+        support = gluon_forward_takes_alibi(spec, config, mask, bias)
+        if support:
+            config = gluon_alibi_forward(config, q.shape[-1])
     if not support:
         return ForwardPlan("triton", fallback, support.reason, fallback)
     gluon_config = gluon_mask_forward(config) if mask is not None or bias is not None else config
@@ -256,13 +263,35 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         return out.zero_(), lse.copy_(sinks.view(heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     plan = plan_forward(q, k, v, spec, config, sinks, mask, bias, packing)
-    if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing):
+    if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing, alibi):
         return out, lse
     triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing, alibi, dropout_seed)
     return out, lse
 
 
-def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, mask, bias, packing) -> bool:
+def gluon_forward_takes_alibi(spec: AttentionSpec, config: KernelConfig, mask, bias) -> Support:
+    """Whether the Gluon forward computes ALiBi for this call: its key-term form (kernels/triton/masking.alibi_mode),
+    causal (a right bound of 0), on the warp-specialised kernel without a mask's lists or a bias."""
+    if spec.window_right != 0:
+        return refused("alibi_slopes without causal: the Gluon forward has ALiBi's causal (key-term) form only")
+    if not config.hopper_split:
+        return refused("alibi_slopes: the config names the 8-warp Gluon forward, which has no ALiBi term")
+    if mask is not None or bias is not None:
+        return refused("alibi_slopes with a mask or bias: the Gluon forward's ALiBi term is the plain walk's")
+    return TAKEN
+
+
+def gluon_alibi_forward(config: KernelConfig, head_dim: int) -> KernelConfig:
+    """The warp-specialised forward's config with ALiBi: above D=64, two consumer warpgroups taking
+    turns instead of three (three, at 128 registers a thread, spilled 240 bytes with ALiBi's key
+    vector; two with ping-pong spill none)."""
+    if config.hopper_split == 3 and head_dim > 64:
+        return replace(config, block_m=2 * 64, hopper_split=2, hopper_pingpong=1)
+    return config
+
+
+def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, mask, bias, packing,
+                   alibi=None) -> bool:
     """The Gluon forward into ``out``, ``lse``; False, nothing launched, where TMA cannot address a
     tensor after all (the Triton kernel then runs)."""
     from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs (not under the interpreter)
@@ -277,7 +306,7 @@ def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
         lists = triton_fwd.row_list_args(mask, spec, seqlen_q, seqlen_k, *tiles, heads_q, heads_kv, lse)
         # (a cache hit: gluon_support read it; the launcher adds the no-bias condition)
         even = rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
-    return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, lists, bias, even_lists=even)
+    return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, lists, bias, even_lists=even, alibi=alibi)
 
 
 # ----------------------------------------------------------------------------- backward

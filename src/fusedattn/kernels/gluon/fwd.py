@@ -106,7 +106,8 @@ def _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N: gl.constexpr, s_layou
 @gluon.jit
 def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias, BLOCK_N: gl.constexpr,
                     s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
-                    SOFTCAP: gl.constexpr, BIAS: gl.constexpr, INPUT_DTYPE: gl.constexpr):
+                    SOFTCAP: gl.constexpr, BIAS: gl.constexpr, INPUT_DTYPE: gl.constexpr, ALIBI: gl.constexpr = False,
+                    alibi_keys=0.0, alibi_shift=0.0):
     """Online-softmax step on raw scores s (fp32, s_layout) of keys [key_start, + BLOCK_N). Returns p
     (fp32), m, l, alpha. INPUT_DTYPE: the kernel's inputs' (it picks the cap's tanh: ``log2_scores``).
 
@@ -115,22 +116,35 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
     row max and inside exp2's argument (one FMA); the cap is not linear, so with it the scores
     are brought to log2 units first. BIAS: ``bias`` (the tile's bias, fp32, s_layout) is added
     after scale and softcap, in log2 units; its -inf entries mask, so every tile then
-    guards rows with no visible key, as masked ones do."""
+    guards rows with no visible key, as masked ones do. ALIBI (causal only: the key-term form of
+    kernels/triton/masking.alibi_mode): ``alibi_keys`` (slope * (j - key_start), log2 units, a
+    loop-invariant vector over the tile's keys) is added to the scores and ``alibi_shift`` (slope *
+    (key_start - c), the tile's constant) to the row maxima; the caller folds the row term into lse."""
     if SOFTCAP:
         s, _ = log2_scores(s, qk_scale, softcap_log2, True, False, INPUT_DTYPE)
         qk_scale = 1.0
     if BIAS:
         s = s * qk_scale + bias * LOG2E
         qk_scale = 1.0
+    if ALIBI:  # alibi_keys: the slope; the key vector made here (a loop-invariant one spilled registers)
+        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
+        s = s * qk_scale + gl.expand_dims(keys * alibi_keys, 0)
+        qk_scale = 1.0
     if MASK:
         s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if ALIBI:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) + alibi_shift)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if MASK or BIAS:
         # A row with no visible key so far keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
     else:
         m_use = m_new
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    if ALIBI:
+        p = gl.exp2(s - gl.expand_dims(m_use - alibi_shift, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_new, alpha
@@ -606,7 +620,8 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
              key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
              CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr, BIAS: gl.constexpr, do, GRAD_Q: gl.constexpr):
+             PINGPONG: gl.constexpr, BIAS: gl.constexpr, do, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr = False,
+             alibi_keys=0.0, alibi_shift=0.0):
     """Key block j of a tile on one warpgroup: the forward's online-softmax step, or with GRAD_Q the
     dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only)."""
     if GRAD_Q:
@@ -625,7 +640,8 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias,
-                                         BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, BIAS, k.dtype)
+                                         BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, BIAS, k.dtype, ALIBI,
+                                         alibi_keys, alibi_shift)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -662,7 +678,7 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                  ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                  SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                 VARLEN: gl.constexpr, GRAD_Q: gl.constexpr):
+                 VARLEN: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
     if PERSISTENT:  # rounds in pairs, as the producer: Q buffer 0 for even rounds, 1 for odd ones
         total_tiles = sched[0] * sched[1]
@@ -676,12 +692,12 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                                             k_empty, v_empty, turn_bars, bias_state, grad_in, Lse, sched, qk_scale,
                                             softcap_log2, tile, r + qbuf, done, WG, ROWS, NQ, BLOCK_N, HEAD_D,
                                             NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                                            VARLEN, qbuf, GRAD_Q)
+                                            VARLEN, qbuf, GRAD_Q, ALIBI)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, grad_in, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ,
                          BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                         VARLEN, 0, GRAD_Q)
+                         VARLEN, 0, GRAD_Q, ALIBI)
 
 
 @gluon.jit
@@ -690,7 +706,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                     VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr):
+                     VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th, its Q in
     buffer QBUF where there are two), on one warpgroup: the tile's key blocks (the producer loads each
     once for all) that this warpgroup's rows see, with the mask on those not interior to them; the
@@ -740,6 +756,14 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
         n_seen = gl.minimum(gl.maximum(own_end - first, n_inner), n_blocks)
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
+    # ALiBi (causal: its key-term form): slope * (j - c), c = mw + Sk - Sq, as a loop-invariant vector over a
+    # tile's keys and a per-tile constant (kernels/triton/fwd.py: a vector made per tile serialised wgmmas there)
+    if ALIBI:
+        slope = gl.load(sched[17] + batch.to(gl.int64) * sched[3] + head) * LOG2E
+    else:
+        slope = 0.0
+    alibi_keys = slope  # _softmax_update makes the vector over the keys
+    alibi_c = mw + seq_k - seq_q
     if GRAD_Q:  # the row state: lse2 and delta, rows padded past Sq (lse2 = +inf there)
         stats = pid_bh.to(gl.int64) * sched[13] + rows
         m_i = gl.load(Lse + stats)
@@ -763,21 +787,26 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
             acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
                                      bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                     o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
+                                     o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
+                                     ALIBI, alibi_keys, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
                                  BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
-                                 SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
+                                 SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, alibi_keys,
+                                 slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
     for j in range(n_inner, n_seen):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                 o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q)
+                                 o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
+                                 ALIBI, alibi_keys, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
     if CAUSAL and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
             _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
                           PINGPONG, BIAS)
+    if ALIBI:  # the row term the scores left out, -slope * (i' - c), in the row maxima that make lse
+        m_i = m_i - slope * (rows - mw).to(gl.float32)
     if GRAD_Q:
         _dq_epilogue(acc, qk_scale, softcap_log2, q, q_buf, o_desc, batch, head, mw, SOFTCAP)
     else:
@@ -795,12 +824,12 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
                         softcap_log2, query_blocks, chunk_heads, head_rows, tile_lists, list_stride_b, list_stride_h,
                         list_stride_r, list_head_div, bias_desc, bias_batches, bias_head_div, lse_head_stride, Out,
-                        stride_out_row, stride_out_head, do_desc,
+                        stride_out_row, stride_out_head, do_desc, Alibi,
                         BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                         SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
                         LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
                         GRAD_Q: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        num_warps: gl.constexpr, ALIBI: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
@@ -835,7 +864,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
     sched = (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists,
              list_stride_b, list_stride_h, list_stride_r, list_head_div, lse_head_stride, Out, stride_out_row,
-             stride_out_head)
+             stride_out_head, Alibi)
     bias_slices = (bias_batches, bias_head_div)
     # one program per tile: its tile, found here (as the partitions' argument it costs the 3-warpgroup
     # consumers fewer registers than found in each partition)
@@ -898,11 +927,11 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -912,15 +941,15 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -966,7 +995,7 @@ def runs_persistent(config: KernelConfig, causal: bool, plain: bool, even_lists:
 
 def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
                       tile_lists: tuple | None = None, bias: torch.Tensor | None = None, packing=None,
-                      even_lists: bool = False) -> bool:
+                      even_lists: bool = False, alibi: torch.Tensor | None = None) -> bool:
     """Attention into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32); False, launching
     nothing, when a tensor cannot go through TMA (the caller then runs the Triton kernel).
     ``config.hopper_split`` 2 or 3: the warp-specialised kernel with that many consumer warpgroups
@@ -977,7 +1006,12 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     (``dispatch.gluon_reads_bias``; warp-specialised kernel only, 2 consumer warpgroups and 2 stages: the
     bias ring takes the shared memory a third warpgroup would). ``even_lists``: the lists are about
     equally long and there is no bias (``persistent_programs``). ``packing`` (spec.Packing): q, k, v,
-    out are (1, total, H, D) views of packed sequences and lse (Hq, total_q) (``_packed_forward``)."""
+    out are (1, total, H, D) views of packed sequences and lse (Hq, total_q) (``_packed_forward``).
+    ``alibi`` (with ``spec.alibi``): the contiguous float32 (B, Hq) slopes, for causal calls on the
+    warp-specialised kernel without lists, bias or packing (``dispatch.gluon_forward_takes_alibi``)."""
+    assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
+    assert alibi is None or (config.hopper_split and spec.window_right == 0 and tile_lists is None and bias is None
+                             and packing is None), "ALiBi: the causal warp-specialised forward only"
     if packing is not None:
         return _packed_forward(q, k, v, out, lse, spec, config, packing)
     layout = spec.layout
@@ -997,7 +1031,7 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
                                  tile_lists is not None, bias_slices, q.device.index,
                                  even_lists=even_lists and tile_lists is not None and bias is None)
     # then the packed forward's O pointer and the dQ pass's dO descriptor (unused here)
-    per_call = (*descs, lse, lists[0], bias_desc, lse, descs[0])
+    per_call = (*descs, lse, lists[0], bias_desc, lse, descs[0], alibi if alibi is not None else lse)
     launcher(*per_call[:len(launcher.slots)])  # the 8-warp kernel takes no lists or bias
     return True
 
@@ -1036,11 +1070,11 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     return Launcher(
         _attn_fwd_ws_kernel, grid, (*args, batch * heads_q, SLOT, *list_strides, SLOT, *(bias_slices or (0, 1)),
-                                    stats_stride or 0, SLOT, 0, 0, SLOT),
+                                    stats_stride or 0, SLOT, 0, 0, SLOT, SLOT),
         BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
         NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
         BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=grad_q, PRODUCER_REGS=producer_regs,
-        CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, num_warps=4, maxnreg=maxnreg)
 
 
 def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, packing) -> bool:
@@ -1063,7 +1097,7 @@ def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig
     launcher = _packed_forward_launcher(q4.shape, k4.shape[1], out_rows.stride()[1:3], spec, config,
                                         q.device.index)
     # Q's descriptor stands in the O and bias descriptor slots (never read with VARLEN)
-    launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, descs[0], grid=(entries * q4.shape[1],))
+    launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, descs[0], lse, grid=(entries * q4.shape[1],))
     return True
 
 
@@ -1077,7 +1111,7 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = (SLOT, SLOT, SLOT, SLOT, SLOT, 0, 0, heads_q, heads_q // heads_kv, spec.window_left,
             *score_constants(spec), SLOT, hopper.packed_chunk_heads(heads_q), heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
-            total_q, SLOT, out_strides[1], out_strides[0], SLOT)
+            total_q, SLOT, out_strides[1], out_strides[0], SLOT, SLOT)
     return Launcher(_attn_fwd_ws_kernel, None, args, BLOCK_N=config.block_n, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
@@ -1101,5 +1135,5 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, (0, 0, 0, 1), False, None,
                                  q.device.index, stats_stride=lse2.stride(0))
     q_desc, k_desc, v_desc, dq_desc, do_desc = descs
-    launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc)  # no tile lists or bias
+    launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc, lse2)  # no lists, bias, slopes
     return True
