@@ -155,3 +155,25 @@ def test_long_rows_keep_their_precision(causal):
     ref64 = forward_backward(reference, q, k, v, dout, dlse, dtype=torch.float64, lse_grad=True)
     for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), got, lowp, ref64):
         assert_close_to_reference(f"alibi S=4096 causal={causal} {name}", a, b, c)
+
+
+def test_the_planner_gives_the_gluon_forward_causal_alibi_only():
+    """The rule behind the Gluon forward's ALiBi (dispatch.gluon_forward_takes_alibi): causal, the
+    warp-specialised kernel, no mask or bias; above D=64 two consumer warpgroups taking turns. The
+    backward passes keep refusing it (gluon_support without forward_alibi)."""
+    from fusedattn.tuning.configs import KernelConfig
+
+    causal = AttentionSpec("bshd", UNBOUNDED, 0, 0.25, 0.0, False, alibi=True)
+    full = AttentionSpec("bshd", UNBOUNDED, UNBOUNDED, 0.25, 0.0, False, alibi=True)
+    ws3 = KernelConfig(192, 128, 4, 2, True, 0, 3, 1)
+    eight_warps = KernelConfig(128, 128, 8, 2, True, 1)
+    assert dispatch.gluon_forward_takes_alibi(causal, ws3, None, None)
+    for spec, config, mask, why in ((full, ws3, None, "without causal"), (causal, eight_warps, None, "8-warp"),
+                                    (causal, ws3, object(), "mask or bias")):
+        support = dispatch.gluon_forward_takes_alibi(spec, config, mask, None)
+        assert not support and why in support.reason
+    two = dispatch.gluon_alibi_forward(ws3, 128)
+    assert (two.hopper_split, two.hopper_pingpong, two.block_m) == (2, 1, 128)
+    assert dispatch.gluon_alibi_forward(ws3, 64) == ws3
+    cuda = types.SimpleNamespace(is_cuda=True)
+    assert not dispatch.gluon_support(cuda, None, None, causal)  # the backward's question
