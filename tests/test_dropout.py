@@ -200,12 +200,41 @@ def test_varlen_sequence_s_is_batch_s_of_the_mask(backend):
         assert_close_to_reference(f"varlen dropout {backend} {name}", ours, low, ref)
 
 
-def test_varlen_refuses_dropout_where_it_cannot_regenerate_the_mask():
-    q, k, v = (torch.randn(8, 2, 16, device=DEVICE, dtype=torch.float32, requires_grad=True) for _ in range(3))
+def test_varlen_double_backward_and_forward_ad_regenerate_the_mask():
+    """create_graph=True and forward-mode AD on varlen_attention with dropout: the per-sequence plain-torch
+    form (sequence s as batch s of the call's mask) gives the fused backward's gradients and the
+    fused forward's output."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(8, 2, 16, generator=gen).to(DEVICE).requires_grad_() for _ in range(3))
     cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
-    out = fusedattn.varlen_attention(q, k, v, cu, cu, 5, 5, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        torch.autograd.grad(out.sum(), q, create_graph=True)
+    torch.manual_seed(5)
+    out = fusedattn.varlen_attention(q, k, v, cu, cu, 5, 5, dropout_p=0.3, causal=True)
+    plain = torch.autograd.grad(out.square().sum(), (q, k, v), retain_graph=True)
+    graph = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+    for a, b in zip(plain, graph):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    graph[0].sum().backward()  # differentiable
+    assert q.grad is not None
+    import torch.autograd.forward_ad as fwAD
+    tangent = torch.randn(q.shape, generator=gen).to(DEVICE)
+    with fwAD.dual_level():
+        torch.manual_seed(5)
+        dual = fusedattn.varlen_attention(fwAD.make_dual(q.detach(), tangent), k.detach(), v.detach(), cu, cu, 5, 5,
+                                          dropout_p=0.3, causal=True)
+        primal, jvp = fwAD.unpack_dual(dual)
+    torch.testing.assert_close(primal, out.detach(), rtol=1e-4, atol=1e-5)
+    torch.manual_seed(5)
+    seed = dropout.draw_seed(DEVICE)
+    with fwAD.dual_level():  # the same tangent through the float64 reference, each sequence with its mask rows
+        q64 = fwAD.make_dual(q.detach().double(), tangent.double())
+        parts = []
+        for s, (a, b) in enumerate(((0, 3), (3, 8))):
+            keep = dropout.keep_mask(seed, 1, 2, b - a, b - a, 0.3, DEVICE, batch_start=s)
+            parts.append(reference_attention(q64[None, a:b], k.detach().double()[None, a:b],
+                                             v.detach().double()[None, a:b], causal=True, dropout_keep=keep,
+                                             dropout_p=0.3)[0])
+        want = fwAD.unpack_dual(torch.cat(parts)).tangent
+    torch.testing.assert_close(jvp.double(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_double_backward_regenerates_the_mask():

@@ -130,7 +130,7 @@ def forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mas
 
 def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = None, mask: BlockMask | None = None,
                     bias: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
-                    dropout_seed: torch.Tensor | None = None):
+                    dropout_seed: torch.Tensor | None = None, dropout_first_batch: int = 0):
     """The forward by key chunks with an online softmax, in plain differentiable torch ops only
     (matmul, exp, where, ...), on any device: autograd differentiates it to any order and forward-mode
     AD and torch.func transforms go through it. The calls no custom backward can serve use it
@@ -159,7 +159,8 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
         row_sum = row_sum * alpha + p.sum(dim=-1, keepdim=True)
         if dropout_seed is not None:  # dropped probabilities leave the values' sum, not the normaliser
             kept = dropout.keep_mask(dropout_seed, b, hkv * g, seqlen_q, seqlen_k, spec.dropout_p, q.device,
-                                     key_start=start, key_end=end).view(b, hkv, g, seqlen_q, end - start)
+                                     batch_start=dropout_first_batch, key_start=start,
+                                     key_end=end).view(b, hkv, g, seqlen_q, end - start)
             p = torch.where(kept, p, torch.zeros_like(p)) * dropout.keep_scale(spec.dropout_p)
         acc = acc * alpha + torch.matmul(p, vg[..., start:end, :])
         row_max = new_max

@@ -13,10 +13,11 @@ import torch
 
 from typing import Optional
 
+from .cpu import chunked_forward
 from .dropout import check_dropout, draw_seed
 from .checks import check_alibi, check_chunk, check_options, check_qkv, check_sinks, is_integer
 from .dispatch import attention_backward, attention_forward, packed_configs, prepare_packed_maps, resolve_backend
-from .interface import (_backward_impl, _forward_impl, _unit_stride_head_dim, attention, beyond_first_order,
+from .interface import (_backward_impl, _forward_impl, _unit_stride_head_dim, beyond_first_order,
                         differentiable_grads)
 from .spec import AttentionSpec, Packing, gradient_like, resolve_spec
 
@@ -206,21 +207,14 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks, alibi, dropout_seed = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: differentiable gradients (interface._differentiable_backward)
-            _refuse_dropout_beyond_first_order(ctx.spec, "a backward with create_graph=True")
-            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi), None, None, None, None, None)
+            return (*_differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi, dropout_seed), None, None,
+                    None, None, None)
         sinks_grad = sinks is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dsinks = _backward(dout, dlse, q, k, v, out, lse, sinks, sinks_grad, ctx.packing, ctx.spec,
                                        ctx.backend, alibi, dropout_seed)
         # no gradient for the packing, spec, backend, the ALiBi slopes (constants) or the seed
         return dq, dk, dv, dsinks.to(sinks.dtype) if sinks_grad else None, None, None, None, None, None
 
-
-def _refuse_dropout_beyond_first_order(spec: AttentionSpec, what: str) -> None:
-    """The differentiable per-sequence form runs ``attention`` on each sequence, which would draw a
-    mask of its own: with dropout it cannot reproduce the call."""
-    if spec.has_dropout:
-        raise NotImplementedError(f"{_NAME}: dropout_p > 0 with {what} is not supported (its per-sequence form "
-                                  "cannot regenerate the call's dropout mask); fusedattn.attention supports it")
 
 
 # ----------------------------------------------------------------------------- custom ops (torch.compile)
@@ -293,29 +287,29 @@ def _op_backward(ctx, dout, dlse):
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi=None) -> tuple:
+def _differentiable_backward(ctx, q, k, v, sinks, dout, dlse, alibi=None, dropout_seed=None) -> tuple:
     """(dq, dk, dv, dsinks) as differentiable functions of the inputs and of (dout, dlse), for a
-    backward with ``create_graph=True``: the sequences recomputed through ``attention``, whose own
-    backward is differentiable in that mode."""
-    spec = ctx.spec
-    options = dict(window=(spec.window_left, spec.window_right), scale=spec.scale,
-                   softcap=spec.softcap if spec.has_softcap else None, chunk=spec.chunk or None)
+    backward with ``create_graph=True``: the sequences recomputed by plain torch ops
+    (``_per_sequence``), which autograd differentiates to any order."""
     with torch.enable_grad():
-        out, lse = _per_sequence(q, k, v, ctx.packing, sinks, options, q.shape[1], alibi)
+        out, lse = _per_sequence(q, k, v, ctx.packing, sinks, ctx.spec, q.shape[1], alibi, dropout_seed)
     return differentiable_grads((out, lse), (dout, dlse), (q, k, v, sinks), ctx.needs_input_grad[:4])
 
 
-def _per_sequence(q, k, v, packing: Packing, sinks, options: dict, heads_q: int, alibi=None):
-    """``attention`` on each sequence, through autograd: the differentiable form of the call (forward-mode
-    AD and torch.func transforms, where ``attention`` runs plain torch ops, and a backward with
-    ``create_graph``). ``alibi``: the (sequences, Hq) slopes, a row to each sequence."""
+def _per_sequence(q, k, v, packing: Packing, sinks, spec: AttentionSpec, heads_q: int, alibi=None,
+                  dropout_seed=None):
+    """Each sequence by ``cpu.chunked_forward`` (plain torch ops, on any device), through autograd: the
+    differentiable form of the call (forward-mode AD and torch.func transforms, and a backward with
+    ``create_graph``). ``alibi``: the (sequences, Hq) slopes, a row to each sequence; ``dropout_seed``:
+    the call's, sequence s being batch s of its mask, as in the kernels."""
     bounds_q, bounds_k = packing.offsets_q, packing.offsets_k
     outs, lses = [], []
     for index, ((q0, q1), (k0, k1)) in enumerate(zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:]))):
         if q1 == q0:  # no query: nothing to compute (its keys get zero gradients)
             continue
-        out, lse = attention(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), sinks=sinks,
-                             alibi_slopes=_slopes_of(alibi, index), return_lse=True, **options)
+        out, lse = chunked_forward(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), spec, sinks,
+                                   alibi=_slopes_of(alibi, index), dropout_seed=dropout_seed,
+                                   dropout_first_batch=index)
         outs.append(out[0])
         lses.append(lse[0])
     if not outs:  # empty outputs that still depend on every input (zero gradients, zero tangents)
@@ -383,11 +377,8 @@ def varlen_attention(
                                int(max_seqlen_k), *spec.op_args()[1:], backend)
     else:
         packing = check_packing(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k)
-        if beyond_first_order(q, k, v, sinks):  # each sequence through ``attention``'s plain torch ops
-            _refuse_dropout_beyond_first_order(spec, "forward-mode AD or a torch.func transform")
-            options = dict(causal=causal, window=window, scale=scale, softcap=softcap, deterministic=deterministic,
-                           chunk=chunk)
-            out, lse = _per_sequence(q, k, v, packing, sinks, options, heads_q, alibi)
+        if beyond_first_order(q, k, v, sinks):  # each sequence by plain torch ops
+            out, lse = _per_sequence(q, k, v, packing, sinks, spec, heads_q, alibi, seed)
         else:
             out, lse = _VarlenAttention.apply(q, k, v, sinks, packing, spec, backend, alibi, seed)
     return (out, lse) if return_lse else out
