@@ -107,7 +107,7 @@ def _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N: gl.constexpr, s_layou
 def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias, BLOCK_N: gl.constexpr,
                     s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
                     SOFTCAP: gl.constexpr, BIAS: gl.constexpr, INPUT_DTYPE: gl.constexpr, ALIBI: gl.constexpr = False,
-                    alibi_keys=0.0, alibi_shift=0.0):
+                    alibi_slope=0.0, alibi_shift=0.0):
     """Online-softmax step on raw scores s (fp32, s_layout) of keys [key_start, + BLOCK_N). Returns p
     (fp32), m, l, alpha. INPUT_DTYPE: the kernel's inputs' (it picks the cap's tanh: ``log2_scores``).
 
@@ -117,18 +117,19 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
     are brought to log2 units first. BIAS: ``bias`` (the tile's bias, fp32, s_layout) is added
     after scale and softcap, in log2 units; its -inf entries mask, so every tile then
     guards rows with no visible key, as masked ones do. ALIBI (causal only: the key-term form of
-    kernels/triton/masking.alibi_mode): ``alibi_keys`` (slope * (j - key_start), log2 units, a
-    loop-invariant vector over the tile's keys) is added to the scores and ``alibi_shift`` (slope *
-    (key_start - c), the tile's constant) to the row maxima; the caller folds the row term into lse."""
+    kernels/triton/masking.alibi_mode): ``alibi_slope * (j - key_start)`` (log2 units; the vector over
+    the tile's keys made here: a loop-invariant one spilled registers) is added to the scores and
+    ``alibi_shift`` (slope * (key_start - c), the tile's constant) to the row maxima; the caller
+    folds the row term into lse."""
     if SOFTCAP:
         s, _ = log2_scores(s, qk_scale, softcap_log2, True, False, INPUT_DTYPE)
         qk_scale = 1.0
     if BIAS:
         s = s * qk_scale + bias * LOG2E
         qk_scale = 1.0
-    if ALIBI:  # alibi_keys: the slope; the key vector made here (a loop-invariant one spilled registers)
+    if ALIBI:
         keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32)
-        s = s * qk_scale + gl.expand_dims(keys * alibi_keys, 0)
+        s = s * qk_scale + gl.expand_dims(keys * alibi_slope, 0)
         qk_scale = 1.0
     if MASK:
         s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
@@ -621,7 +622,7 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
              CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
              PINGPONG: gl.constexpr, BIAS: gl.constexpr, do, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr = False,
-             alibi_keys=0.0, alibi_shift=0.0):
+             alibi_slope=0.0, alibi_shift=0.0):
     """Key block j of a tile on one warpgroup: the forward's online-softmax step, or with GRAD_Q the
     dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only)."""
     if GRAD_Q:
@@ -641,7 +642,7 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias,
                                          BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, BIAS, k.dtype, ALIBI,
-                                         alibi_keys, alibi_shift)
+                                         alibi_slope, alibi_shift)
     acc = _rescale(acc, alpha, o_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -756,13 +757,12 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
         n_seen = gl.minimum(gl.maximum(own_end - first, n_inner), n_blocks)
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
-    # ALiBi (causal: its key-term form): slope * (j - c), c = mw + Sk - Sq, as a loop-invariant vector over a
-    # tile's keys and a per-tile constant (kernels/triton/fwd.py: a vector made per tile serialised wgmmas there)
+    # ALiBi (causal: its key-term form): slope * (j - c), c = mw + Sk - Sq, as slope * (j - key_start)
+    # (``_softmax_update``) and a per-tile constant slope * (key_start - c), a shift of the row maxima
     if ALIBI:
         slope = gl.load(sched[17] + batch.to(gl.int64) * sched[3] + head) * LOG2E
     else:
         slope = 0.0
-    alibi_keys = slope  # _softmax_update makes the vector over the keys
     alibi_c = mw + seq_k - seq_q
     if GRAD_Q:  # the row state: lse2 and delta, rows padded past Sq (lse2 = +inf there)
         stats = pid_bh.to(gl.int64) * sched[13] + rows
@@ -788,19 +788,19 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                      bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                      o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
-                                     ALIBI, alibi_keys, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
+                                     ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
                                  BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
-                                 SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, alibi_keys,
+                                 SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, slope,
                                  slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
     for j in range(n_inner, n_seen):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
-                                 ALIBI, alibi_keys, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
+                                 ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
     if CAUSAL and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
             _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,

@@ -56,7 +56,7 @@ def _forward_tiles(
         # the pipelined wgmma's stage: ptxas then serialised every wgmma of the kernel).
         key_part = offs_tile.to(tl.float32) * alibi_slope_log2
     else:
-        key_part = offs_tile.to(tl.float32) * 0.0
+        key_part = 0.0
     for position in range(block_begin, block_end):
         if FROM_LIST:
             n_block = tl.load(tile_list + position)
