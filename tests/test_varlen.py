@@ -269,20 +269,10 @@ def test_varlen_chunk_torch_path_matches_per_sequence_reference(case):
     check_varlen_case(case, "torch", "cpu")
 
 
-@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
-def test_varlen_chunk_compiles_and_differentiates_twice(backend, device):
-    """chunk through torch.compile(fullgraph=True) (the custom ops carry it) gives eager's values, and a
-    backward with create_graph (each sequence through ``attention``) the float64 reference's second
-    derivatives."""
-    case = VarlenCase((7, 0, 12), (9, 3, 12), heads_q=4, heads_kv=2, head_dim=16, causal=True, dtype=torch.float32,
-                      chunk=4)
-    q, k, v, dout, _, _ = make_inputs(case, device)
-    cu_q, cu_k = _offsets(case.lengths_q, device), _offsets(case.keys, device)
-
-    def run(q_, k_, v_):
-        with fusedattn.use_backend(backend):
-            return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, 12, 12, causal=True, chunk=4, return_lse=True)
-
+def check_compiled_and_second_derivatives(run, reference, q, k, v, dout, device) -> None:
+    """``run`` (q, k, v) -> (out, lse) through torch.compile(fullgraph=True) gives eager's values and
+    gradients (lse in the loss too), and a backward with create_graph the second derivatives of
+    ``reference`` in float64."""
     torch._dynamo.reset()
     compiled = torch.compile(run, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     dlse = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(5)).to(device)
@@ -297,10 +287,26 @@ def test_varlen_chunk_compiles_and_differentiates_twice(backend, device):
         dq, = torch.autograd.grad(out, q_, dout.to(dtype), create_graph=True)
         return torch.autograd.grad(dq.square().sum(), (k_, v_))
 
-    ours = second(run, torch.float32)
-    ref = second(lambda *t: reference_loop(*t, case), torch.float64)
+    ours, ref = second(run, torch.float32), second(reference, torch.float64)
     for name, a, b in zip(["d2k", "d2v"], ours, ref):
         torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3, msg=name)
+
+
+@pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
+def test_varlen_chunk_compiles_and_differentiates_twice(backend, device):
+    """chunk through torch.compile(fullgraph=True) (the custom ops carry it) gives eager's values, and a
+    backward with create_graph (each sequence by plain torch ops) the float64 reference's second
+    derivatives."""
+    case = VarlenCase((7, 0, 12), (9, 3, 12), heads_q=4, heads_kv=2, head_dim=16, causal=True, dtype=torch.float32,
+                      chunk=4)
+    q, k, v, dout, _, _ = make_inputs(case, device)
+    cu_q, cu_k = _offsets(case.lengths_q, device), _offsets(case.keys, device)
+
+    def run(q_, k_, v_):
+        with fusedattn.use_backend(backend):
+            return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, 12, 12, causal=True, chunk=4, return_lse=True)
+
+    check_compiled_and_second_derivatives(run, lambda *t: reference_loop(*t, case), q, k, v, dout, device)
 
 
 @pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
@@ -579,7 +585,7 @@ def test_bad_offsets_checked_on_the_device_give_nan_not_a_bad_access(label, offs
 @pytest.mark.parametrize("backend,device", [("triton", TRITON_DEVICE), ("torch", "cpu")], ids=["triton", "torch"])
 def test_varlen_alibi_compiles_and_differentiates_twice(backend, device):
     """ALiBi slopes through torch.compile(fullgraph=True) (the custom ops carry them) give eager's
-    values, and a backward with create_graph (each sequence through ``attention``) the float64
+    values, and a backward with create_graph (each sequence by plain torch ops) the float64
     reference's second derivatives."""
     case = VarlenCase((6, 0, 11), (9, 3, 11), heads_q=4, heads_kv=2, head_dim=16, causal=True, softcap=8.0,
                       dtype=torch.float32, alibi="sequences")
@@ -592,21 +598,5 @@ def test_varlen_alibi_compiles_and_differentiates_twice(backend, device):
             return fusedattn.varlen_attention(q_, k_, v_, cu_q, cu_k, 11, 11, causal=True, softcap=8.0,
                                               alibi_slopes=slopes, return_lse=True)
 
-    torch._dynamo.reset()
-    compiled = torch.compile(run, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
-    dlse = torch.randn(4, q.shape[0], generator=torch.Generator().manual_seed(5)).to(device)
-    eager = forward_backward(run, q, k, v, dout, dlse, lse_grad=True)
-    got = forward_backward(compiled, q, k, v, dout, dlse, lse_grad=True)
-    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, eager):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
-
-    def second(fn, dtype):
-        q_, k_, v_ = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        out = fn(q_, k_, v_)[0]
-        dq, = torch.autograd.grad(out, q_, dout.to(dtype), create_graph=True)
-        return torch.autograd.grad(dq.square().sum(), (k_, v_))
-
-    ours = second(run, torch.float32)
-    ref = second(lambda *t: reference_loop(*t, case, None, slopes), torch.float64)
-    for name, a, b in zip(["d2k", "d2v"], ours, ref):
-        torch.testing.assert_close(a.double(), b, atol=2e-3, rtol=2e-3, msg=name)
+    check_compiled_and_second_derivatives(run, lambda *t: reference_loop(*t, case, None, slopes), q, k, v, dout,
+                                          device)
