@@ -193,6 +193,10 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
             problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
                                             flags["HAS_SOFTCAP"], flags["HAS_LEFT"], flags["HAS_MASK"],
                                             varlen=flags["VARLEN"])
+    if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_alibi:  # its causal form, as the forward's
+        for with_dq in (False, True) if configs.atomic_dq else (False,):
+            problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
+                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], alibi=True)
     gluon_dq = configs.gluon_dq
     if gluon_dq is not None and tma_loads and gluon_runs and not flags["HAS_MASK"] and not flags["VARLEN"]:
         # where dQ has a pass of its own (deterministic mode), the Gluon one
@@ -293,7 +297,7 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False,
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
-                       bias: bool = False, dbias: bool = False, varlen: bool = False):
+                       bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
     (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
     ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
@@ -311,7 +315,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                      CONSUMER_REGS=consumer_regs, num_warps=4)
+                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, num_warps=4)
     if varlen:
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
@@ -330,7 +334,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                      tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
                      bias_desc=score_tile if bias else dq_desc, dbias_desc=score_tile if dbias else dq_desc,
                      bias_batches="i32", bias_head_div="i32", key_blocks="i32", chunk_heads="i32",
-                     stride_kv_row="i32", stride_kv_head="i32",
+                     stride_kv_row="i32", stride_kv_head="i32", Alibi="*fp32",
                      **{name: "constexpr" for name in constexprs})
     if varlen:
         signature.update(DK=f"*{dtype}", DV=f"*{dtype}")
@@ -342,9 +346,11 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
 
 
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
-                        left: bool = False, lists: bool = False, bias: bool = False, varlen: bool = False) -> int:
+                        left: bool = False, lists: bool = False, bias: bool = False, varlen: bool = False,
+                        alibi: bool = False) -> int:
     kind = (f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
-            f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}{', packed' if varlen else ''}")
+            f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}{', packed' if varlen else ''}"
+            f"{', ALiBi' if alibi else ''}")
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
@@ -352,7 +358,7 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     for group_sum in group_sums:
         try:
             r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,
-                                    bias, bias, varlen)
+                                    bias, bias, varlen, alibi)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1

@@ -1,9 +1,11 @@
 """ALiBi (``alibi_slopes``, SPEC 10) beyond the grid of cases.py: what the option means, against an
 explicit bias; the two slope shapes; no gradient for the slopes; torch.compile; the routing (the Gluon
-kernels decline it but for the causal forward -- tests/test_hopper_forward.py -- and torch's fused CPU
+kernels decline it but for the causal forward and dK/dV pass -- tests/test_hopper_forward.py,
+tests/test_hopper_backward.py -- and torch's fused CPU
 kernel declines it, and ``explain`` says so)."""
 
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -160,7 +162,8 @@ def test_long_rows_keep_their_precision(causal):
 def test_the_planner_gives_the_gluon_forward_causal_alibi_only():
     """The rule behind the Gluon forward's ALiBi (dispatch.gluon_forward_takes_alibi): causal, the
     warp-specialised kernel, no mask or bias; above D=64 two consumer warpgroups taking turns. The
-    backward passes keep refusing it (gluon_support without forward_alibi)."""
+    Gluon dK/dV pass takes the same causal form (gluon_dkdv_takes_alibi); the Gluon dQ pass has no
+    ALiBi term (takes_gluon_dq)."""
     from fusedattn.tuning.configs import KernelConfig
 
     causal = AttentionSpec("bshd", UNBOUNDED, 0, 0.25, 0.0, False, alibi=True)
@@ -176,4 +179,9 @@ def test_the_planner_gives_the_gluon_forward_causal_alibi_only():
     assert (two.hopper_split, two.hopper_pingpong, two.block_m) == (2, 1, 128)
     assert dispatch.gluon_alibi_forward(ws3, 64) == ws3
     cuda = types.SimpleNamespace(is_cuda=True)
-    assert not dispatch.gluon_support(cuda, None, None, causal)  # the backward's question
+    assert not dispatch.gluon_support(cuda, None, None, causal)  # a pass without ALiBi's form
+    assert dispatch.gluon_dkdv_takes_alibi(causal, None, None, None)
+    assert not dispatch.gluon_dkdv_takes_alibi(full, None, None, None)
+    assert not dispatch.gluon_dkdv_takes_alibi(causal, object(), None, None)
+    assert not dispatch.takes_gluon_dq(ws3, causal, None, None, None)
+    assert dispatch.takes_gluon_dq(ws3, replace(causal, alibi=False), None, None, None)

@@ -117,17 +117,17 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
 
 
 def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False,
-                  forward_alibi=False) -> Support:
+                  alibi_form=False) -> Support:
     """Whether the Gluon kernels take the problem: no ALiBi, no chunk, no sinks; a bias only in a kernel that reads one
     (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
     (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
-    q, k, v addressable by TMA (16-byte aligned). ``forward_alibi``: the forward's question, which
-    has ALiBi's causal form (``gluon_forward_takes_alibi``)."""
+    q, k, v addressable by TMA (16-byte aligned). ``alibi_form``: the pass asked about has ALiBi's
+    causal form for this call (``gluon_forward_takes_alibi``, ``gluon_dkdv_takes_alibi``)."""
     if not q.is_cuda:
         return refused("not a CUDA tensor")
-    if spec.alibi and not forward_alibi:
-        return refused("alibi_slopes: only the causal warp-specialised Gluon forward has an ALiBi term (the "
-                       "backward passes run the Triton kernels)")
+    if spec.alibi and not alibi_form:
+        return refused("alibi_slopes: the Gluon forward and dK/dV pass have ALiBi's causal form only (no mask, "
+                       "bias or packing; the forward's warp-specialised kernel); the dQ pass has none")
     if spec.has_chunk:
         return refused("chunk: the Gluon kernels have no chunked-attention rule")
     if spec.has_dropout:
@@ -231,7 +231,7 @@ def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None,
         if not support:
             return ForwardPlan("triton", fallback, support.reason, fallback)
         return ForwardPlan("gluon", config, "", fallback)
-    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True, forward_alibi=spec.alibi)
+    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True, alibi_form=spec.alibi)
     if support and spec.alibi:
         support = gluon_forward_takes_alibi(spec, config, mask, bias)
         if support:
@@ -385,7 +385,8 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     if named and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias, bias_in_gluon):
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     bias_in_gluon = bias_in_gluon and atomic_dq
-    support = named and gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=bias_in_gluon)
+    support = named and gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=bias_in_gluon,
+                                      alibi_form=gluon_dkdv_takes_alibi(spec, mask, bias, packing))
     gluon_dkdv = support.ok
     gluon_dq = gluon_dkdv and not atomic_dq and takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing)
     dq_why = _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing)
@@ -465,10 +466,10 @@ def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfig
 
 def takes_gluon_dq(config: KernelConfig | None, spec: AttentionSpec, mask, bias, packing: Packing | None) -> bool:
     """Whether ``config`` names a Gluon dQ pass (a warp-specialised forward config) for a problem
-    of the kind it runs: no mask, bias or packed sequences (the tensors are checked at launch,
-    ``gluon.fwd.dq_pass``)."""
+    of the kind it runs: no mask, bias, packed sequences or ALiBi (its steps have no ALiBi term; the
+    tensors are checked at launch, ``gluon.fwd.dq_pass``)."""
     return (config is not None and config.hopper_split in (2, 3) and mask is None and bias is None
-            and packing is None)
+            and packing is None and not spec.alibi)
 
 
 def gluon_dkdv_takes_bias(q, spec: AttentionSpec, bias: torch.Tensor | None, dbias_mode: int) -> bool:
@@ -481,6 +482,12 @@ def gluon_dkdv_takes_bias(q, spec: AttentionSpec, bias: torch.Tensor | None, dbi
             and not spec.has_softcap and dbias_mode in (DBIAS_OFF, DBIAS_STORE))
 
 
+def gluon_dkdv_takes_alibi(spec: AttentionSpec, mask, bias, packing) -> bool:
+    """Whether the Gluon dK/dV pass computes ALiBi for this call: causal (a right bound of 0), no
+    mask's lists, bias or packing (its key-term form, ``_step``)."""
+    return spec.alibi and spec.window_right == 0 and mask is None and bias is None and packing is None
+
+
 def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=None, bias=None,
                        reads_bias: bool = False) -> bool:
     """Whether ``config`` names a Gluon dK/dV pass that takes this problem and can also sum dQ
@@ -488,7 +495,8 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
     the fused Triton atomic programs are not what the Gluon config's tiles were chosen for (with
     128-row steps they do not even fit shared memory). ``reads_bias``: it may take the bias
     (``gluon_dkdv_takes_bias``)."""
-    if config.family != "gluon" or not gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=reads_bias):
+    if config.family != "gluon" or not gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=reads_bias,
+                                                     alibi_form=gluon_dkdv_takes_alibi(spec, mask, bias, None)):
         return False
     from .kernels.gluon import bwd as gluon_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
@@ -562,7 +570,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dsinks = None if sinks is None else sink_gradient(sinks, lse2, delta, heads_q)
 
     gluon_dkdv = plan.gluon_dkdv and _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan, dq_buffer,
-                                                      mask, bias, dbias, packing)
+                                                      mask, bias, dbias, packing, alibi)
     if gluon_dkdv and plan.atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return triton_bwd.dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
     if gluon_dkdv and plan.gluon_dq:
@@ -586,7 +594,8 @@ def _gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, config: Kern
 
 
 def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, plan: BackwardPlan,
-                     dq_accum: torch.Tensor | None, mask, bias, dbias: torch.Tensor | None, packing) -> bool:
+                     dq_accum: torch.Tensor | None, mask, bias, dbias: torch.Tensor | None, packing,
+                     alibi: torch.Tensor | None = None) -> bool:
     """The Gluon dK/dV pass: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given (the
     plan's ``atomic_dq``); False, nothing launched, where TMA cannot address a tensor after all.
     With a mask the pass walks its column lists at the plan's tiles (``gluon_mask_dkdv``). With the
@@ -603,7 +612,8 @@ def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, pl
         lists = triton_bwd.column_list_args(mask, spec, seqlen_q, seqlen_k, plan.dkdv, heads_q, heads_kv, lse2)
     group_sum = not plan.group_walk and sums_over_group(spec, heads_q, heads_kv, plan.dkdv, lists is not None)
     return gluon_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan.dkdv,
-                               dq_accum if plan.atomic_dq else None, lists, group_sum, bias, dbias, packing)
+                               dq_accum if plan.atomic_dq else None, lists, group_sum, bias, dbias, packing,
+                               alibi=alibi)
 
 
 def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs: AttentionConfigs) -> None:

@@ -367,11 +367,24 @@ def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.co
 
 
 @gluon.jit
+def _alibi_step(t, walk, alibi_at, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr,
+                ALIBI: gl.constexpr):
+    """(slope in log2 units, first query row) of step t for ALiBi (``_step``); (0.0, 0) without it."""
+    if ALIBI:
+        member, blk = _step_coords(t, walk, LEFT, LISTS)
+        slopes, first_row = alibi_at
+        return gl.load(slopes + first_row + member) * LOG2E, blk * BLOCK_M
+    else:
+        return 0.0, 0
+
+
+@gluon.jit
 def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk, dv, s_zero,
           dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
           HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-          LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr):
+          LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr,
+          ALIBI: gl.constexpr = False, alibi_slope=0.0, alibi_row0=0):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only (RAGGED:
     keys past Sk are masked there too, ``_query_walk``). With
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
@@ -404,11 +417,20 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         bias = bias_ring.index(slot).reshape([BLOCK_M, bias_ring.shape[4]]).slice(WG * KEYS, KEYS, dim=1)
         s = s * qk_scale + bias.permute((1, 0)).load(s_layout).to(gl.float32) * LOG2E
         qk_scale = 1.0
+    if ALIBI:
+        # causal ALiBi's key-term form (kernels/triton/masking.alibi_mode), anchored at the step's first
+        # aligned query row c: slope * (j - c) over this warpgroup's keys (the tile's rows), and the row
+        # term slope * (i' - c) taken out of lse below
+        key_part = alibi_slope * (keys - (alibi_row0 + rule[0])).to(gl.float32)
+        s = s * qk_scale + gl.expand_dims(key_part, 1)
+        qk_scale = 1.0
     if MASK:
         # keys past Sk reach dQ or are another sequence's: RAGGED gives them p = 0 exactly
         rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
         s = keep_scores(s, rows, keys, seq_k, rule, CAUSAL, LEFT, RAGGED, True)
     lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
+    if ALIBI:
+        lse2 = lse2 + alibi_slope * gl.arange(0, BLOCK_M, layout=col_layout).to(gl.float32)
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
     if SOFTCAP:
         # dV first: then only P^T times the cap's derivative stays live across dP^T, not P^T and
@@ -447,8 +469,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
-              stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr):
-    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. VARLEN (packed sequences): dK, dV
+              stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
+              ALIBI: gl.constexpr = False):
+    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. ALIBI (causal, no lists, bias or
+    packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of the group's first head); each
+    step reads its query head's slope. VARLEN (packed sequences): dK, dV
     of the keys inside the sequence go out by pointer stores (``packed`` = (first query row, first
     key row, first statistics row, KV head, dK, dV, their row and head strides))."""
     RAGGED: gl.constexpr = DQ or VARLEN
@@ -485,16 +510,18 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         for c in gl.static_range(SPLIT):
             mbarrier.wait(kv_bars.index(c), 0)
         for t in range(0, n_interior_steps):
+            slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
-                           RAGGED)
+                           RAGGED, ALIBI, slope, row0)
         for t in range(n_interior_steps, n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS)
+            slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
                            BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
-                           SOFTCAP, DQ, BIAS, RAGGED)
+                           SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0)
         if DQ_COLS != HEAD_D:
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -506,10 +533,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         mbarrier.wait(kv_bars.index(WG), 0, pred=active)
         interior_end = gl.where(active, n_interior_steps, 0)
         for t in range(0, interior_end):
+            slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
-                           RAGGED)
+                           RAGGED, ALIBI, slope, row0)
         # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
         # (every step, when inactive): query blocks [w_begin, w_end) are visible.
         w_end = 2147483647
@@ -531,10 +559,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                 else:
                     visible = blk >= w_begin
                 if visible:
+                    slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
                     dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars,
                                    dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale,
                                    softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
-                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED)
+                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
@@ -579,12 +608,13 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
                     heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, tile_lists, list_stride_b,
                     list_stride_h, list_stride_n, bias_desc, dbias_desc, bias_batches, bias_head_div, key_blocks,
-                    chunk_heads, DK, DV, stride_kv_row, stride_kv_head, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr,
+                    chunk_heads, DK, DV, stride_kv_row, stride_kv_head, Alibi, BLOCK_M: gl.constexpr,
+                    HEAD_D: gl.constexpr,
                     CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr,
                     SPLIT: gl.constexpr, PINGPONG: gl.constexpr, CHUNKED: gl.constexpr, DQ: gl.constexpr,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    num_warps: gl.constexpr, ALIBI: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -641,6 +671,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         k_start = 0
         stats_row0 = batch * heads_q
     packed = (q_start, k_start, stats_row0, head_kv, DK, DV, stride_kv_row, stride_kv_head)
+    alibi_at = (Alibi, stats_row0 + first_head)  # ALIBI: the slopes of the group's heads
     n0 = pid_n * BLOCK_N
     entries = tile_lists  # LISTS: this program's list (indexed by KV head)
     if LISTS:
@@ -720,11 +751,11 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -739,15 +770,15 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -782,7 +813,8 @@ def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
               dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
-              bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None, packing=None) -> bool:
+              bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None, packing=None,
+              alibi: torch.Tensor | None = None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
@@ -798,6 +830,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     shape, the bias's dtype, its unvisited tiles already zero) stored tile by tile. ``packing``
     (spec.Packing; no mask or bias): q, k, v, dout, dk, dv are (1, total, H, D) views of packed
     sequences, the row statistics (sequences * Hq, padded rows) (``_packed_dkdv``)."""
+    assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
+    assert alibi is None or (packing is None and tile_lists is None and bias is None and spec.window_right == 0), \
+        "ALiBi: the causal pass without lists, bias or packing (dispatch.gluon_dkdv_takes_alibi)"
     if packing is not None:
         return _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec, config, dq_accum, group_sum, packing)
     layout = spec.layout
@@ -829,7 +864,7 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     launcher = _dkdv_launcher(tuple(descs[0].shape), heads_kv, seqlen_k, spec, config, dq_accum is not None,
                               tuple(lists[1:]), tile_lists is not None, group_sum, bias_slices, dbias is not None,
                               q.device.index)
-    launcher(*descs, dq_desc, lists[0], *bias_descs)
+    launcher(*descs, dq_desc, lists[0], *bias_descs, alibi if alibi is not None else lse2)
     if group_sum:
         to_bhsd(dk, layout).copy_(sums[0])
         to_bhsd(dv, layout).copy_(sums[1])
@@ -850,14 +885,14 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = ((SLOT,) * 9 + (seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
                            *score_constants(spec), spec.scale, SLOT, *list_strides, SLOT, SLOT,
-                           *(bias_slices or (0, 1)), key_blocks, chunk, None, None, 0, 0))
+                           *(bias_slices or (0, 1)), key_blocks, chunk, None, None, 0, 0, SLOT))
     grid = (heads * key_blocks,) if chunk > 1 else (key_blocks, heads)
     return Launcher(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-                    maxnreg=maxnreg)
+                    maxnreg=maxnreg, ALIBI=spec.alibi)
 
 
 def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig, dq_accum,
@@ -890,7 +925,7 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
                                          group_sum, q.device.index)
         head_rows = heads_q if group_sum else heads_kv
         # dQ's descriptor stands in the bias and bias-gradient slots (never read with VARLEN)
-        launcher(*descs, dq_desc, tile_map, dq_desc, dq_desc, entries, dk4, dv4, grid=(entries * head_rows,))
+        launcher(*descs, dq_desc, tile_map, dq_desc, dq_desc, entries, dk4, dv4, lse2, grid=(entries * head_rows,))
     if group_sum:
         dk4.copy_(sums[0])
         dv4.copy_(sums[1])
@@ -912,7 +947,7 @@ def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, sp
     args = ((SLOT,) * 9 + (0, 0, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, *score_constants(spec),
                            spec.scale, SLOT, 0, 0, 0, SLOT, SLOT, 0, 1, SLOT,
                            packed_chunk_heads(heads_q if group_sum else heads_kv), SLOT, SLOT, dkv_strides[1],
-                           dkv_strides[0]))
+                           dkv_strides[0], SLOT))
     return Launcher(_dkdv_ws_kernel, None, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
