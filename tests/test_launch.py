@@ -91,6 +91,33 @@ def test_launcher_fills_its_slots_in_order_call_after_call():
 
 
 @triton.jit
+def _offset_copy(out, a, n, BLOCK: tl.constexpr, ADD_ONE: tl.constexpr = False):
+    offs = tl.arange(0, BLOCK)
+    keep = offs < n
+    x = tl.load(a + offs, mask=keep)
+    if ADD_ONE:
+        x = x + 1.0
+    tl.store(out + offs, x, mask=keep)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="runs a kernel: a GPU or Triton's interpreter")
+@pytest.mark.parametrize("options", [dict(), dict(ADD_ONE=False), dict(ADD_ONE=True)], ids=["left-out", "off", "on"])
+def test_launcher_gives_a_left_out_constexpr_its_default(options):
+    """A trailing constexpr with a default may be left out of a Launcher's keywords, as of
+    kernel[grid](...): the first call (which compiles) and the later ones (the kept launch) agree."""
+    from fusedattn.kernels.shared.launch import SLOT, Launcher
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    launcher = Launcher(_offset_copy, (1,), (SLOT, SLOT, 20), BLOCK=32, **options)
+    for _ in range(3):
+        a = torch.randn(20, device=device)
+        out = torch.zeros(20, device=device)
+        launcher(out, a)
+        torch.testing.assert_close(out, a + 1.0 if options.get("ADD_ONE") else a)
+
+
+@triton.jit
 def _doubled_rows(src_desc, out, BLOCK_ROWS: tl.constexpr, COLS: tl.constexpr):
     first = tl.program_id(0) * BLOCK_ROWS
     tile = src_desc.load([first, 0])

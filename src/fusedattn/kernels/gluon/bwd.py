@@ -952,4 +952,5 @@ def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, sp
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=False, DQ=dq, LISTS=False, GROUP_SUM=group_sum, BIAS=False, DBIAS=False, VARLEN=True,
-                    PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+                    PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
+                    ALIBI=False)

@@ -57,7 +57,9 @@ def _first_launch(kernel, grid, args: tuple, constexprs_and_options: dict) -> tu
     launch of the same specialisation needs: (compiled kernel, trailing constexprs, direct launch,
     the kernel)."""
     compiled = kernel[grid](*_for_triton(args), **constexprs_and_options)
-    constexprs = tuple(constexprs_and_options[name] for name in kernel.arg_names[len(args):])
+    # a trailing constexpr the caller leaves out takes its declared default, as in kernel[grid](...)
+    constexprs = tuple(constexprs_and_options[param.name] if param.name in constexprs_and_options else param.default
+                       for param in kernel.params[len(args):])
     return compiled, constexprs, _DirectLaunch.of(compiled), kernel
 
 
