@@ -2,8 +2,13 @@
 
 One Philox4x32 call per 16 keys of a row: counter (key // 16, row, batch * Hq + head, 0) keyed by
 the call's seed; its sixteen bytes, word after word and little-endian within a word, belong to the
-sixteen keys in order, and a probability is kept when its byte is at least the threshold. The words
-are spread over the keys by interleaving (``_spread4``), which keeps each row's bytes in one thread.
+sixteen keys in order, and a probability is kept when its byte is at least the threshold.
+
+The words are spread over the keys in two steps: interleaved once into one word per four keys
+(``_spread4``), then each word broadcast over its four keys, which shift out their own byte. The
+tile the dK/dV pass takes (keys along rows) is made in that orientation from the start. Spreading
+the bytes by a second interleave, or transposing a finished tile, cost the compiler a round trip
+through shared memory each, several per tile: the mask alone then took about twice as long.
 """
 
 import triton
@@ -23,19 +28,23 @@ def dropout_keep(seed, batch_head, offs_q, start_k, threshold, BLOCK_K: tl.const
     """Bool tile, True where the probability of (query offs_q, key start_k + c) is kept: (rows =
     queries, BLOCK_K keys), or its transpose with ``TRANSPOSED`` (keys along rows, as the dK/dV pass
     holds its tiles). ``start_k``: a multiple of 16; ``seed``: the call's int64 seed."""
-    groups = start_k // 16 + tl.arange(0, BLOCK_K // 16)
-    c0 = (groups[None, :] + offs_q[:, None] * 0).to(tl.uint32)
-    c1 = (offs_q[:, None] + groups[None, :] * 0).to(tl.uint32)
-    c2 = (batch_head + c0 * 0).to(tl.uint32)
-    c3 = c0 * 0
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3, DROPOUT_ROUNDS)
-    words = _spread4(w0, w1, w2, w3)  # (M, 4G): column 4c + w = word w of group c
-    b0 = words & 0xFF
-    b1 = (words >> 8) & 0xFF
-    b2 = (words >> 16) & 0xFF
-    b3 = words >> 24
-    random_bytes = _spread4(b0, b1, b2, b3)  # (M, 16G): column 16c + 4w + byte
-    keep = random_bytes >= threshold.to(tl.uint32)
+    M: tl.constexpr = offs_q.shape[0]
+    GROUPS: tl.constexpr = BLOCK_K // 16
+    groups = start_k // 16 + tl.arange(0, GROUPS)
+    byte_shift = ((tl.arange(0, BLOCK_K) % 4) * 8).to(tl.uint32)  # each key's byte within its word
     if TRANSPOSED:
-        keep = tl.trans(keep)
-    return keep
+        c0 = (groups[:, None] + offs_q[None, :] * 0).to(tl.uint32)
+        c1 = (offs_q[None, :] + groups[:, None] * 0).to(tl.uint32)
+        w0, w1, w2, w3 = tl.philox(seed, c0, c1, (batch_head + c0 * 0).to(tl.uint32), c0 * 0, DROPOUT_ROUNDS)
+        # (GROUPS, M, 2, 2) [g, m, t, s] = word 2t + s -> (4 GROUPS, M): row 4g + w = word w of group g
+        words = tl.reshape(tl.permute(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (0, 2, 3, 1)), (4 * GROUPS, M))
+        words = tl.reshape(tl.broadcast_to(words[:, None, :], (4 * GROUPS, 4, M)), (BLOCK_K, M))
+        random_bytes = (words >> byte_shift[:, None]) & 0xFF
+    else:
+        c0 = (groups[None, :] + offs_q[:, None] * 0).to(tl.uint32)
+        c1 = (offs_q[:, None] + groups[None, :] * 0).to(tl.uint32)
+        w0, w1, w2, w3 = tl.philox(seed, c0, c1, (batch_head + c0 * 0).to(tl.uint32), c0 * 0, DROPOUT_ROUNDS)
+        words = _spread4(w0, w1, w2, w3)  # (M, 4 GROUPS): column 4g + w = word w of group g
+        words = tl.reshape(tl.broadcast_to(words[:, :, None], (M, 4 * GROUPS, 4)), (M, BLOCK_K))
+        random_bytes = (words >> byte_shift[None, :]) & 0xFF
+    return random_bytes >= threshold.to(tl.uint32)
