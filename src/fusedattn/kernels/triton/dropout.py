@@ -7,8 +7,8 @@ sixteen keys in order, and a probability is kept when its byte is at least the t
 The words are spread over the keys in two steps: interleaved once into one word per four keys
 (``_spread4``), then each word broadcast over its four keys, which shift out their own byte. The
 tile the dK/dV pass takes (keys along rows) is made in that orientation from the start. Spreading
-the bytes by a second interleave, or transposing a finished tile, cost the compiler a round trip
-through shared memory each, several per tile: the mask alone then took about twice as long.
+the bytes by a second interleave, or transposing a finished tile, each became a round trip through
+shared memory with a barrier, several per tile, which cost more than the Philox rounds themselves.
 """
 
 import triton
