@@ -141,6 +141,8 @@ def chunked_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None = N
     mask, mask_shift = _element_rows(mask, seqlen_q)
     mask, bias = _grouped_mask(mask, hkv * g, hkv), _grouped_mask(bias, hkv * g, hkv)
     alibi = _grouped_alibi(None if alibi is None else alibi.detach(), hkv)
+    if dropout_seed is not None:  # read on the host once, not once per chunk
+        dropout_seed = int(dropout_seed.reshape(-1)[0])
     seqlen_k, head_dim_v = kg.shape[-2], vg.shape[-1]
     if sinks is None:
         row_max = qg.new_full((b, hkv, g, seqlen_q, 1), float("-inf"))
