@@ -208,3 +208,18 @@ def set_knobs(monkeypatch, **changes) -> None:
     from fusedattn.kernels.shared import knobs
 
     monkeypatch.setattr(knobs, "_current", replace(knobs.knobs(), **changes))
+
+
+def capture_graph(step):
+    """(graph, outputs) of ``step`` captured in a CUDA graph after two warm-up runs on a side stream
+    (compiles, and the caching allocator's pools, outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured

@@ -15,7 +15,8 @@ import torch
 
 import fusedattn
 
-from attention_runner import dense_mask, forward_backward, make_bias, make_inputs, make_mask, make_sinks
+from attention_runner import (capture_graph, dense_mask, forward_backward, make_bias, make_inputs, make_mask,
+                              make_sinks)
 from cases import Case
 from fusedattn.reference import reference_attention
 from numerics import assert_close_to_reference
@@ -29,21 +30,6 @@ CASES = [
     Case(1, 4, 4, 512, 512, 128, causal=True, bias="full", dtype=torch.bfloat16),
     Case(1, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128), dtype=torch.bfloat16),
 ]
-
-
-def _capture(step):
-    """(graph, outputs) of ``step`` captured after two warm-up runs on a side stream (compiles, and
-    the caching allocator's pools, outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    return graph, captured
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -63,7 +49,7 @@ def test_a_captured_step_replays_on_new_inputs(case: Case):
             outputs, grads = (out,), (dout,)
         return (out, lse, *torch.autograd.grad(outputs, leaves + extras, grads))
 
-    graph, captured = _capture(step)
+    graph, captured = capture_graph(step)
 
     def reference(q_, k_, v_, sinks_=None, bias_=None):
         return reference_attention(q_, k_, v_, sinks=sinks_, mask=dense_mask(mask), return_lse=True,
@@ -101,7 +87,7 @@ def test_varlen_with_offsets_on_the_gpu_captures_and_replays_new_lengths():
         out = fusedattn.varlen_attention(*leaves, cu, cu, 800, 800, causal=True)
         return (out, *torch.autograd.grad(out, leaves, dout))
 
-    graph, captured = _capture(step)
+    graph, captured = capture_graph(step)
     for lengths in ((0, 250, 999, 1000), (0, 800, 800, 1000)):
         cu.copy_(torch.tensor(lengths, dtype=torch.int32))
         graph.replay()

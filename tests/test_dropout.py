@@ -16,6 +16,7 @@ from fusedattn import dropout
 from fusedattn.kernels.triton.dropout import dropout_keep
 from fusedattn.reference import reference_attention
 
+from attention_runner import capture_graph
 from numerics import assert_close_to_reference
 
 ON_GPU = torch.cuda.is_available()
@@ -200,6 +201,17 @@ def test_varlen_sequence_s_is_batch_s_of_the_mask(backend):
         assert_close_to_reference(f"varlen dropout {backend} {name}", ours, low, ref)
 
 
+def _check_create_graph_matches(out, q, k, v) -> None:
+    """A ``create_graph`` backward of ``out`` (the recomputed plain-torch forward, with the call's
+    seed) gives the fused backward's gradients, and they are differentiable."""
+    plain = torch.autograd.grad(out.square().sum(), (q, k, v), retain_graph=True)
+    graph = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+    for a, b in zip(plain, graph):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    graph[0].sum().backward()
+    assert q.grad is not None
+
+
 def test_varlen_double_backward_and_forward_ad_regenerate_the_mask():
     """create_graph=True and forward-mode AD on varlen_attention with dropout: the per-sequence plain-torch
     form (sequence s as batch s of the call's mask) gives the fused backward's gradients and the
@@ -209,12 +221,7 @@ def test_varlen_double_backward_and_forward_ad_regenerate_the_mask():
     cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE)
     torch.manual_seed(5)
     out = fusedattn.varlen_attention(q, k, v, cu, cu, 5, 5, dropout_p=0.3, causal=True)
-    plain = torch.autograd.grad(out.square().sum(), (q, k, v), retain_graph=True)
-    graph = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
-    for a, b in zip(plain, graph):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    graph[0].sum().backward()  # differentiable
-    assert q.grad is not None
+    _check_create_graph_matches(out, q, k, v)
     import torch.autograd.forward_ad as fwAD
     tangent = torch.randn(q.shape, generator=gen).to(DEVICE)
     with fwAD.dual_level():
@@ -242,12 +249,7 @@ def test_double_backward_regenerates_the_mask():
     so the first-order gradients equal the fused backward's."""
     q, k, v = _inputs(dtype=torch.float32)
     out = _call("torch", q, k, v, 2, dropout_p=0.3, causal=True)
-    plain = torch.autograd.grad(out.square().sum(), (q, k, v), retain_graph=True)
-    graph = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
-    for a, b in zip(plain, graph):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    graph[0].sum().backward()  # differentiable
-    assert q.grad is not None
+    _check_create_graph_matches(out, q, k, v)
 
 
 @pytest.mark.parametrize("bad,error", [(1.0, ValueError), (-0.1, ValueError), ("0.1", TypeError), (True, TypeError)])
@@ -293,15 +295,7 @@ def test_cuda_graph_replays_draw_new_masks():
         out = fusedattn.attention(q, k, v, dropout_p=0.3)
         return (out, *torch.autograd.grad(out, (q, k), dout))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)
     results = []
     for _ in range(2):
         graph.replay()
