@@ -246,33 +246,13 @@ def check_cache_case(case: CacheCase, backend: str, device) -> None:
         assert_close_to_reference(f"{case.id} {name}", ours, lowp_t, ref_t)
 
 
-@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", TRITON_CASES + TRITON_ALIBI + TRITON_CHUNK, ids=lambda c: c.id)
 def test_kvcache_kernels_match_per_sequence_reference(case):
     check_cache_case(case, "triton", TRITON_DEVICE)
 
 
-@pytest.mark.parametrize("case", QUICK, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", QUICK + ALIBI + CHUNK, ids=lambda c: c.id)
 def test_kvcache_torch_path_matches_per_sequence_reference(case):
-    check_cache_case(case, "torch", "cpu")
-
-
-@pytest.mark.parametrize("case", TRITON_ALIBI, ids=lambda c: c.id)
-def test_kvcache_alibi_kernels_match_per_sequence_reference(case):
-    check_cache_case(case, "triton", TRITON_DEVICE)
-
-
-@pytest.mark.parametrize("case", ALIBI, ids=lambda c: c.id)
-def test_kvcache_alibi_torch_path_matches_per_sequence_reference(case):
-    check_cache_case(case, "torch", "cpu")
-
-
-@pytest.mark.parametrize("case", TRITON_CHUNK, ids=lambda c: c.id)
-def test_kvcache_chunk_kernels_match_per_sequence_reference(case):
-    check_cache_case(case, "triton", TRITON_DEVICE)
-
-
-@pytest.mark.parametrize("case", CHUNK, ids=lambda c: c.id)
-def test_kvcache_chunk_torch_path_matches_per_sequence_reference(case):
     check_cache_case(case, "torch", "cpu")
 
 
