@@ -116,15 +116,17 @@ def _register_kernels(dispatch_key: str = "CUDA") -> torch.library.Library:
 
 def _refuse(dropout_p=0.0, return_debug_mask=False, alibi_slopes=None, seqused_k=None, block_table=None,
             unknown=None) -> None:
-    """NotImplementedError for what fusedattn does not compute (yet)."""
+    """NotImplementedError for what this provider does not take (as torch's FA4 provider does not)."""
     if dropout_p:
-        raise NotImplementedError(f"{_NAME}: dropout_p > 0 is not supported yet (got {dropout_p}); "
+        # fusedattn's dropout draws and keeps its own seed; this op's philox outputs are not it
+        raise NotImplementedError(f"{_NAME}: dropout_p > 0 is not taken by this provider (got {dropout_p}); "
+                                  "fusedattn.attention and fusedattn.sdpa take dropout_p, and "
                                   "restore_flash_attention_impl() gives torch's kernel back")
     if return_debug_mask:
         raise NotImplementedError(f"{_NAME}: return_debug_mask=True is not supported (no dropout mask exists)")
     for name, value in (("alibi_slopes", alibi_slopes), ("seqused_k", seqused_k), ("block_table", block_table)):
         if value is not None:
-            raise NotImplementedError(f"{_NAME}: `{name}` is not supported yet")
+            raise NotImplementedError(f"{_NAME}: `{name}` is not taken by this provider")
     for name, value in (unknown or {}).items():
         if value is not None:
             raise NotImplementedError(f"{_NAME}: argument `{name}` (of a newer torch) is not supported")
