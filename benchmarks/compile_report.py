@@ -121,7 +121,8 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
     gluon_forward, gluon_dkdv = configs.forward, configs.dkdv
     # a mask: by its tile lists; a bias by elements through TMA: the Gluon forward reads it
-    # ALiBi, chunk, dropout: the planner refuses the Gluon kernels (dispatch.gluon_support), only the Triton ones compile
+    # ALiBi, chunk, dropout: the Triton kernels, and only the Gluon forms the planner allows below (causal ALiBi in
+    # the forward and the dK/dV pass, dropout in the dK/dV pass: dispatch.gluon_support)
     triton_only = flags["HAS_ALIBI"] or flags["HAS_CHUNK"] or flags["HAS_DROPOUT"]
     gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"] and not triton_only
     gluon_forward_runs = not flags["HAS_SINKS"] and not triton_only and (not flags["HAS_BIAS"] or flags["BIAS_TMA"])
@@ -182,7 +183,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
         problems += _report_hopper_forward(head_dim, dtype, gluon_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
                                            flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"],
                                            persistent and not flags["VARLEN"], flags["VARLEN"])
-    if gluon_forward.hopper_overlap is not None and tma_loads and gluon_alibi:
+    if gluon_forward.hopper_overlap is not None and tma_loads and gluon_alibi and not flags["HAS_DROPOUT"]:
         alibi_forward = dispatch.gluon_alibi_forward(gluon_forward, head_dim)
         persistent = hopper_fwd.runs_persistent(alibi_forward, flags["HAS_RIGHT"], True)
         problems += _report_hopper_forward(head_dim, dtype, alibi_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
@@ -196,7 +197,15 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_alibi:  # its causal form, as the forward's
         for with_dq in (False, True) if configs.atomic_dq else (False,):
             problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
-                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], alibi=True)
+                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], alibi=True,
+                                            dropout=flags["HAS_DROPOUT"])
+    # dropout: the Gluon dK/dV pass takes it without a mask, bias or packing (dispatch.gluon_dkdv_takes_dropout)
+    gluon_dropout = (flags["HAS_DROPOUT"] and not flags["HAS_MASK"] and not flags["HAS_BIAS"] and not flags["VARLEN"]
+                     and not flags["HAS_SINKS"] and not flags["HAS_CHUNK"] and not flags["HAS_ALIBI"])
+    if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_dropout:
+        for with_dq in (False, True) if configs.atomic_dq else (False,):
+            problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
+                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], dropout=True)
     gluon_dq = configs.gluon_dq
     if gluon_dq is not None and tma_loads and gluon_runs and not flags["HAS_MASK"] and not flags["VARLEN"]:
         # where dQ has a pass of its own (deterministic mode), the Gluon one
@@ -297,7 +306,8 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False,
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
-                       bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False):
+                       bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False,
+                       dropout: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
     (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
     ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
@@ -315,7 +325,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, num_warps=4)
+                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, num_warps=4)
     if varlen:
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
@@ -334,7 +344,8 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                      tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
                      bias_desc=score_tile if bias else dq_desc, dbias_desc=score_tile if dbias else dq_desc,
                      bias_batches="i32", bias_head_div="i32", key_blocks="i32", chunk_heads="i32",
-                     stride_kv_row="i32", stride_kv_head="i32", Alibi="*fp32",
+                     stride_kv_row="i32", stride_kv_head="i32", Alibi="*fp32", DropoutSeed="*i64",
+                     dropout_threshold="i32", dropout_scale="fp32",
                      **{name: "constexpr" for name in constexprs})
     if varlen:
         signature.update(DK=f"*{dtype}", DV=f"*{dtype}")
@@ -347,10 +358,10 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
 
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
                         left: bool = False, lists: bool = False, bias: bool = False, varlen: bool = False,
-                        alibi: bool = False) -> int:
+                        alibi: bool = False, dropout: bool = False) -> int:
     kind = (f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
             f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}{', packed' if varlen else ''}"
-            f"{', ALiBi' if alibi else ''}")
+            f"{', ALiBi' if alibi else ''}{', dropout' if dropout else ''}")
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
@@ -358,7 +369,7 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     for group_sum in group_sums:
         try:
             r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,
-                                    bias, bias, varlen, alibi)
+                                    bias, bias, varlen, alibi, dropout)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
@@ -460,6 +471,9 @@ def main() -> None:
         # chunked attention and dropout: the Triton kernels too
         "causal+chunk": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_CHUNK=True),
         "causal+dropout": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_DROPOUT=True),
+        "full+dropout": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_DROPOUT=True),
+        "window+softcap+dropout": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_DROPOUT=True),
+        "causal+alibi+dropout": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=2, HAS_DROPOUT=True),
     }
     problems = 0
     for d in map(int, args.head_dims.split(",")):

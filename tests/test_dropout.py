@@ -71,6 +71,39 @@ def test_kernel_bits_equal_the_pytorch_mask(transposed, block_k, start_k):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.skipif(not (ON_GPU and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon kernels' keep tile: sm_90 GPUs")
+@pytest.mark.parametrize("rows", [64, 128])
+def test_gluon_keep_tile_equals_the_pytorch_mask(rows):
+    """The Gluon dK/dV pass's keep tile (kernels/gluon/common.dropout_keep_t: Philox in the kernel's
+    own rounds, each call's bytes in one thread, moved into the wgmma accumulator's layout) is bit
+    for bit the mask ``dropout.keep_mask`` defines, keys along rows."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from fusedattn.kernels.gluon.common import dropout_keep_t
+
+    @gluon.jit
+    def tile(seed_ptr, out, batch_head, first_key, first_row, threshold, ROWS: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, ROWS, 16])
+        keep = dropout_keep_t(gl.load(seed_ptr), batch_head, first_key, first_row, threshold, 64, ROWS, s_layout)
+        keys = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        queries = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+        gl.store(out + gl.expand_dims(keys, 1) * ROWS + gl.expand_dims(queries, 0), keep.to(gl.int8))
+
+    p, batch_head, first_key, first_row = 0.3, 5, 192, 37
+    for seed_value in (0x123456789ABCDEF, 2**62 - 1, 3):
+        seed = torch.tensor([seed_value], dtype=torch.int64, device=DEVICE)
+        out = torch.zeros(64 * rows, dtype=torch.int8, device=DEVICE)
+        tile[(1,)](seed, out, batch_head, first_key, first_row, dropout.threshold(p), rows, num_warps=4)
+        got = out.view(64, rows).T.bool().cpu()
+        expected = dropout.random_bytes(seed_value, torch.tensor(batch_head),
+                                        torch.arange(first_row, first_row + rows)[:, None],
+                                        torch.arange(first_key, first_key + 64)[None, :]) >= dropout.threshold(p)
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_kept_fraction_is_binomial(p):
     """Over 2 x 4 x 256 x 256 probabilities the dropped fraction is threshold / 256 within five
@@ -316,9 +349,34 @@ def test_gluon_and_fused_cpu_kernels_refuse_dropout_in_explain():
     plans = fusedattn.explain(q, k, v, dropout_p=0.1, show=False)
     text = str(plans)
     if ON_GPU and torch.cuda.get_device_capability()[0] == 9:
-        assert "dropout_p: the Gluon kernels have no dropout" in text
+        # the forward runs the Triton kernel; the Gluon dK/dV pass takes dropout
+        assert "dropout_p: of the Gluon kernels only the dK/dV pass has dropout" in text
+        assert {step.name: step for step in plans.backward}["dK/dV"].kernel.startswith("Gluon")
     with fusedattn.use_backend("torch"):
         from fusedattn import cpu
         spec = fusedattn.spec.resolve_spec(32, layout="bshd", causal=False, window=None, scale=None, softcap=None,
                                            deterministic=False, dropout_p=0.1)
         assert not cpu.uses_fused_kernel(spec, None, None)
+
+
+def test_the_planner_gives_dropout_to_the_gluon_dkdv_pass_only():
+    """The Gluon dK/dV pass takes dropout without a mask, bias or packed sequences
+    (dispatch.gluon_dkdv_takes_dropout); the Gluon forward and dQ pass have none, so they decline."""
+    import types
+
+    from fusedattn import dispatch
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    causal = AttentionSpec("bshd", UNBOUNDED, 0, 0.25, 0.0, False, dropout_p=0.1)
+    plain = AttentionSpec("bshd", UNBOUNDED, 0, 0.25, 0.0, False)
+    assert dispatch.gluon_dkdv_takes_dropout(causal, None, None, None)
+    for mask, bias, packing in ((object(), None, None), (None, object(), None), (None, None, object())):
+        assert not dispatch.gluon_dkdv_takes_dropout(causal, mask, bias, packing)
+    assert not dispatch.gluon_dkdv_takes_dropout(plain, None, None, None)
+    cuda = types.SimpleNamespace(is_cuda=True)
+    refusal = dispatch.gluon_support(cuda, None, None, causal)  # the forward's question
+    assert not refusal and "only the dK/dV pass" in refusal.reason
+    ws3 = KernelConfig(192, 128, 4, 2, True, 0, 3, 1)
+    assert not dispatch.takes_gluon_dq(ws3, causal, None, None, None)
+    assert dispatch.takes_gluon_dq(ws3, plain, None, None, None)

@@ -282,6 +282,72 @@ def keep_scores(s, rows, keys, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.const
     return gl.where(keep, s, -float("inf"))
 
 
+# --------------------------------------------------------------------------- dropout
+
+# Philox4x32's constants (Random123; Triton's tl.philox has the same), for the kernels' own rounds:
+# Gluon has no philox of its own.
+_PHILOX_KEY_A = gl.constexpr(0x9E3779B9)
+_PHILOX_KEY_B = gl.constexpr(0xBB67AE85)
+_PHILOX_ROUND_A = gl.constexpr(0xD2511F53)
+_PHILOX_ROUND_B = gl.constexpr(0xCD9E8D57)
+DROPOUT_ROUNDS = gl.constexpr(7)  # dropout.ROUNDS
+
+
+@gluon.jit
+def _philox(seed, c0, c1, c2, c3):
+    """Philox4x32 with DROPOUT_ROUNDS rounds of counter (c0, c1, c2, c3) (uint32 tensors) keyed by
+    the int64 ``seed``, word for word what ``tl.philox(seed, c0, c1, c2, c3, DROPOUT_ROUNDS)`` gives."""
+    seed = seed.to(gl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+    for _ in gl.static_range(DROPOUT_ROUNDS):
+        a, b = c0, c2
+        c0 = gl.umulhi(b, _PHILOX_ROUND_B) ^ c1 ^ k0
+        c2 = gl.umulhi(a, _PHILOX_ROUND_A) ^ c3 ^ k1
+        c1 = gl.mul(b, _PHILOX_ROUND_B, sanitize_overflow=False)
+        c3 = gl.mul(a, _PHILOX_ROUND_A, sanitize_overflow=False)
+        k0 = gl.add(k0, _PHILOX_KEY_A, sanitize_overflow=False)
+        k1 = gl.add(k1, _PHILOX_KEY_B, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _kept_bytes(word, threshold):
+    """(..., 2, 2) keep bits of a word's four bytes: [a, b] is byte 2a + b (little-endian)."""
+    b0 = (word & 0xFF) >= threshold
+    b1 = ((word >> 8) & 0xFF) >= threshold
+    b2 = ((word >> 16) & 0xFF) >= threshold
+    b3 = (word >> 24) >= threshold
+    return gl.join(gl.join(b0, b2), gl.join(b1, b3))
+
+
+@gluon.jit
+def dropout_keep_t(seed, batch_head, first_key, first_row, threshold, KEYS: gl.constexpr, ROWS: gl.constexpr,
+                   out_layout: gl.constexpr):
+    """Dropout's keep tile (``fusedattn/dropout.py``) with keys along rows, as the dK/dV pass holds
+    S^T: (KEYS, ROWS) bool in ``out_layout``, True where the probability of query first_row + c and
+    key first_key + r is kept. One Philox call per (query, 16 keys): counter (key // 16, query,
+    batch_head, 0); its bytes, word after word, little-endian, belong to the 16 keys in order.
+
+    Each thread makes whole calls: warp w the keys [16 w, + 16) of the 4 warps' 64, each lane its
+    queries; the 16 bytes of a call stay in one thread's registers. The wgmma accumulator gives
+    warp w the same 16 keys, so the final conversion moves bits within each warp only."""
+    gl.static_assert(KEYS == 64, "one 16-key group per warp of the warpgroup")
+    call_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [0, 1])
+    groups = gl.arange(0, KEYS // 16, layout=gl.SliceLayout(1, call_layout))
+    queries = gl.arange(0, ROWS, layout=gl.SliceLayout(0, call_layout))
+    zero = gl.zeros([KEYS // 16, ROWS], gl.uint32, layout=call_layout)
+    c0 = zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 1)
+    c1 = zero + gl.expand_dims((first_row + queries).to(gl.uint32), 0)
+    w0, w1, w2, w3 = _philox(seed, c0, c1, zero + batch_head.to(gl.uint32), zero)
+    t = threshold.to(gl.uint32)
+    # join adds its axis last: (groups, queries, 2, 2, 2, 2) [g, c, x, y, u, v] = byte 2x + y of word 2u + v,
+    # key 16 g + 8u + 4v + 2x + y, brought to (g, u, v, x, y, c) and read as (keys, queries)
+    bits = gl.join(gl.join(_kept_bytes(w0, t), _kept_bytes(w2, t)), gl.join(_kept_bytes(w1, t), _kept_bytes(w3, t)))
+    keep = gl.reshape(gl.permute(bits, (0, 4, 5, 2, 3, 1)), (KEYS, ROWS))
+    return gl.convert_layout(keep, out_layout)
+
+
 @gluon.jit
 def turn_wait(turn_bars, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: wait for this warpgroup's t-th turn (round robin 0, 1, (2,) 0, ...)."""
