@@ -408,7 +408,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     the keep tile of ``drop`` (``_dropout_step``), made where it is used (held across the step's
     matmuls, its bits spilled), says which probabilities reached the output: dV takes the kept ones,
     scaled; dP's dropped entries are 0 before delta is taken off (delta = rowsum(dO * O) of the
-    dropped output)."""
+    dropped output), so dS^T = P^T * (keep * scale * dP^T - delta)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_s = k_smem.index(WG).reshape([k_smem.shape[3], HEAD_D])
     slot = t % NUM_STAGES
@@ -454,15 +454,20 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     if ALIBI:
         lse2 = lse2 + alibi_slope * gl.arange(0, BLOCK_M, layout=col_layout).to(gl.float32)
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
-    p_out = p  # what multiplied V in the forward
     if DROPOUT:
+        # The keep bit rides in p's sign bit (a dropped p is stored negated, -0.0 included), so no
+        # tile of bits stays live across dP^T: p >= 0, and the cap's derivative below keeps the sign.
         seed, batch_head, first_query, first_key, threshold, dropout_scale = drop
         kept = dropout_keep_t(seed, batch_head, first_key, first_query, threshold, k_s.shape[0], BLOCK_M, s_layout)
-        p_out = gl.where(kept, p * dropout_scale, 0.0)
+        p = gl.where(kept, p, -p)
     if SOFTCAP:
         # dV first: then only P^T times the cap's derivative stays live across dP^T, not P^T and
         # tanh both (D=128 causal: 48 -> 24 B of stack, with dQ 104 -> 64 B).
-        dv = warpgroup_mma(gl.convert_layout(p_out.to(k_s.dtype), a_layout), do, dv)
+        if DROPOUT:  # what multiplied V in the forward: the kept probabilities, scaled
+            dv = warpgroup_mma(gl.convert_layout((gl.maximum(p, 0.0) * dropout_scale).to(k_s.dtype), a_layout),
+                               do, dv)
+        else:
+            dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
         p = p * (1.0 - tanh_s * tanh_s)
     if PINGPONG != 2:
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
@@ -470,9 +475,11 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero)
         else:
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
-    if DROPOUT:
-        dp = gl.where(kept, dp * dropout_scale, 0.0) - gl.expand_dims(delta, 0)
-    ds16 = (p * dp).to(k_s.dtype)
+    if DROPOUT:  # a dropped probability's value never reached the output: its dP is 0
+        kept = p.to(gl.int32, bitcast=True) >= 0
+        ds16 = (gl.abs(p) * (gl.where(kept, dp * dropout_scale, 0.0) - gl.expand_dims(delta, 0))).to(k_s.dtype)
+    else:
+        ds16 = (p * dp).to(k_s.dtype)
     # With DQ, dV and dK are issued together and retired by one wait, this step's dS^T staged for
     # dQ under them: one wgmma round trip a step less, and the hand-off's store, fence and barrier
     # off the critical path (the D=128 dK/dV+dQ pass measured faster). Without DQ the pair saves
@@ -480,7 +487,10 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     # tile-list walk at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
     ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
-        p_a = gl.convert_layout(p_out.to(k_s.dtype), a_layout)
+        if DROPOUT:
+            p_a = gl.convert_layout((gl.maximum(p, 0.0) * dropout_scale).to(k_s.dtype), a_layout)
+        else:
+            p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
         dv = warpgroup_mma(p_a, do, dv, is_async=DQ)
     dk = warpgroup_mma(ds_a, q, dk, is_async=DQ)
     if DQ:
