@@ -183,11 +183,21 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
         problems += _report_hopper_forward(head_dim, dtype, gluon_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
                                            flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"],
                                            persistent and not flags["VARLEN"], flags["VARLEN"])
-    if gluon_forward.hopper_overlap is not None and tma_loads and gluon_alibi and not flags["HAS_DROPOUT"]:
+    if gluon_forward.hopper_overlap is not None and tma_loads and gluon_alibi:
         alibi_forward = dispatch.gluon_alibi_forward(gluon_forward, head_dim)
         persistent = hopper_fwd.runs_persistent(alibi_forward, flags["HAS_RIGHT"], True)
         problems += _report_hopper_forward(head_dim, dtype, alibi_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-                                           flags["HAS_LEFT"], persistent=persistent, alibi=True)
+                                           flags["HAS_LEFT"], persistent=persistent, alibi=True,
+                                           dropout=flags["HAS_DROPOUT"])
+    # dropout: the warp-specialised forward takes it without a mask, bias or packing, on the ALiBi form's config
+    forward_dropout = (flags["HAS_DROPOUT"] and not flags["HAS_ALIBI"] and not flags["HAS_MASK"]
+                       and not flags["HAS_BIAS"] and not flags["VARLEN"] and not flags["HAS_SINKS"]
+                       and not flags["HAS_CHUNK"] and bool(gluon_forward.hopper_split))
+    if gluon_forward.hopper_overlap is not None and tma_loads and forward_dropout:
+        dropout_forward = dispatch.gluon_alibi_forward(gluon_forward, head_dim)
+        persistent = hopper_fwd.runs_persistent(dropout_forward, flags["HAS_RIGHT"], True)
+        problems += _report_hopper_forward(head_dim, dtype, dropout_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+                                           flags["HAS_LEFT"], persistent=persistent, dropout=True)
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_runs:
         # deterministic calls run the pass without dQ; the default at D=128 the 5-matmul form
         for with_dq in (False, True) if configs.atomic_dq else (False,):
@@ -240,7 +250,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
 def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
                            lists: bool = False, bias: bool = False, persistent: bool = False, varlen: bool = False,
-                           grad_q: bool = False, alibi: bool = False):
+                           grad_q: bool = False, alibi: bool = False, dropout: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
     ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype,
     ``persistent``: the tile loop of a launch of fewer programs than tiles, ``varlen``: packed
@@ -257,12 +267,14 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
                           PERSISTENT=persistent, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                          CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, ALIBI=alibi, num_warps=num_warps)
+                          CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, ALIBI=alibi, DROPOUT=dropout,
+                          num_warps=num_warps)
         list_args = dict(head_rows="i32", tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
                          list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),
                          bias_batches="i32", bias_head_div="i32", lse_head_stride="i32",
                          Out="*fp32" if grad_q else f"*{dtype}", stride_out_row="i32", stride_out_head="i32",
-                         do_desc=desc(rows), Alibi="*fp32")
+                         do_desc=desc(rows), Alibi="*fp32", DropoutSeed="*i64", dropout_threshold="i32",
+                         dropout_scale="fp32")
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
@@ -283,19 +295,21 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
                            lists: bool = False, bias: bool = False, persistent: bool = False,
-                           varlen: bool = False, grad_q: bool = False, alibi: bool = False) -> int:
+                           varlen: bool = False, grad_q: bool = False, alibi: bool = False,
+                           dropout: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
     shown = (f"{'dQ pass' if grad_q else 'forward'} (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}"
-             f"{', persistent' if persistent else ''}{', packed' if varlen else ''}{', ALiBi' if alibi else ''}) "
+             f"{', persistent' if persistent else ''}{', packed' if varlen else ''}{', ALiBi' if alibi else ''}"
+             f"{', dropout' if dropout else ''}) "
              f"{rows}x{cfg.block_n} "
              f"s{cfg.num_stages}")
     try:
         r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias, persistent, varlen, grad_q,
-                                   alibi)
+                                   alibi, dropout)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1

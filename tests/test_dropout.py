@@ -349,9 +349,9 @@ def test_gluon_and_fused_cpu_kernels_refuse_dropout_in_explain():
     plans = fusedattn.explain(q, k, v, dropout_p=0.1, show=False)
     text = str(plans)
     if ON_GPU and torch.cuda.get_device_capability()[0] == 9:
-        # the forward runs the Triton kernel; the Gluon dK/dV pass takes dropout
-        assert "dropout_p: of the Gluon kernels only the dK/dV pass has dropout" in text
-        assert {step.name: step for step in plans.backward}["dK/dV"].kernel.startswith("Gluon")
+        # the warp-specialised Gluon forward and the Gluon dK/dV pass take dropout
+        assert {step.name: step for step in plans.forward}["forward"].kernel.startswith("Gluon forward, warp"), text
+        assert {step.name: step for step in plans.backward}["dK/dV"].kernel.startswith("Gluon"), text
     with fusedattn.use_backend("torch"):
         from fusedattn import cpu
         spec = fusedattn.spec.resolve_spec(32, layout="bshd", causal=False, window=None, scale=None, softcap=None,
@@ -361,7 +361,8 @@ def test_gluon_and_fused_cpu_kernels_refuse_dropout_in_explain():
 
 def test_the_planner_gives_dropout_to_the_gluon_dkdv_pass_only():
     """The Gluon dK/dV pass takes dropout without a mask, bias or packed sequences
-    (dispatch.gluon_dkdv_takes_dropout); the Gluon forward and dQ pass have none, so they decline."""
+    (dispatch.gluon_dkdv_takes_dropout), the Gluon forward on its warp-specialised kernel without a
+    mask or bias (gluon_forward_takes_dropout, on the ALiBi form's config); the dQ pass has none."""
     import types
 
     from fusedattn import dispatch
@@ -375,8 +376,12 @@ def test_the_planner_gives_dropout_to_the_gluon_dkdv_pass_only():
         assert not dispatch.gluon_dkdv_takes_dropout(causal, mask, bias, packing)
     assert not dispatch.gluon_dkdv_takes_dropout(plain, None, None, None)
     cuda = types.SimpleNamespace(is_cuda=True)
-    refusal = dispatch.gluon_support(cuda, None, None, causal)  # the forward's question
-    assert not refusal and "only the dK/dV pass" in refusal.reason
+    refusal = dispatch.gluon_support(cuda, None, None, causal)  # a pass without dropout
+    assert not refusal and "the dQ pass has none" in refusal.reason
+    eight_warps = KernelConfig(128, 128, 8, 2, True, 1)
+    assert dispatch.gluon_forward_takes_dropout(KernelConfig(192, 128, 4, 2, True, 0, 3, 1), None, None)
+    for config, mask, bias in ((eight_warps, None, None), (KernelConfig(192, 128, 4, 2, True, 0, 3, 1), object(), None)):
+        assert not dispatch.gluon_forward_takes_dropout(config, mask, bias)
     ws3 = KernelConfig(192, 128, 4, 2, True, 0, 3, 1)
     assert not dispatch.takes_gluon_dq(ws3, causal, None, None, None)
     assert dispatch.takes_gluon_dq(ws3, plain, None, None, None)

@@ -132,7 +132,8 @@ def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None
     if spec.has_chunk:
         return refused("chunk: the Gluon kernels have no chunked-attention rule")
     if spec.has_dropout and not dropout_form:
-        return refused("dropout_p: of the Gluon kernels only the dK/dV pass has dropout (no mask, bias or packing)")
+        return refused("dropout_p: the Gluon forward (warp-specialised) and dK/dV pass have dropout without a mask, "
+                       "bias or packing; the dQ pass has none")
     if sinks is not None:
         return refused("sinks: the Gluon kernels have no sink term")
     if bias is not None:
@@ -232,11 +233,14 @@ def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None,
         if not support:
             return ForwardPlan("triton", fallback, support.reason, fallback)
         return ForwardPlan("gluon", config, "", fallback)
-    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True, alibi_form=spec.alibi)
+    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True, alibi_form=spec.alibi,
+                            dropout_form=spec.has_dropout)
     if support and spec.alibi:
         support = gluon_forward_takes_alibi(spec, config, mask, bias)
-        if support:
-            config = gluon_alibi_forward(config, q.shape[-1])
+    if support and spec.has_dropout:
+        support = gluon_forward_takes_dropout(config, mask, bias)
+    if support and (spec.alibi or spec.has_dropout):
+        config = gluon_alibi_forward(config, q.shape[-1])
     if not support:
         return ForwardPlan("triton", fallback, support.reason, fallback)
     gluon_config = gluon_mask_forward(config) if mask is not None or bias is not None else config
@@ -264,7 +268,8 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         return out.zero_(), lse.copy_(sinks.view(heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     plan = plan_forward(q, k, v, spec, config, sinks, mask, bias, packing)
-    if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing, alibi):
+    if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing, alibi,
+                                                 dropout_seed):
         return out, lse
     triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing, alibi, dropout_seed)
     return out, lse
@@ -282,17 +287,27 @@ def gluon_forward_takes_alibi(spec: AttentionSpec, config: KernelConfig, mask, b
     return TAKEN
 
 
+def gluon_forward_takes_dropout(config: KernelConfig, mask, bias) -> Support:
+    """Whether the Gluon forward computes dropout for this call: the warp-specialised kernel without
+    a mask's lists or a bias (``gluon.fwd._ws_step``)."""
+    if not config.hopper_split:
+        return refused("dropout_p: the config names the 8-warp Gluon forward, which has no dropout")
+    if mask is not None or bias is not None:
+        return refused("dropout_p with a mask or bias: the Gluon forward's dropout is the plain walk's")
+    return TAKEN
+
+
 def gluon_alibi_forward(config: KernelConfig, head_dim: int) -> KernelConfig:
-    """The warp-specialised forward's config with ALiBi: above D=64, two consumer warpgroups taking
-    turns instead of three (three, at 128 registers a thread, spilled 240 bytes with ALiBi's key
-    vector; two with ping-pong spill none)."""
+    """The warp-specialised forward's config with ALiBi or dropout: above D=64, two consumer
+    warpgroups taking turns instead of three (three, at 128 registers a thread, spilled 240 bytes
+    with ALiBi's key vector; two with ping-pong spill none)."""
     if config.hopper_split == 3 and head_dim > 64:
         return replace(config, block_m=2 * 64, hopper_split=2, hopper_pingpong=1)
     return config
 
 
 def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, mask, bias, packing,
-                   alibi=None) -> bool:
+                   alibi=None, dropout_seed=None) -> bool:
     """The Gluon forward into ``out``, ``lse``; False, nothing launched, where TMA cannot address a
     tensor after all (the Triton kernel then runs)."""
     from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs (not under the interpreter)
@@ -307,7 +322,9 @@ def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
         lists = triton_fwd.row_list_args(mask, spec, seqlen_q, seqlen_k, *tiles, heads_q, heads_kv, lse)
         # (a cache hit: gluon_support read it; the launcher adds the no-bias condition)
         even = rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
-    return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, lists, bias, even_lists=even, alibi=alibi)
+    dropout = (dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None
+    return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, lists, bias, even_lists=even, alibi=alibi,
+                                       dropout=dropout)
 
 
 # ----------------------------------------------------------------------------- backward

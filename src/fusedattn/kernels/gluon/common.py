@@ -349,6 +349,29 @@ def dropout_keep_t(seed, batch_head, first_key, first_row, threshold, KEYS: gl.c
 
 
 @gluon.jit
+def dropout_keep(seed, batch_head, first_row, first_key, threshold, ROWS: gl.constexpr, KEYS: gl.constexpr,
+                 out_layout: gl.constexpr):
+    """The keep tile with queries along rows, as the forward holds S: (ROWS, KEYS) bool in
+    ``out_layout``, True where the probability of query first_row + r and key first_key + c is kept
+    (``dropout_keep_t``'s calls and bytes). Each thread makes whole calls: warp w the rows [16 w,
+    + 16) of the warpgroup's, as in the wgmma accumulator, so the conversion stays within warps."""
+    GROUPS: gl.constexpr = KEYS // 16
+    gl.static_assert(GROUPS >= 2 and GROUPS <= 32 and ROWS == 64, "16-key groups over a warp's 16 rows")
+    call_layout: gl.constexpr = gl.BlockedLayout([GROUPS // 2, 1], [32 // GROUPS, GROUPS], [4, 1], [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, call_layout))
+    groups = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, call_layout))
+    zero = gl.zeros([ROWS, GROUPS], gl.uint32, layout=call_layout)
+    c0 = zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 0)
+    c1 = zero + gl.expand_dims((first_row + rows).to(gl.uint32), 1)
+    w0, w1, w2, w3 = _philox(seed, c0, c1, zero + batch_head.to(gl.uint32), zero)
+    t = threshold.to(gl.uint32)
+    # (rows, groups, 2, 2, 2, 2) [r, g, x, y, u, v] = byte 2x + y of word 2u + v: key 16 g + 8u + 4v + 2x + y
+    bits = gl.join(gl.join(_kept_bytes(w0, t), _kept_bytes(w2, t)), gl.join(_kept_bytes(w1, t), _kept_bytes(w3, t)))
+    keep = gl.reshape(gl.permute(bits, (0, 1, 4, 5, 2, 3)), (ROWS, KEYS))
+    return gl.convert_layout(keep, out_layout)
+
+
+@gluon.jit
 def turn_wait(turn_bars, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: wait for this warpgroup's t-th turn (round robin 0, 1, (2,) 0, ...)."""
     if PINGPONG:
