@@ -221,6 +221,9 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
         # where dQ has a pass of its own (deterministic mode), the Gluon one
         problems += _report_hopper_forward(head_dim, dtype, gluon_dq, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
                                            flags["HAS_LEFT"], grad_q=True)
+    if gluon_dq is not None and tma_loads and gluon_dropout:  # dropout's dQ pass
+        problems += _report_hopper_forward(head_dim, dtype, gluon_dq, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+                                           flags["HAS_LEFT"], grad_q=True, dropout=True)
     gluon_dkdv_bias = (flags["HAS_BIAS"] and flags["BIAS_TMA"] and not flags["HAS_SOFTCAP"] and not flags["HAS_SINKS"]
                        and flags["DBIAS"] == bwd.DBIAS_STORE and configs.atomic_dq and head_dim == 128)
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_dkdv_bias:  # the 5-matmul form only

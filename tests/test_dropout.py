@@ -359,10 +359,10 @@ def test_gluon_and_fused_cpu_kernels_refuse_dropout_in_explain():
         assert not cpu.uses_fused_kernel(spec, None, None)
 
 
-def test_the_planner_gives_dropout_to_the_gluon_dkdv_pass_only():
+def test_the_planner_gives_dropout_to_the_gluon_kernels_without_mask_bias_or_packing():
     """The Gluon dK/dV pass takes dropout without a mask, bias or packed sequences
     (dispatch.gluon_dkdv_takes_dropout), the Gluon forward on its warp-specialised kernel without a
-    mask or bias (gluon_forward_takes_dropout, on the ALiBi form's config); the dQ pass has none."""
+    mask or bias (gluon_forward_takes_dropout, on the ALiBi form's config), the Gluon dQ pass as well."""
     import types
 
     from fusedattn import dispatch
@@ -377,11 +377,11 @@ def test_the_planner_gives_dropout_to_the_gluon_dkdv_pass_only():
     assert not dispatch.gluon_dkdv_takes_dropout(plain, None, None, None)
     cuda = types.SimpleNamespace(is_cuda=True)
     refusal = dispatch.gluon_support(cuda, None, None, causal)  # a pass without dropout
-    assert not refusal and "the dQ pass has none" in refusal.reason
+    assert not refusal and "without a mask, bias or packing" in refusal.reason
     eight_warps = KernelConfig(128, 128, 8, 2, True, 1)
     assert dispatch.gluon_forward_takes_dropout(KernelConfig(192, 128, 4, 2, True, 0, 3, 1), None, None)
     for config, mask, bias in ((eight_warps, None, None), (KernelConfig(192, 128, 4, 2, True, 0, 3, 1), object(), None)):
         assert not dispatch.gluon_forward_takes_dropout(config, mask, bias)
     ws3 = KernelConfig(192, 128, 4, 2, True, 0, 3, 1)
-    assert not dispatch.takes_gluon_dq(ws3, causal, None, None, None)
-    assert dispatch.takes_gluon_dq(ws3, plain, None, None, None)
+    assert dispatch.takes_gluon_dq(ws3, causal, None, None, None)  # the dQ pass takes dropout too
+    assert not dispatch.takes_gluon_dq(ws3, causal, object(), None, None)

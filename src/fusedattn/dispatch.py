@@ -132,8 +132,8 @@ def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None
     if spec.has_chunk:
         return refused("chunk: the Gluon kernels have no chunked-attention rule")
     if spec.has_dropout and not dropout_form:
-        return refused("dropout_p: the Gluon forward (warp-specialised) and dK/dV pass have dropout without a mask, "
-                       "bias or packing; the dQ pass has none")
+        return refused("dropout_p: the Gluon kernels have dropout without a mask, bias or packing (the forward "
+                       "on its warp-specialised kernel)")
     if sinks is not None:
         return refused("sinks: the Gluon kernels have no sink term")
     if bias is not None:
@@ -485,10 +485,10 @@ def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfig
 
 def takes_gluon_dq(config: KernelConfig | None, spec: AttentionSpec, mask, bias, packing: Packing | None) -> bool:
     """Whether ``config`` names a Gluon dQ pass (a warp-specialised forward config) for a problem
-    of the kind it runs: no mask, bias, packed sequences, ALiBi or dropout (its steps have neither
-    term; the tensors are checked at launch, ``gluon.fwd.dq_pass``)."""
+    of the kind it runs: no mask, bias, packed sequences or ALiBi (its steps have no ALiBi term; dropout
+    they take; the tensors are checked at launch, ``gluon.fwd.dq_pass``)."""
     return (config is not None and config.hopper_split in (2, 3) and mask is None and bias is None
-            and packing is None and not spec.alibi and not spec.has_dropout)
+            and packing is None and not spec.alibi)
 
 
 def gluon_dkdv_takes_bias(q, spec: AttentionSpec, bias: torch.Tensor | None, dbias_mode: int) -> bool:
@@ -600,7 +600,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     if gluon_dkdv and plan.atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return triton_bwd.dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
     if gluon_dkdv and plan.gluon_dq:
-        dq = _gluon_dq_pass(q, k, v, dout, lse2, delta, spec, configs.gluon_dq)
+        dq = _gluon_dq_pass(q, k, v, dout, lse2, delta, spec, configs.gluon_dq, dropout_seed)
         if dq is not None:
             return dq, dk, dv, dbias, dsinks
     dkdv_cfg = triton_dkdv_fallback(plan.dkdv) if plan.dkdv.family == "gluon" else plan.dkdv
@@ -609,14 +609,16 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     return dq, dk, dv, dbias, dsinks
 
 
-def _gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, config: KernelConfig) -> torch.Tensor | None:
+def _gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, config: KernelConfig,
+                   dropout_seed: torch.Tensor | None = None) -> torch.Tensor | None:
     """dQ by the warp-specialised forward's kernel run as the dQ pass (same arithmetic as the
     Triton dQ programs, each row summed in a fixed order); None, nothing launched, where TMA cannot
     address a tensor after all."""
     from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
     dq = gradient_like(q)
-    return dq if gluon_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config) else None
+    dropout = (dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None
+    return dq if gluon_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config, dropout) else None
 
 
 def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, plan: BackwardPlan,

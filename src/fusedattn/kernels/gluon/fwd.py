@@ -584,13 +584,14 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
                 key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
                 LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
-                PINGPONG: gl.constexpr):
+                PINGPONG: gl.constexpr, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0, 1.0)):
     """The dQ pass's step (GRAD_Q): S = Q K^T and dP = dO V^T issued together (the turn covers both),
     P = exp2(S * qk_scale - lse2) from the pre-pass's row statistics (lse2 = +inf on a row with no
     visible key: P = 0), dS = P (dP - delta), dQ += dS K with dS a register operand -- the Triton dQ
     pass's arithmetic (``kernels.triton.bwd._dq_tiles``). SOFTCAP: the scores capped first (log2
     units), and dS takes the cap's derivative 1 - tanh^2, as in the dK/dV pass. V's slot goes back
-    once dP is done, K's after dS K."""
+    once dP is done, K's after dS K. DROPOUT (``_ws_step``'s ``drop``): dP of a dropped probability
+    is 0, a kept one's scaled, before delta is taken off."""
     slot = j % NUM_STAGES
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -607,6 +608,10 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
     mbarrier.arrive(v_empty.index(slot), count=1)
+    if DROPOUT:
+        seed, batch_head, first_row, first_key, threshold, dropout_scale = drop
+        dp = gl.where(dropout_keep(seed, batch_head, first_row, first_key, threshold, p.shape[0], BLOCK_N, s_layout),
+                      dp * dropout_scale, 0.0)
     ds = p * (dp - gl.expand_dims(delta, 1))
     if SOFTCAP:
         ds = ds * (1.0 - tanh_s * tanh_s)
@@ -622,15 +627,15 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
              CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
              PINGPONG: gl.constexpr, BIAS: gl.constexpr, do, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr = False,
-             alibi_slope=0.0, alibi_shift=0.0, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0)):
+             alibi_slope=0.0, alibi_shift=0.0, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0, 1.0)):
     """Key block j of a tile on one warpgroup: the forward's online-softmax step, or with GRAD_Q the
     dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only). DROPOUT:
-    ``drop`` = (seed, batch * Hq + head, first query row, first key, threshold): the dropped
+    ``drop`` = (seed, batch * Hq + head, first query row, first key, threshold, scale): the dropped
     probabilities leave the sum over values but not l (the caller scales the output once)."""
     if GRAD_Q:
         acc = _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
                           s_zero, j, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D,
-                          NUM_STAGES, s_layout, p_layout, CAUSAL, LEFT, MASK, SOFTCAP, WG, PINGPONG)
+                          NUM_STAGES, s_layout, p_layout, CAUSAL, LEFT, MASK, SOFTCAP, WG, PINGPONG, DROPOUT, drop)
         return acc, m_i, l_i
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     turn_wait(turn_bars, j, WG, PINGPONG)
@@ -647,7 +652,7 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
                                          alibi_slope, alibi_shift)
     acc = _rescale(acc, alpha, o_layout)
     if DROPOUT:
-        seed, batch_head, first_row, first_key, threshold = drop
+        seed, batch_head, first_row, first_key, threshold, _ = drop
         p = gl.where(dropout_keep(seed, batch_head, first_row, first_key, threshold, p.shape[0], BLOCK_N, s_layout),
                      p, 0.0)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
@@ -802,28 +807,28 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                      o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
                                      ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
-                                     (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19]))
+                                     (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
                                  BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
                                  SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, slope,
                                  slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
-                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19]))
+                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     for j in range(n_inner, n_seen):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
                                  ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
-                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19]))
+                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     if CAUSAL and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
             _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
                           PINGPONG, BIAS)
     if ALIBI:  # the row term the scores left out, -slope * (i' - c), in the row maxima that make lse
         m_i = m_i - slope * (rows - mw).to(gl.float32)
-    if DROPOUT:  # the kept probabilities' scale, once
+    if DROPOUT and not GRAD_Q:  # the kept probabilities' scale, once (the dQ pass's dS has it)
         acc = acc * sched[20]
     if GRAD_Q:
         _dq_epilogue(acc, qk_scale, softcap_log2, q, q_buf, o_desc, batch, head, mw, SOFTCAP)
@@ -874,8 +879,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     gl.static_assert(not (VARLEN and (LISTS or BIAS or PERSISTENT)), "packed sequences: no mask, bias, persistence")
     gl.static_assert(not (GRAD_Q and (VARLEN or LISTS or BIAS or PERSISTENT)),
                      "the dQ pass: no packed sequences, mask, bias or persistence")
-    gl.static_assert(not (DROPOUT and (VARLEN or LISTS or BIAS or GRAD_Q)),
-                     "dropout: no packed sequences, mask or bias; not in the dQ pass")
+    gl.static_assert(not (DROPOUT and (VARLEN or LISTS or BIAS)), "dropout: no packed sequences, mask or bias")
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
@@ -1103,8 +1107,8 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
         BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
         NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
         BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=grad_q, PRODUCER_REGS=producer_regs,
-        CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, DROPOUT=spec.has_dropout and not grad_q,
-        num_warps=4, maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, DROPOUT=spec.has_dropout, num_warps=4,
+        maxnreg=maxnreg)
 
 
 def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, packing) -> bool:
@@ -1150,13 +1154,16 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
                     CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg, ALIBI=False, DROPOUT=False)
 
 
-def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelConfig) -> bool:
+def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelConfig,
+            dropout: tuple | None = None) -> bool:
     """The backward's dQ pass on the warp-specialised forward's skeleton (``GRAD_Q``): dQ (q's
     layout, dtype and strides) from the pre-pass's lse2 and delta ((B * Hq, padded rows) fp32, rows
     padded to a multiple of the tile height, lse2 = +inf past Sq). ``config``: a warp-specialised
     forward config (``hopper_split`` warpgroups of 64 query rows, ``block_n`` keys a step). False,
     nothing launched, where a tensor cannot go through TMA (the caller runs the Triton dQ pass).
-    The caller checks the problem: no mask, bias or packed sequences (``dispatch.takes_gluon_dq``)."""
+    The caller checks the problem: no mask, bias, packed sequences or ALiBi (``dispatch.takes_gluon_dq``).
+    ``dropout`` (with ``spec.dropout_p``): (the call's seed, threshold, scale)."""
+    assert spec.has_dropout == (dropout is not None), "spec.dropout_p and (seed, threshold, scale) go together"
     layout = spec.layout
     descs = [descriptor(q, WG_ROWS, layout), descriptor(k, config.block_n, layout),
              descriptor(v, config.block_n, layout), descriptor(dq, WG_ROWS, layout), descriptor(dout, WG_ROWS, layout)]
@@ -1164,8 +1171,10 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
         return False
     q_shape, k_shape = descs[0].shape, descs[1].shape  # (B, H, S, D)
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, (0, 0, 0, 1), False, None,
-                                 q.device.index, stats_stride=lse2.stride(0))
+                                 q.device.index, stats_stride=lse2.stride(0),
+                                 dropout_args=(0, 1.0) if dropout is None else tuple(dropout[1:]))
     q_desc, k_desc, v_desc, dq_desc, do_desc = descs
-    launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc, lse2, lse2)  # no lists, bias,
-    # slopes or seed
+    # no lists, bias or slopes
+    launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc, lse2,
+             lse2 if dropout is None else dropout[0])
     return True
