@@ -313,12 +313,23 @@ def _philox(seed, c0, c1, c2, c3):
 
 @gluon.jit
 def _kept_bytes(word, threshold):
-    """(..., 2, 2) keep bits of a word's four bytes: [a, b] is byte 2a + b (little-endian)."""
+    """(..., 2, 2) keep bits of a word's four bytes: [x, y] is byte 2x + y (little-endian)."""
     b0 = (word & 0xFF) >= threshold
     b1 = ((word >> 8) & 0xFF) >= threshold
     b2 = ((word >> 16) & 0xFF) >= threshold
     b3 = (word >> 24) >= threshold
     return gl.join(gl.join(b0, b2), gl.join(b1, b3))
+
+
+@gluon.jit
+def _call_keep_bits(seed, batch_head, key_groups, queries, threshold):
+    """Keep bits of the Philox calls at counters (key_groups, queries, batch_head, 0) (two uint32
+    tensors of one shape and layout): (..., 2, 2, 2, 2), [..., x, y, u, v] the bit of byte 2x + y of
+    word 2u + v, i.e. of key 16 * group + 8u + 4v + 2x + y (join adds its axis last)."""
+    zero = key_groups * 0
+    w0, w1, w2, w3 = _philox(seed, key_groups, queries, zero + batch_head.to(gl.uint32), zero)
+    t = threshold.to(gl.uint32)
+    return gl.join(gl.join(_kept_bytes(w0, t), _kept_bytes(w2, t)), gl.join(_kept_bytes(w1, t), _kept_bytes(w3, t)))
 
 
 @gluon.jit
@@ -337,13 +348,9 @@ def dropout_keep_t(seed, batch_head, first_key, first_row, threshold, KEYS: gl.c
     groups = gl.arange(0, KEYS // 16, layout=gl.SliceLayout(1, call_layout))
     queries = gl.arange(0, ROWS, layout=gl.SliceLayout(0, call_layout))
     zero = gl.zeros([KEYS // 16, ROWS], gl.uint32, layout=call_layout)
-    c0 = zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 1)
-    c1 = zero + gl.expand_dims((first_row + queries).to(gl.uint32), 0)
-    w0, w1, w2, w3 = _philox(seed, c0, c1, zero + batch_head.to(gl.uint32), zero)
-    t = threshold.to(gl.uint32)
-    # join adds its axis last: (groups, queries, 2, 2, 2, 2) [g, c, x, y, u, v] = byte 2x + y of word 2u + v,
-    # key 16 g + 8u + 4v + 2x + y, brought to (g, u, v, x, y, c) and read as (keys, queries)
-    bits = gl.join(gl.join(_kept_bytes(w0, t), _kept_bytes(w2, t)), gl.join(_kept_bytes(w1, t), _kept_bytes(w3, t)))
+    bits = _call_keep_bits(seed, batch_head, zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 1),
+                           zero + gl.expand_dims((first_row + queries).to(gl.uint32), 0), threshold)
+    # (groups, queries, x, y, u, v) -> (groups, u, v, x, y, queries), read as (keys, queries)
     keep = gl.reshape(gl.permute(bits, (0, 4, 5, 2, 3, 1)), (KEYS, ROWS))
     return gl.convert_layout(keep, out_layout)
 
@@ -361,12 +368,9 @@ def dropout_keep(seed, batch_head, first_row, first_key, threshold, ROWS: gl.con
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, call_layout))
     groups = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, call_layout))
     zero = gl.zeros([ROWS, GROUPS], gl.uint32, layout=call_layout)
-    c0 = zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 0)
-    c1 = zero + gl.expand_dims((first_row + rows).to(gl.uint32), 1)
-    w0, w1, w2, w3 = _philox(seed, c0, c1, zero + batch_head.to(gl.uint32), zero)
-    t = threshold.to(gl.uint32)
-    # (rows, groups, 2, 2, 2, 2) [r, g, x, y, u, v] = byte 2x + y of word 2u + v: key 16 g + 8u + 4v + 2x + y
-    bits = gl.join(gl.join(_kept_bytes(w0, t), _kept_bytes(w2, t)), gl.join(_kept_bytes(w1, t), _kept_bytes(w3, t)))
+    bits = _call_keep_bits(seed, batch_head, zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 0),
+                           zero + gl.expand_dims((first_row + rows).to(gl.uint32), 1), threshold)
+    # (rows, groups, x, y, u, v) -> (rows, groups, u, v, x, y), read as (rows, keys)
     keep = gl.reshape(gl.permute(bits, (0, 1, 4, 5, 2, 3)), (ROWS, KEYS))
     return gl.convert_layout(keep, out_layout)
 
