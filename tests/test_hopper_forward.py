@@ -341,10 +341,20 @@ ALIBI_CASES = [
     Case(2, 4, 4, 700, 700, 128, causal=True, alibi="batch", softcap=20.0, dtype=torch.bfloat16),
 ]
 
+# Dropout in the warp-specialised forward: the keep tile made per key block (kernels/gluon/common.py),
+# checked against the reference given the call's own mask. Causal and not, Sq > Sk, GQA, a left
+# window, softcap, ALiBi, lse in the loss.
+DROPOUT_CASES = [
+    Case(1, 4, 2, 333, 517, 128, dropout=0.2, dtype=torch.bfloat16),
+    Case(2, 2, 2, 517, 333, 64, causal=True, dropout=0.3, lse_grad=True),
+    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), dropout=0.1, dtype=torch.bfloat16),
+    Case(2, 4, 4, 700, 700, 128, causal=True, alibi="batch", softcap=20.0, dropout=0.5, dtype=torch.bfloat16),
+]
+
 
 @pytest.mark.parametrize("forward", SCHEDULES[6:], ids=[schedule_id(c) for c in SCHEDULES[6:]])
-@pytest.mark.parametrize("case", ALIBI_CASES, ids=[c.id for c in ALIBI_CASES])
-def test_gluon_forward_computes_causal_alibi(case, forward, gluon_launches):
+@pytest.mark.parametrize("case", ALIBI_CASES + DROPOUT_CASES, ids=[c.id for c in ALIBI_CASES + DROPOUT_CASES])
+def test_gluon_forward_computes_causal_alibi_and_dropout(case, forward, gluon_launches):
     with pinned_forward(case, forward):
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
@@ -375,23 +385,6 @@ def test_alibi_the_gluon_forward_has_no_form_for_runs_the_triton_kernel(case, gl
     assert not any(gluon_launches)
 
 
-# Dropout in the warp-specialised forward: the keep tile made per key block (kernels/gluon/common.py),
-# checked against the reference given the call's own mask. Causal and not, Sq > Sk, GQA, a left
-# window, softcap, ALiBi, lse in the loss.
-DROPOUT_CASES = [
-    Case(1, 4, 2, 333, 517, 128, dropout=0.2, dtype=torch.bfloat16),
-    Case(2, 2, 2, 517, 333, 64, causal=True, dropout=0.3, lse_grad=True),
-    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), dropout=0.1, dtype=torch.bfloat16),
-    Case(2, 4, 4, 700, 700, 128, causal=True, alibi="batch", softcap=20.0, dropout=0.5, dtype=torch.bfloat16),
-]
-
-
-@pytest.mark.parametrize("forward", SCHEDULES[6:], ids=[schedule_id(c) for c in SCHEDULES[6:]])
-@pytest.mark.parametrize("case", DROPOUT_CASES, ids=[c.id for c in DROPOUT_CASES])
-def test_gluon_forward_computes_dropout(case, forward, gluon_launches):
-    with pinned_forward(case, forward):
-        check_case(case, "triton", "cuda")
-    assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
 
 
 @pytest.mark.parametrize("forward", [SCHEDULES[6]], ids=schedule_id)
