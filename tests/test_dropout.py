@@ -72,36 +72,48 @@ def test_kernel_bits_equal_the_pytorch_mask(transposed, block_k, start_k):
 
 
 @pytest.mark.skipif(not (ON_GPU and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the Gluon kernels' keep tile: sm_90 GPUs")
-@pytest.mark.parametrize("rows", [64, 128])
-def test_gluon_keep_tile_equals_the_pytorch_mask(rows):
-    """The Gluon dK/dV pass's keep tile (kernels/gluon/common.dropout_keep_t: Philox in the kernel's
-    own rounds, each call's bytes in one thread, moved into the wgmma accumulator's layout) is bit
-    for bit the mask ``dropout.keep_mask`` defines, keys along rows."""
+                    reason="the Gluon kernels' keep tiles: sm_90 GPUs")
+@pytest.mark.parametrize("transposed", [False, True], ids=["queries-along-rows", "keys-along-rows"])
+@pytest.mark.parametrize("cols", [64, 128])
+def test_gluon_keep_tiles_equal_the_pytorch_mask(transposed, cols):
+    """The Gluon kernels' keep tiles (kernels/gluon/common: Philox in the kernels' own rounds, the
+    calls' kept bits traded between lanes into the wgmma accumulator's layout) are bit for bit the
+    mask ``dropout.keep_mask`` defines: the forward's (``dropout_zero``: a dropped entry of a tile
+    of ones becomes 0) over 64 queries and ``cols`` keys, the dK/dV pass's (``dropout_mark_t``: a
+    dropped entry becomes -1) over 64 keys and ``cols`` queries."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from fusedattn.kernels.gluon.common import dropout_keep_t
+    from fusedattn.kernels.gluon.common import dropout_mark_t, dropout_zero
 
     @gluon.jit
-    def tile(seed_ptr, out, batch_head, first_key, first_row, threshold, ROWS: gl.constexpr):
+    def tile(seed_ptr, out, batch_head, first_key, first_row, threshold, COLS: gl.constexpr,
+             TRANSPOSED: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, ROWS, 16])
-        keep = dropout_keep_t(gl.load(seed_ptr), batch_head, first_key, first_row, threshold, 64, ROWS, s_layout)
-        keys = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        queries = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-        gl.store(out + gl.expand_dims(keys, 1) * ROWS + gl.expand_dims(queries, 0), keep.to(gl.int8))
+                                                           instr_shape=[16, COLS, 16])
+        ones = gl.full([64, COLS], 1.0, gl.float32, layout=s_layout)
+        if TRANSPOSED:
+            marked = dropout_mark_t(ones, gl.load(seed_ptr), batch_head, first_key, first_row, threshold, s_layout)
+        else:
+            marked = dropout_zero(ones, gl.load(seed_ptr), batch_head, first_row, first_key, threshold, s_layout)
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        c = gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
+        gl.store(out + gl.expand_dims(r, 1) * COLS + gl.expand_dims(c, 0), marked)
 
     p, batch_head, first_key, first_row = 0.3, 5, 192, 37
     for seed_value in (0x123456789ABCDEF, 2**62 - 1, 3):
         seed = torch.tensor([seed_value], dtype=torch.int64, device=DEVICE)
-        out = torch.zeros(64 * rows, dtype=torch.int8, device=DEVICE)
-        tile[(1,)](seed, out, batch_head, first_key, first_row, dropout.threshold(p), rows, num_warps=4)
-        got = out.view(64, rows).T.bool().cpu()
+        out = torch.zeros(64 * cols, dtype=torch.float32, device=DEVICE)
+        tile[(1,)](seed, out, batch_head, first_key, first_row, dropout.threshold(p), cols, transposed, num_warps=4)
+        got = out.view(64, cols).cpu()
+        queries, keys = (cols, 64) if transposed else (64, cols)
         expected = dropout.random_bytes(seed_value, torch.tensor(batch_head),
-                                        torch.arange(first_row, first_row + rows)[:, None],
-                                        torch.arange(first_key, first_key + 64)[None, :]) >= dropout.threshold(p)
-        assert torch.equal(got, expected)
+                                        torch.arange(first_row, first_row + queries)[:, None],
+                                        torch.arange(first_key, first_key + keys)[None, :]) >= dropout.threshold(p)
+        if transposed:
+            assert torch.equal(got, torch.where(expected.T, 1.0, -1.0))
+        else:
+            assert torch.equal(got, expected.float())
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -125,6 +137,7 @@ def test_keep_scale_makes_the_expectation_exact():
     for p in (0.0, 0.1, 0.33, 0.9):
         kept = 1 - dropout.threshold(p) / dropout.LEVELS
         assert dropout.keep_scale(p) * kept == pytest.approx(1.0)
+
 
 
 # ----------------------------------------------------------------------------- calls

@@ -70,7 +70,7 @@ from ...spec import AttentionSpec, to_bhsd
 from ..shared.config import KernelConfig
 from ..shared.block_range import query_blocks_for_key_block
 from ..shared.constants import score_constants
-from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_keep_t,
+from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_mark_t,
                      keep_scores, launch_order, log2_scores, packed_chunk_heads, packed_tile, row_stats_descriptor,
                      store_sequence_rows, tma_reduce_add, turn_pass, turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
@@ -405,10 +405,10 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
     BIAS (with DQ, without SOFTCAP): the slot's bias tile, this warpgroup's keys read transposed,
     added in log2 units (its -inf entries give p = 0; a row with no key has lse2 = +inf). DROPOUT:
-    the keep tile of ``drop`` (``_dropout_step``), made where it is used (held across the step's
-    matmuls, its bits spilled), says which probabilities reached the output: dV takes the kept ones,
-    scaled; dP's dropped entries are 0 before delta is taken off (delta = rowsum(dO * O) of the
-    dropped output), so dS^T = P^T * (keep * scale * dP^T - delta)."""
+    the keep tile of ``drop`` (``_dropout_step``) says which probabilities reached the output: dV
+    takes the kept ones, scaled; dP's dropped entries are 0 before delta is taken off (delta =
+    rowsum(dO * O) of the dropped output), so dS^T = P^T * (keep * scale * dP^T - delta). The steps
+    sum these without the keep scale, which dK, dQ and dV take once (``_consumer``)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_s = k_smem.index(WG).reshape([k_smem.shape[3], HEAD_D])
     slot = t % NUM_STAGES
@@ -458,14 +458,12 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         # The keep bit rides in p's sign bit (a dropped p is stored negated, -0.0 included), so no
         # tile of bits stays live across dP^T: p >= 0, and the cap's derivative below keeps the sign.
         seed, batch_head, first_query, first_key, threshold, dropout_scale = drop
-        kept = dropout_keep_t(seed, batch_head, first_key, first_query, threshold, k_s.shape[0], BLOCK_M, s_layout)
-        p = gl.where(kept, p, -p)
+        p = dropout_mark_t(p, seed, batch_head, first_key, first_query, threshold, s_layout)
     if SOFTCAP:
         # dV first: then only P^T times the cap's derivative stays live across dP^T, not P^T and
         # tanh both (D=128 causal: 48 -> 24 B of stack, with dQ 104 -> 64 B).
-        if DROPOUT:  # what multiplied V in the forward: the kept probabilities, scaled
-            dv = warpgroup_mma(gl.convert_layout((gl.maximum(p, 0.0) * dropout_scale).to(k_s.dtype), a_layout),
-                               do, dv)
+        if DROPOUT:  # what multiplied V in the forward: the kept probabilities (scaled at the end)
+            dv = warpgroup_mma(gl.convert_layout(gl.maximum(p, 0.0).to(k_s.dtype), a_layout), do, dv)
         else:
             dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
         p = p * (1.0 - tanh_s * tanh_s)
@@ -475,9 +473,12 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero)
         else:
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
-    if DROPOUT:  # a dropped probability's value never reached the output: its dP is 0
-        kept = p.to(gl.int32, bitcast=True) >= 0
-        ds16 = (gl.abs(p) * (gl.where(kept, dp * dropout_scale, 0.0) - gl.expand_dims(delta, 0))).to(k_s.dtype)
+    if DROPOUT:
+        # A dropped probability's value never reached the output: its dP is 0. With the keep scale
+        # taken out (dK, dQ, dV take it at the end) and delta divided by it, dS^T = P_kept dP^T -
+        # P delta: a multiply-add, P_kept = max(p, 0) and P = |p|.
+        kept_delta = gl.expand_dims(delta / dropout_scale, 0)
+        ds16 = gl.fma(gl.maximum(p, 0.0), dp, -(gl.abs(p) * kept_delta)).to(k_s.dtype)
     else:
         ds16 = (p * dp).to(k_s.dtype)
     # With DQ, dV and dK are issued together and retired by one wait, this step's dS^T staged for
@@ -488,7 +489,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
         if DROPOUT:
-            p_a = gl.convert_layout((gl.maximum(p, 0.0) * dropout_scale).to(k_s.dtype), a_layout)
+            p_a = gl.convert_layout(gl.maximum(p, 0.0).to(k_s.dtype), a_layout)
         else:
             p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
         dv = warpgroup_mma(p_a, do, dv, is_async=DQ)
@@ -531,6 +532,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                 RAGGED, LISTS)
     n_interior_steps = walk[0]
+    if DROPOUT:  # the steps sum unscaled kept terms (``_step``): dK, dQ and dV take the keep scale once
+        scale = scale * dropout_at[3]
     rule = (seq_k - seq_q, window_left)
     nc = n0 + WG * KEYS
     k_s = k_smem.index(WG).reshape([KEYS, HEAD_D])
@@ -617,6 +620,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         else:
             for t in range(interior_end, n_steps):
                 _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
+    if DROPOUT:
+        dv = dv * dropout_at[3]
     if GROUP_SUM:
         # fp32 dK (* scale) and dV staged for the producer's reduce-adds, in buffers every
         # warpgroup's walk reads (K tiles, the ring): only once all walks are over (``walked``).

@@ -312,67 +312,194 @@ def _philox(seed, c0, c1, c2, c3):
 
 
 @gluon.jit
-def _kept_bytes(word, threshold):
-    """(..., 2, 2) keep bits of a word's four bytes: [x, y] is byte 2x + y (little-endian)."""
-    b0 = (word & 0xFF) >= threshold
-    b1 = ((word >> 8) & 0xFF) >= threshold
-    b2 = ((word >> 16) & 0xFF) >= threshold
-    b3 = (word >> 24) >= threshold
-    return gl.join(gl.join(b0, b2), gl.join(b1, b3))
+def _kept_bits(word, t_low7, t_all):
+    """Bit 8b + 7 of the result says whether byte b of the uint32 ``word`` is at least the
+    threshold (``t_all`` = threshold * 0x01010101, ``t_low7`` = t_all & 0x7F7F7F7F; threshold
+    <= 255); the other bits are garbage. Four bytes in three operations: the low seven bits of
+    each byte compared by a subtraction that cannot borrow across bytes, the top bits decide
+    where they differ."""
+    below = gl.sub(word | 0x80808080, t_low7, sanitize_overflow=False)
+    differ = word ^ t_all
+    return (differ & word) | (~differ & below)
 
 
 @gluon.jit
-def _call_keep_bits(seed, batch_head, key_groups, queries, threshold):
-    """Keep bits of the Philox calls at counters (key_groups, queries, batch_head, 0) (two uint32
-    tensors of one shape and layout): (..., 2, 2, 2, 2), [..., x, y, u, v] the bit of byte 2x + y of
-    word 2u + v, i.e. of key 16 * group + 8u + 4v + 2x + y (join adds its axis last)."""
+def _call_kept_bits(seed, batch_head, key_groups, queries, threshold):
+    """The four words of kept bits (``_kept_bits``) of the Philox calls at counters (key_groups,
+    queries, batch_head, 0) (uint32 tensors of one shape and layout): word u, bit 8b + 7, for key
+    16 * group + 4u + b."""
     zero = key_groups * 0
     w0, w1, w2, w3 = _philox(seed, key_groups, queries, zero + batch_head.to(gl.uint32), zero)
-    t = threshold.to(gl.uint32)
-    return gl.join(gl.join(_kept_bytes(w0, t), _kept_bytes(w2, t)), gl.join(_kept_bytes(w1, t), _kept_bytes(w3, t)))
+    t_all = threshold.to(gl.uint32) * 0x01010101
+    t_low7 = t_all & 0x7F7F7F7F
+    return (_kept_bits(w0, t_low7, t_all), _kept_bits(w1, t_low7, t_all), _kept_bits(w2, t_low7, t_all),
+            _kept_bits(w3, t_low7, t_all))
+
+
+@gluon.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@gluon.constexpr_function
+def _row_layouts(groups):
+    """The forward's keep-tile layouts over a warpgroup's 64 rows (the wgmma accumulator gives lane
+    4 (r % 8) + c the row r of warp r // 16 and the keys 8 j + 2 c + {0, 1}): calls (rows, groups),
+    lane c making the call of group 4 j + c, and their words (rows, groups, 4) as the lanes of a
+    quad take them, word c in lane c."""
+    g = _log2(groups)
+    calls = gl.DistributedLinearLayout(
+        [[8, 0]] + [[0, 4 << j] for j in range(g - 2)],
+        [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [], [64, groups])
+    words = gl.DistributedLinearLayout(
+        [[8, 0, 0]] + [[0, 1 << j, 0] for j in range(g)],
+        [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [[16, 0, 0], [32, 0, 0]], [], [64, groups, 4])
+    return calls, words
+
+
+@gluon.constexpr_function
+def _key_layouts(rows):
+    """The dK/dV pass's keep-tile layouts (S^T: the wgmma accumulator gives lane 4 r + c the keys
+    16 w + r and + 8 of warp w, and the queries 8 i + 2 c + {0, 1}): calls (4 groups, 32, rows //
+    32), group w in warp w, index m = 4 i + c in the lanes, the queries 64 h + 2 m + e in a thread's
+    registers (n = 2 h + e); their bytes (4, 32, 8) as the destination lanes take them, byte r in
+    the lanes of keys r and 8 + r."""
+    n = rows // 32
+    calls = gl.DistributedLinearLayout(
+        [[0, 0, 1 << j] for j in range(_log2(n))],
+        [[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 16, 0]], [[1, 0, 0], [2, 0, 0]], [], [4, 32, n])
+    bytes_ = gl.DistributedLinearLayout(
+        [[0, 4, 0], [0, 8, 0], [0, 16, 0]],
+        [[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], [[1, 0, 0], [2, 0, 0]], [], [4, 32, 8])
+    return calls, bytes_
 
 
 @gluon.jit
-def dropout_keep_t(seed, batch_head, first_key, first_row, threshold, KEYS: gl.constexpr, ROWS: gl.constexpr,
-                   out_layout: gl.constexpr):
-    """Dropout's keep tile (``fusedattn/dropout.py``) with keys along rows, as the dK/dV pass holds
-    S^T: (KEYS, ROWS) bool in ``out_layout``, True where the probability of query first_row + c and
-    key first_key + r is kept. One Philox call per (query, 16 keys): counter (key // 16, query,
-    batch_head, 0); its bytes, word after word, little-endian, belong to the 16 keys in order.
-
-    Each thread makes whole calls: warp w the keys [16 w, + 16) of the 4 warps' 64, each lane its
-    queries; the 16 bytes of a call stay in one thread's registers. The wgmma accumulator gives
-    warp w the same 16 keys, so the final conversion moves bits within each warp only."""
-    gl.static_assert(KEYS == 64, "one 16-key group per warp of the warpgroup")
-    call_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [0, 1])
-    groups = gl.arange(0, KEYS // 16, layout=gl.SliceLayout(1, call_layout))
-    queries = gl.arange(0, ROWS, layout=gl.SliceLayout(0, call_layout))
-    zero = gl.zeros([KEYS // 16, ROWS], gl.uint32, layout=call_layout)
-    bits = _call_keep_bits(seed, batch_head, zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 1),
-                           zero + gl.expand_dims((first_row + queries).to(gl.uint32), 0), threshold)
-    # (groups, queries, x, y, u, v) -> (groups, u, v, x, y, queries), read as (keys, queries)
-    keep = gl.reshape(gl.permute(bits, (0, 4, 5, 2, 3, 1)), (KEYS, ROWS))
-    return gl.convert_layout(keep, out_layout)
+def _per_probability(values, positions, shape: gl.constexpr, order: gl.constexpr, out_layout: gl.constexpr):
+    """Each probability's word of kept bits and the position of its bit, (ROWS, KEYS) in
+    ``out_layout``: ``values`` (..., V) repeated once for each of the positions (constants, joined
+    into the trailing axes the same way), permuted by ``order`` and read as ``shape``."""
+    gl.static_assert(len(positions) == 4 or len(positions) == 8, "two or three joined axes")
+    if len(positions) == 4:
+        words = gl.join(gl.join(values, values), gl.join(values, values))
+        bits = gl.join(gl.join(values * 0 + positions[0], values * 0 + positions[1]),
+                       gl.join(values * 0 + positions[2], values * 0 + positions[3]))
+    else:
+        words = gl.join(gl.join(gl.join(values, values), gl.join(values, values)),
+                        gl.join(gl.join(values, values), gl.join(values, values)))
+        bits = gl.join(gl.join(gl.join(values * 0 + positions[0], values * 0 + positions[1]),
+                               gl.join(values * 0 + positions[2], values * 0 + positions[3])),
+                       gl.join(gl.join(values * 0 + positions[4], values * 0 + positions[5]),
+                               gl.join(values * 0 + positions[6], values * 0 + positions[7])))
+    words = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(words, shape[0]), order), shape[1]), out_layout)
+    bits = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(bits, shape[0]), order), shape[1]), out_layout)
+    return words, bits
 
 
 @gluon.jit
-def dropout_keep(seed, batch_head, first_row, first_key, threshold, ROWS: gl.constexpr, KEYS: gl.constexpr,
-                 out_layout: gl.constexpr):
-    """The keep tile with queries along rows, as the forward holds S: (ROWS, KEYS) bool in
-    ``out_layout``, True where the probability of query first_row + r and key first_key + c is kept
-    (``dropout_keep_t``'s calls and bytes). Each thread makes whole calls: warp w the rows [16 w,
-    + 16) of the warpgroup's, as in the wgmma accumulator, so the conversion stays within warps."""
+def _row_keep_words(seed, batch_head, first_row, first_key, threshold, ROWS: gl.constexpr, KEYS: gl.constexpr,
+                    out_layout: gl.constexpr):
+    """The forward's keep words (``_per_probability``) over a warpgroup's (ROWS, KEYS) tile. One
+    Philox call per (query, 16 keys): counter (key // 16, query, batch_head, 0); its bytes, word
+    after word, little-endian, belong to the 16 keys in order (``fusedattn/dropout.py``).
+
+    The accumulator gives lane c of a quad 4 of a call's 16 keys (2c, 2c + 1, 8 + 2c, 9 + 2c), so
+    the quad's lanes make one call each and trade 32-bit words of kept bits: each lane then holds
+    its own probabilities' bits, in place."""
     GROUPS: gl.constexpr = KEYS // 16
-    gl.static_assert(GROUPS >= 2 and GROUPS <= 32 and ROWS == 64, "16-key groups over a warp's 16 rows")
-    call_layout: gl.constexpr = gl.BlockedLayout([GROUPS // 2, 1], [32 // GROUPS, GROUPS], [4, 1], [1, 0])
+    gl.static_assert(ROWS == 64 and GROUPS >= 4, "a warpgroup's 64 rows; a quad's calls over 64 keys or more")
+    layouts: gl.constexpr = _row_layouts(GROUPS)
+    call_layout: gl.constexpr = layouts[0]
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, call_layout))
     groups = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, call_layout))
     zero = gl.zeros([ROWS, GROUPS], gl.uint32, layout=call_layout)
-    bits = _call_keep_bits(seed, batch_head, zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 0),
-                           zero + gl.expand_dims((first_row + rows).to(gl.uint32), 1), threshold)
-    # (rows, groups, x, y, u, v) -> (rows, groups, u, v, x, y), read as (rows, keys)
-    keep = gl.reshape(gl.permute(bits, (0, 1, 4, 5, 2, 3)), (ROWS, KEYS))
-    return gl.convert_layout(keep, out_layout)
+    k0, k1, k2, k3 = _call_kept_bits(seed, batch_head,
+                                     zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 0),
+                                     zero + gl.expand_dims((first_row + rows).to(gl.uint32), 1), threshold)
+    # lane c's word: keys 2c, 2c + 1 (half c % 2 of word c // 2) low, keys 8 + 2c, 9 + 2c high:
+    # the bit of key 8 h + 2 c + e at 8 (2 h + e) + 7
+    words = gl.join(gl.join((k0 & 0xFFFF) | (k2 << 16), (k1 & 0xFFFF) | (k3 << 16)),
+                    gl.join((k0 >> 16) | (k2 & 0xFFFF0000), (k1 >> 16) | (k3 & 0xFFFF0000)))
+    words = gl.convert_layout(gl.reshape(words, (ROWS, GROUPS, 4)), layouts[1])  # [.., a, b] -> c = 2a + b
+    # joined (rows, groups, c, e, h) -> (rows, groups, h, c, e), read as (rows, keys)
+    return _per_probability(words, (7, 15, 23, 31), ((ROWS, GROUPS, 4, 2, 2), (ROWS, KEYS)), (0, 1, 4, 2, 3),
+                            out_layout)
+
+
+@gluon.jit
+def _key_keep_words(seed, batch_head, first_key, first_row, threshold, KEYS: gl.constexpr, ROWS: gl.constexpr,
+                    out_layout: gl.constexpr):
+    """The dK/dV pass's keep words (``_per_probability``) over a warpgroup's S^T tile (KEYS, ROWS):
+    the probability of key first_key + r and query first_row + c, ``_row_keep_words``' calls.
+
+    Warp w holds the keys [16 w, + 16), the group of one call per query; the accumulator gives
+    lane 4 r + c the keys r and 8 + r of the queries 8 i + 2 c + {0, 1}. Each lane makes the calls
+    of queries 64 h + 2 (4 i + c) + e for its (i, c) and every (h, e), packs the two bits each of
+    the 8 lanes r = 0..7 of its quad column needs into one byte per r, and the lanes trade those
+    bytes: 8 values per lane move."""
+    N: gl.constexpr = ROWS // 32
+    gl.static_assert(KEYS == 64 and (ROWS == 64 or ROWS == 128), "one 16-key group per warp; 64 or 128 queries")
+    layouts: gl.constexpr = _key_layouts(ROWS)
+    call_layout: gl.constexpr = layouts[0]
+    groups = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, call_layout)))
+    m = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, call_layout)))
+    n = gl.arange(0, N, layout=gl.SliceLayout(0, gl.SliceLayout(1, call_layout)))
+    queries = gl.expand_dims(gl.expand_dims(2 * m, 0), 2) + gl.expand_dims(gl.expand_dims(64 * (n // 2) + n % 2, 0), 1)
+    zero = gl.zeros([4, 32, N], gl.uint32, layout=call_layout)
+    k0, k1, k2, k3 = _call_kept_bits(seed, batch_head,
+                                     zero + gl.expand_dims(gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 1), 2),
+                                     zero + (first_row + queries).to(gl.uint32), threshold)
+    # byte s of a_u: bit 0 key 4u + s kept, bit 1 key 8 + 4u + s
+    a0 = ((k0 >> 7) & 0x01010101) | ((k2 >> 6) & 0x02020202)
+    a1 = ((k1 >> 7) & 0x01010101) | ((k3 >> 6) & 0x02020202)
+    # byte s of y_u, bits 2 n + {0, 1}: the two of query n's call
+    if N == 2:
+        lo0, hi0 = gl.split(a0)
+        lo1, hi1 = gl.split(a1)
+        y0 = lo0 | (hi0 << 2)
+        y1 = lo1 | (hi1 << 2)
+    else:
+        e0, e1 = gl.split(gl.reshape(a0, (4, 32, 2, 2)))  # (h, e) -> e
+        h0, h1 = gl.split(e0 | (e1 << 2))
+        y0 = h0 | (h1 << 4)
+        e0, e1 = gl.split(gl.reshape(a1, (4, 32, 2, 2)))
+        h0, h1 = gl.split(e0 | (e1 << 2))
+        y1 = h0 | (h1 << 4)
+    # (4, 32, 8): byte r for the lanes of keys r and 8 + r; joined [.., a, b, c] is r = a + 2b + 4c
+    lanes = gl.join(gl.join(gl.join(y0 & 0xFF, (y0 >> 8) & 0xFF), gl.join((y0 >> 16) & 0xFF, y0 >> 24)),
+                    gl.join(gl.join(y1 & 0xFF, (y1 >> 8) & 0xFF), gl.join((y1 >> 16) & 0xFF, y1 >> 24)))
+    lanes = gl.convert_layout(gl.reshape(gl.permute(lanes, (0, 1, 4, 3, 2)), (4, 32, 8)), layouts[1])
+    if N == 2:
+        # joined (g, i, c, r, half, e) -> (g, half, r, i, c, e), read as (keys, queries)
+        return _per_probability(lanes, (0, 1, 2, 3), ((4, 8, 4, 8, 2, 2), (KEYS, ROWS)), (0, 4, 3, 1, 2, 5),
+                                out_layout)
+    else:
+        # joined (g, i, c, r, half, e, h) -> (g, half, r, h, i, c, e)
+        return _per_probability(lanes, (0, 1, 2, 3, 4, 5, 6, 7), ((4, 8, 4, 8, 2, 2, 2), (KEYS, ROWS)),
+                                (0, 4, 3, 6, 1, 2, 5), out_layout)
+
+
+@gluon.jit
+def dropout_zero(p, seed, batch_head, first_row, first_key, threshold, out_layout: gl.constexpr):
+    """``p`` (a warpgroup's (64, KEYS) fp32 tile of the forward's S layout ``out_layout``, queries
+    first_row.., keys first_key..) with its dropped entries 0. The select is opaque to the compiler,
+    which would otherwise move it past the conversion to 16 bits and select halves there."""
+    words, bits = _row_keep_words(seed, batch_head, first_row, first_key, threshold, p.shape[0], p.shape[1],
+                                  out_layout)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred kept; .reg .b32 t; and.b32 t, $2, $3; setp.ne.b32 kept, t, 0; selp.b32 $0, $1, 0, kept; }",
+        "=r,r,r,r", [p, words, (bits * 0 + 1) << bits], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def dropout_mark_t(p, seed, batch_head, first_key, first_row, threshold, out_layout: gl.constexpr):
+    """``p`` (a warpgroup's (64, ROWS) fp32 tile of the dK/dV pass's S^T layout ``out_layout``, keys
+    first_key.., queries first_row..) with its dropped entries negated (-0.0 for a 0): the keep bit
+    rides in the sign bit."""
+    words, bits = _key_keep_words(seed, batch_head, first_key, first_row, threshold, p.shape[0], p.shape[1],
+                                  out_layout)
+    dropped_sign = ~(words << (31 - bits)) & 0x80000000
+    return (p.to(gl.uint32, bitcast=True) ^ dropped_sign).to(gl.float32, bitcast=True)
 
 
 @gluon.jit

@@ -62,7 +62,7 @@ from ..shared.config import KernelConfig
 from ..shared.block_range import key_blocks_for_query_block
 from . import common as hopper
 from ..shared.constants import score_constants
-from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_keep,
+from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_zero,
                      keep_scores, launch_order, log2_scores, packed_tile, sm_count, store_sequence_rows, turn_pass,
                      turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
@@ -610,8 +610,7 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
     mbarrier.arrive(v_empty.index(slot), count=1)
     if DROPOUT:
         seed, batch_head, first_row, first_key, threshold, dropout_scale = drop
-        dp = gl.where(dropout_keep(seed, batch_head, first_row, first_key, threshold, p.shape[0], BLOCK_N, s_layout),
-                      dp * dropout_scale, 0.0)
+        dp = dropout_zero(dp, seed, batch_head, first_row, first_key, threshold, s_layout) * dropout_scale
     ds = p * (dp - gl.expand_dims(delta, 1))
     if SOFTCAP:
         ds = ds * (1.0 - tanh_s * tanh_s)
@@ -653,8 +652,7 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
     acc = _rescale(acc, alpha, o_layout)
     if DROPOUT:
         seed, batch_head, first_row, first_key, threshold, _ = drop
-        p = gl.where(dropout_keep(seed, batch_head, first_row, first_key, threshold, p.shape[0], BLOCK_N, s_layout),
-                     p, 0.0)
+        p = dropout_zero(p, seed, batch_head, first_row, first_key, threshold, s_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     acc = warpgroup_mma(p, v, acc)
