@@ -134,10 +134,18 @@ def test_kept_fraction_is_binomial(p):
 
 
 def test_keep_scale_makes_the_expectation_exact():
-    for p in (0.0, 0.1, 0.33, 0.9):
+    for p in (0.0, 0.1, 0.33, 0.9, 0.999):
         kept = 1 - dropout.threshold(p) / dropout.LEVELS
         assert dropout.keep_scale(p) * kept == pytest.approx(1.0)
 
+
+def test_a_p_just_under_one_keeps_one_byte_value():
+    """round(256 p) is 256 from p = 511/512 on: the threshold stops at 255 (the kernels compare
+    bytes), so one byte value in 256 is kept and its scale is 256, not a division by zero."""
+    assert dropout.threshold(0.998) == 255 and dropout.threshold(0.9999) == 255
+    assert dropout.keep_scale(0.9999) == 256.0
+    keep = dropout.keep_mask(5, 2, 2, 64, 64, 0.9999)
+    assert 0 < keep.sum() < keep.numel() / 64
 
 
 # ----------------------------------------------------------------------------- calls
