@@ -123,7 +123,8 @@ def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None
     (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
     q, k, v addressable by TMA (16-byte aligned). ``alibi_form``: the pass asked about has ALiBi's
     causal form for this call (``gluon_forward_takes_alibi``, ``gluon_dkdv_takes_alibi``);
-    ``dropout_form``: it has dropout for this call (``gluon_dkdv_takes_dropout``)."""
+    ``dropout_form``: it has dropout for this call (``gluon_forward_takes_dropout``,
+    ``gluon_dkdv_takes_dropout``; the dQ pass: ``takes_gluon_dq``)."""
     if not q.is_cuda:
         return refused("not a CUDA tensor")
     if spec.alibi and not alibi_form:
