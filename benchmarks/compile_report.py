@@ -121,7 +121,8 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
     gluon_forward, gluon_dkdv = configs.forward, configs.dkdv
     # a mask: by its tile lists; a bias by elements through TMA: the Gluon forward reads it
-    # ALiBi, chunk, dropout: the planner refuses the Gluon kernels (dispatch.gluon_support), only the Triton ones compile
+    # ALiBi, chunk, dropout: the Triton kernels, and only the Gluon forms the planner allows below (causal ALiBi in
+    # the forward and the dK/dV pass, dropout in the dK/dV pass: dispatch.gluon_support)
     triton_only = flags["HAS_ALIBI"] or flags["HAS_CHUNK"] or flags["HAS_DROPOUT"]
     gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"] and not triton_only
     gluon_forward_runs = not flags["HAS_SINKS"] and not triton_only and (not flags["HAS_BIAS"] or flags["BIAS_TMA"])
@@ -186,7 +187,17 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
         alibi_forward = dispatch.gluon_alibi_forward(gluon_forward, head_dim)
         persistent = hopper_fwd.runs_persistent(alibi_forward, flags["HAS_RIGHT"], True)
         problems += _report_hopper_forward(head_dim, dtype, alibi_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
-                                           flags["HAS_LEFT"], persistent=persistent, alibi=True)
+                                           flags["HAS_LEFT"], persistent=persistent, alibi=True,
+                                           dropout=flags["HAS_DROPOUT"])
+    # dropout: the warp-specialised forward takes it without a mask, bias or packing, on the ALiBi form's config
+    forward_dropout = (flags["HAS_DROPOUT"] and not flags["HAS_ALIBI"] and not flags["HAS_MASK"]
+                       and not flags["HAS_BIAS"] and not flags["VARLEN"] and not flags["HAS_SINKS"]
+                       and not flags["HAS_CHUNK"] and bool(gluon_forward.hopper_split))
+    if gluon_forward.hopper_overlap is not None and tma_loads and forward_dropout:
+        dropout_forward = dispatch.gluon_alibi_forward(gluon_forward, head_dim)
+        persistent = hopper_fwd.runs_persistent(dropout_forward, flags["HAS_RIGHT"], True)
+        problems += _report_hopper_forward(head_dim, dtype, dropout_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+                                           flags["HAS_LEFT"], persistent=persistent, dropout=True)
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_runs:
         # deterministic calls run the pass without dQ; the default at D=128 the 5-matmul form
         for with_dq in (False, True) if configs.atomic_dq else (False,):
@@ -196,12 +207,23 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_alibi:  # its causal form, as the forward's
         for with_dq in (False, True) if configs.atomic_dq else (False,):
             problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
-                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], alibi=True)
+                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], alibi=True,
+                                            dropout=flags["HAS_DROPOUT"])
+    # dropout: the Gluon dK/dV pass takes it without a mask, bias or packing (dispatch.gluon_dkdv_takes_dropout)
+    gluon_dropout = (flags["HAS_DROPOUT"] and not flags["HAS_MASK"] and not flags["HAS_BIAS"] and not flags["VARLEN"]
+                     and not flags["HAS_SINKS"] and not flags["HAS_CHUNK"] and not flags["HAS_ALIBI"])
+    if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_dropout:
+        for with_dq in (False, True) if configs.atomic_dq else (False,):
+            problems += _report_hopper_dkdv(head_dim, dtype, gluon_dkdv, flags["HAS_RIGHT"], with_dq,
+                                            flags["HAS_SOFTCAP"], flags["HAS_LEFT"], dropout=True)
     gluon_dq = configs.gluon_dq
     if gluon_dq is not None and tma_loads and gluon_runs and not flags["HAS_MASK"] and not flags["VARLEN"]:
         # where dQ has a pass of its own (deterministic mode), the Gluon one
         problems += _report_hopper_forward(head_dim, dtype, gluon_dq, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
                                            flags["HAS_LEFT"], grad_q=True)
+    if gluon_dq is not None and tma_loads and gluon_dropout:  # dropout's dQ pass
+        problems += _report_hopper_forward(head_dim, dtype, gluon_dq, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
+                                           flags["HAS_LEFT"], grad_q=True, dropout=True)
     gluon_dkdv_bias = (flags["HAS_BIAS"] and flags["BIAS_TMA"] and not flags["HAS_SOFTCAP"] and not flags["HAS_SINKS"]
                        and flags["DBIAS"] == bwd.DBIAS_STORE and configs.atomic_dq and head_dim == 128)
     if gluon_dkdv.hopper_overlap is not None and tma_loads and gluon_dkdv_bias:  # the 5-matmul form only
@@ -231,7 +253,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
 def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
                            lists: bool = False, bias: bool = False, persistent: bool = False, varlen: bool = False,
-                           grad_q: bool = False, alibi: bool = False):
+                           grad_q: bool = False, alibi: bool = False, dropout: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
     ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype,
     ``persistent``: the tile loop of a launch of fewer programs than tiles, ``varlen``: packed
@@ -248,12 +270,14 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
                           PERSISTENT=persistent, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                          CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, ALIBI=alibi, num_warps=num_warps)
+                          CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, ALIBI=alibi, DROPOUT=dropout,
+                          num_warps=num_warps)
         list_args = dict(head_rows="i32", tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
                          list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),
                          bias_batches="i32", bias_head_div="i32", lse_head_stride="i32",
                          Out="*fp32" if grad_q else f"*{dtype}", stride_out_row="i32", stride_out_head="i32",
-                         do_desc=desc(rows), Alibi="*fp32")
+                         do_desc=desc(rows), Alibi="*fp32", DropoutSeed="*i64", dropout_threshold="i32",
+                         dropout_scale="fp32")
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
@@ -274,19 +298,21 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
                            lists: bool = False, bias: bool = False, persistent: bool = False,
-                           varlen: bool = False, grad_q: bool = False, alibi: bool = False) -> int:
+                           varlen: bool = False, grad_q: bool = False, alibi: bool = False,
+                           dropout: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
     shown = (f"{'dQ pass' if grad_q else 'forward'} (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}"
-             f"{', persistent' if persistent else ''}{', packed' if varlen else ''}{', ALiBi' if alibi else ''}) "
+             f"{', persistent' if persistent else ''}{', packed' if varlen else ''}{', ALiBi' if alibi else ''}"
+             f"{', dropout' if dropout else ''}) "
              f"{rows}x{cfg.block_n} "
              f"s{cfg.num_stages}")
     try:
         r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias, persistent, varlen, grad_q,
-                                   alibi)
+                                   alibi, dropout)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1
@@ -297,7 +323,8 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False,
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
-                       bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False):
+                       bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False,
+                       dropout: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
     (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
     ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
@@ -315,7 +342,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, num_warps=4)
+                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, num_warps=4)
     if varlen:
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
@@ -334,7 +361,8 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                      tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
                      bias_desc=score_tile if bias else dq_desc, dbias_desc=score_tile if dbias else dq_desc,
                      bias_batches="i32", bias_head_div="i32", key_blocks="i32", chunk_heads="i32",
-                     stride_kv_row="i32", stride_kv_head="i32", Alibi="*fp32",
+                     stride_kv_row="i32", stride_kv_head="i32", Alibi="*fp32", DropoutSeed="*i64",
+                     dropout_threshold="i32", dropout_scale="fp32",
                      **{name: "constexpr" for name in constexprs})
     if varlen:
         signature.update(DK=f"*{dtype}", DV=f"*{dtype}")
@@ -347,10 +375,10 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
 
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
                         left: bool = False, lists: bool = False, bias: bool = False, varlen: bool = False,
-                        alibi: bool = False) -> int:
+                        alibi: bool = False, dropout: bool = False) -> int:
     kind = (f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
             f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}{', packed' if varlen else ''}"
-            f"{', ALiBi' if alibi else ''}")
+            f"{', ALiBi' if alibi else ''}{', dropout' if dropout else ''}")
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
@@ -358,7 +386,7 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     for group_sum in group_sums:
         try:
             r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,
-                                    bias, bias, varlen, alibi)
+                                    bias, bias, varlen, alibi, dropout)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
@@ -370,9 +398,10 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
         # sliding-window pass 40-48 bytes at D=128 and still beat the Triton one it replaced (v25),
         # the causal tile-list walk 32 bytes (its masked loop runs on the diagonal tiles only, v26), the
         # packed-sequence pass 8-32 bytes (the sequence's offsets and dK/dV pointers live across the walk
-        # for its pointer stores; at D=128 with dQ it still ran 30% under the Triton passes, v39).
+        # for its pointer stores; at D=128 with dQ it still ran 30% under the Triton passes, v39), the
+        # dropout pass 40-150 bytes (its Philox calls and keep words; still 0.81x of plain, v60).
         failed += int(bool(r["serialized"]) or bool(r["spills"]) and not dq and not left and not (lists and causal)
-                      and not varlen)
+                      and not varlen and not dropout)
     return failed
 
 
@@ -460,6 +489,9 @@ def main() -> None:
         # chunked attention and dropout: the Triton kernels too
         "causal+chunk": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_CHUNK=True),
         "causal+dropout": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_DROPOUT=True),
+        "full+dropout": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_DROPOUT=True),
+        "window+softcap+dropout": dict(HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_DROPOUT=True),
+        "causal+alibi+dropout": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=2, HAS_DROPOUT=True),
     }
     problems = 0
     for d in map(int, args.head_dims.split(",")):

@@ -6,8 +6,9 @@ Three kernels walk the causal problem's 128x128 tiles (B, H, S as the bench's va
   philox   the Philox4x32-7 words alone (xor-folded, so nothing is dead code)
   keep     the kernels' own keep tile (``kernels/triton/dropout.dropout_keep``: words, bytes, compare)
   keep^T   the same tile transposed, as the dK/dV pass takes it
-and the plain and dropout fwd+bwd of ``fusedattn.attention`` are timed beside them, so the figures
-read as fractions of the plain step. Writes a JSON with --out.
+and the plain and dropout fwd+bwd of ``fusedattn.attention`` are timed beside them (dropout's also with
+dQ by a pass of its own, where the default sums it in the dK/dV pass), so the figures read as
+fractions of the plain step. Writes a JSON with --out.
 
     PYTHONPATH=src python benchmarks/dropout_floor.py --out results/dropout-floor.json
 """
@@ -98,6 +99,16 @@ def main() -> None:
     figures["plain f+b"] = triton.testing.do_bench(_attention_step(q, k, v, dout), warmup=10, rep=200)
     figures[f"dropout {args.p} f+b"] = triton.testing.do_bench(_attention_step(q, k, v, dout, dropout_p=args.p),
                                                               warmup=10, rep=200)
+    # the backward's other form: dQ by a pass of its own instead of the dK/dV pass's reduce-adds
+    from dataclasses import replace
+
+    from fusedattn.tuning.configs import pinned_configs, select_configs
+
+    base = select_configs(q.device, q.dtype, args.head_dim, args.head_dim)
+    if base.atomic_dq:
+        with pinned_configs(replace(base, atomic_dq=False)):
+            figures[f"dropout {args.p} f+b, dQ pass"] = triton.testing.do_bench(
+                _attention_step(q, k, v, dout, dropout_p=args.p), warmup=10, rep=200)
     plain = figures["plain f+b"]
     print(f"{torch.cuda.get_device_name()}  B={B} H={H} S={S} D={args.head_dim} causal, 128x128 tiles")
     for name, ms in figures.items():

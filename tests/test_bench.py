@@ -383,3 +383,22 @@ def test_hf_agreement_check_catches_documents_that_see_each_other(monkeypatch):
     lengths = hf.document_lengths(16384, 256, 4096)
     assert sum(lengths) == 16384 and min(lengths) >= 256 and max(lengths) <= 4096
     assert lengths == hf.document_lengths(16384, 256, 4096)  # seeded
+
+
+def test_sdpa_flash_is_built_for_the_dropout_row_and_its_check_at_dropout_0():
+    """SDPA's flash backend is a peer of the dropout row only; that row's output check builds each
+    system at dropout 0, so the rule cannot read p (it once skipped the row it was meant for)."""
+    from dataclasses import replace
+
+    from fusedattn.bench import systems, variants
+
+    built = []
+    for variant in variants.VARIANTS:
+        for form in (variant, replace(variant, dropout=0.0)):
+            try:
+                variants.SYSTEMS["sdpa-flash"](form)
+                built.append(form.name)
+            except systems.Unavailable:
+                pass
+    assert built and all(name.startswith("dropout") for name in built)
+    assert len(built) == 2 * sum(v.name.startswith("dropout") for v in variants.VARIANTS)

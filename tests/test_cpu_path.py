@@ -15,6 +15,7 @@ layouts.
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import replace
 
 import pytest
@@ -194,18 +195,23 @@ def test_key_tiles_a_mask_empties_are_never_read(as_block_mask, monkeypatch):
 
 class FusedCalls:
     """Spies on the fused kernel's forward and backward: each call as (rows, keys, causal, masked, heads
-    of q, heads of k), after the tensors are shaped as the kernel takes them."""
+    of q, heads of k), after the tensors are shaped as the kernel takes them. Only the calls made on
+    the test's own thread count (a CPU backward runs on its caller's): an earlier test's CUDA backward
+    may still be running on an autograd device thread through the patched functions."""
 
     def __init__(self, monkeypatch):
         self.forward, self.backward = [], []
         real_forward, real_backward = cpu._flash_forward, cpu._flash_backward
+        own_thread = threading.get_ident()
 
         def forward(q, k, v, causal, mask, scale):
-            self.forward.append((q.shape[2], k.shape[2], causal, mask is not None, q.shape[1], k.shape[1]))
+            if threading.get_ident() == own_thread:
+                self.forward.append((q.shape[2], k.shape[2], causal, mask is not None, q.shape[1], k.shape[1]))
             return real_forward(q, k, v, causal, mask, scale)
 
         def backward(dout, q, k, v, out, lse, causal, mask, scale):
-            self.backward.append((q.shape[2], k.shape[2], causal, mask is not None, q.shape[1], k.shape[1]))
+            if threading.get_ident() == own_thread:
+                self.backward.append((q.shape[2], k.shape[2], causal, mask is not None, q.shape[1], k.shape[1]))
             return real_backward(dout, q, k, v, out, lse, causal, mask, scale)
 
         monkeypatch.setattr(cpu, "_flash_forward", forward)

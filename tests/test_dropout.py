@@ -71,6 +71,51 @@ def test_kernel_bits_equal_the_pytorch_mask(transposed, block_k, start_k):
         assert torch.equal(got, expected)
 
 
+@pytest.mark.skipif(not (ON_GPU and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the Gluon kernels' keep tiles: sm_90 GPUs")
+@pytest.mark.parametrize("transposed", [False, True], ids=["queries-along-rows", "keys-along-rows"])
+@pytest.mark.parametrize("cols", [64, 128])
+def test_gluon_keep_tiles_equal_the_pytorch_mask(transposed, cols):
+    """The Gluon kernels' keep tiles (kernels/gluon/common: Philox in the kernels' own rounds, the
+    calls' kept bits traded between lanes into the wgmma accumulator's layout) are bit for bit the
+    mask ``dropout.keep_mask`` defines: the forward's (``dropout_zero``: a dropped entry of a tile
+    of ones becomes 0) over 64 queries and ``cols`` keys, the dK/dV pass's (``dropout_mark_t``: a
+    dropped entry becomes -1) over 64 keys and ``cols`` queries."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from fusedattn.kernels.gluon.common import dropout_mark_t, dropout_zero
+
+    @gluon.jit
+    def tile(seed_ptr, out, batch_head, first_key, first_row, threshold, COLS: gl.constexpr,
+             TRANSPOSED: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, COLS, 16])
+        ones = gl.full([64, COLS], 1.0, gl.float32, layout=s_layout)
+        if TRANSPOSED:
+            marked = dropout_mark_t(ones, gl.load(seed_ptr), batch_head, first_key, first_row, threshold, s_layout)
+        else:
+            marked = dropout_zero(ones, gl.load(seed_ptr), batch_head, first_row, first_key, threshold, s_layout)
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        c = gl.arange(0, COLS, layout=gl.SliceLayout(0, s_layout))
+        gl.store(out + gl.expand_dims(r, 1) * COLS + gl.expand_dims(c, 0), marked)
+
+    p, batch_head, first_key, first_row = 0.3, 5, 192, 37
+    for seed_value in (0x123456789ABCDEF, 2**62 - 1, 3):
+        seed = torch.tensor([seed_value], dtype=torch.int64, device=DEVICE)
+        out = torch.zeros(64 * cols, dtype=torch.float32, device=DEVICE)
+        tile[(1,)](seed, out, batch_head, first_key, first_row, dropout.threshold(p), cols, transposed, num_warps=4)
+        got = out.view(64, cols).cpu()
+        queries, keys = (cols, 64) if transposed else (64, cols)
+        expected = dropout.random_bytes(seed_value, torch.tensor(batch_head),
+                                        torch.arange(first_row, first_row + queries)[:, None],
+                                        torch.arange(first_key, first_key + keys)[None, :]) >= dropout.threshold(p)
+        if transposed:
+            assert torch.equal(got, torch.where(expected.T, 1.0, -1.0))
+        else:
+            assert torch.equal(got, expected.float())
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_kept_fraction_is_binomial(p):
     """Over 2 x 4 x 256 x 256 probabilities the dropped fraction is threshold / 256 within five
@@ -89,9 +134,18 @@ def test_kept_fraction_is_binomial(p):
 
 
 def test_keep_scale_makes_the_expectation_exact():
-    for p in (0.0, 0.1, 0.33, 0.9):
+    for p in (0.0, 0.1, 0.33, 0.9, 0.999):
         kept = 1 - dropout.threshold(p) / dropout.LEVELS
         assert dropout.keep_scale(p) * kept == pytest.approx(1.0)
+
+
+def test_a_p_just_under_one_keeps_one_byte_value():
+    """round(256 p) is 256 from p = 511/512 on: the threshold stops at 255 (the kernels compare
+    bytes), so one byte value in 256 is kept and its scale is 256, not a division by zero."""
+    assert dropout.threshold(0.998) == 255 and dropout.threshold(0.9999) == 255
+    assert dropout.keep_scale(0.9999) == 256.0
+    keep = dropout.keep_mask(5, 2, 2, 64, 64, 0.9999)
+    assert 0 < keep.sum() < keep.numel() / 64
 
 
 # ----------------------------------------------------------------------------- calls
@@ -316,9 +370,39 @@ def test_gluon_and_fused_cpu_kernels_refuse_dropout_in_explain():
     plans = fusedattn.explain(q, k, v, dropout_p=0.1, show=False)
     text = str(plans)
     if ON_GPU and torch.cuda.get_device_capability()[0] == 9:
-        assert "dropout_p: the Gluon kernels have no dropout" in text
+        # the warp-specialised Gluon forward and the Gluon dK/dV pass take dropout
+        assert {step.name: step for step in plans.forward}["forward"].kernel.startswith("Gluon forward, warp"), text
+        assert {step.name: step for step in plans.backward}["dK/dV"].kernel.startswith("Gluon"), text
     with fusedattn.use_backend("torch"):
         from fusedattn import cpu
         spec = fusedattn.spec.resolve_spec(32, layout="bshd", causal=False, window=None, scale=None, softcap=None,
                                            deterministic=False, dropout_p=0.1)
         assert not cpu.uses_fused_kernel(spec, None, None)
+
+
+def test_the_planner_gives_dropout_to_the_gluon_kernels_without_mask_bias_or_packing():
+    """The Gluon dK/dV pass takes dropout without a mask, bias or packed sequences
+    (dispatch.gluon_dkdv_takes_dropout), the Gluon forward on its warp-specialised kernel without a
+    mask or bias (gluon_forward_takes_dropout, on the ALiBi form's config), the Gluon dQ pass as well."""
+    import types
+
+    from fusedattn import dispatch
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    causal = AttentionSpec("bshd", UNBOUNDED, 0, 0.25, 0.0, False, dropout_p=0.1)
+    plain = AttentionSpec("bshd", UNBOUNDED, 0, 0.25, 0.0, False)
+    assert dispatch.gluon_dkdv_takes_dropout(causal, None, None, None)
+    for mask, bias, packing in ((object(), None, None), (None, object(), None), (None, None, object())):
+        assert not dispatch.gluon_dkdv_takes_dropout(causal, mask, bias, packing)
+    assert not dispatch.gluon_dkdv_takes_dropout(plain, None, None, None)
+    cuda = types.SimpleNamespace(is_cuda=True)
+    refusal = dispatch.gluon_support(cuda, None, None, causal)  # a pass without dropout
+    assert not refusal and "without a mask, bias or packing" in refusal.reason
+    eight_warps = KernelConfig(128, 128, 8, 2, True, 1)
+    assert dispatch.gluon_forward_takes_dropout(KernelConfig(192, 128, 4, 2, True, 0, 3, 1), None, None)
+    for config, mask, bias in ((eight_warps, None, None), (KernelConfig(192, 128, 4, 2, True, 0, 3, 1), object(), None)):
+        assert not dispatch.gluon_forward_takes_dropout(config, mask, bias)
+    ws3 = KernelConfig(192, 128, 4, 2, True, 0, 3, 1)
+    assert dispatch.takes_gluon_dq(ws3, causal, None, None, None)  # the dQ pass takes dropout too
+    assert not dispatch.takes_gluon_dq(ws3, causal, object(), None, None)

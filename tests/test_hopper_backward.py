@@ -3,7 +3,7 @@ config may name (2 or 3 consumer warpgroups, ping-pong 0/1/2, 64- and 128-row qu
 ring), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA in every program
 order (chunks of heads), a key length that leaves a warpgroup with no key, both layouts, strided views, a custom
 scale, softcap, sliding windows, masks of whole tiles, a trainable bias (read, its gradient stored, in
-the 5-matmul form), causal ALiBi and a gradient on lse -- every gradient against the
+the 5-matmul form), causal ALiBi, dropout and a gradient on lse -- every gradient against the
 float64 reference (SPEC 4). A spy proves
 each backward really ran the Gluon pass; problems and tensors it does not take must run the Triton
 pass; with atomic_dq it sums dQ too where it can (D=128), elsewhere the dQ pass runs; dK and dV
@@ -49,6 +49,12 @@ CASES = [
     Case(2, 4, 1, 517, 333, 64, causal=True, alibi="batch", layout="bhsd", lse_grad=True),
     Case(1, 4, 2, 700, 700, 128, causal=True, alibi="heads", softcap=20.0, dtype=torch.bfloat16),
     Case(2, 2, 2, 300, 300, 64, causal=True, window=(90, 0), alibi="batch", lse_grad=True, dtype=torch.bfloat16),
+    # dropout (the keep tile made per step, keys along rows): odd lengths, GQA, causal and not, softcap,
+    # a left window, ALiBi, an lse gradient -- checked against the reference given the call's mask
+    Case(1, 4, 2, 333, 517, 128, dropout=0.2, dtype=torch.bfloat16),
+    Case(2, 4, 1, 517, 333, 64, causal=True, dropout=0.3, layout="bhsd", lse_grad=True),
+    Case(1, 4, 2, 700, 700, 128, causal=True, softcap=20.0, dropout=0.1, dtype=torch.bfloat16),
+    Case(2, 2, 2, 300, 300, 64, causal=True, window=(90, 0), alibi="batch", dropout=0.5, dtype=torch.bfloat16),
 ]
 
 

@@ -2,8 +2,8 @@
 GRAD_Q; sm_90 only): where dQ has a pass of its own (deterministic mode; at D=64 every mode) and a
 config names it (the default does at D=128), every schedule a config may name (2 or 3 consumer
 warpgroups, taking turns or not, 64- or 128-key steps) on odd lengths, causal with Sq > Sk (rows
-with no key) and Sq < Sk, a ragged last key block, GQA, sliding windows, softcap, both layouts, a
-custom scale and a gradient on lse -- every gradient against the float64 reference (SPEC 4). A spy
+with no key) and Sq < Sk, a ragged last key block, GQA, sliding windows, softcap, dropout, both layouts,
+a custom scale and a gradient on lse -- every gradient against the float64 reference (SPEC 4). A spy
 proves the Gluon dQ pass ran (or, for problems it does not take, that the Triton dQ programs did);
 dQ is bitwise reproducible, in every launch order."""
 
@@ -50,6 +50,9 @@ CASES = [
     Case(1, 4, 2, 517, 333, 128, causal=True, softcap=20.0, deterministic=True, dtype=torch.bfloat16),
     Case(2, 2, 2, 255, 255, 64, softcap=5.0, lse_grad=True),
     Case(1, 2, 2, 700, 300, 128, causal=True, window=(150, 0), softcap=10.0, deterministic=True, layout="bhsd"),
+    # dropout: dP of a dropped probability is 0 (the forward's keep tile, rows = queries)
+    Case(1, 4, 2, 333, 517, 128, causal=True, dropout=0.2, deterministic=True, dtype=torch.bfloat16),
+    Case(2, 2, 2, 255, 255, 64, softcap=5.0, dropout=0.5, lse_grad=True),
 ]
 
 

@@ -1,7 +1,7 @@
 """The Gluon forwards of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width they
 may be launched with (8-warp kernel; warp-specialised kernel, 2 or 3 warpgroups, ping-pong), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
 decoding, both layouts, a strided view, a custom scale, softcap, sliding windows, masks of whole tiles
-(block-sparse, key padding), a 16-bit bias by elements, every program order -- output, lse and the gradients of the
+(block-sparse, key padding), a 16-bit bias by elements, causal ALiBi, dropout, every program order -- output, lse and the gradients of the
 backward that consumes its lse, against the float64 reference (SPEC 4). A spy proves each
 launch really ran the Gluon kernel; unsupported problems must fall back to the Triton kernel."""
 
@@ -333,7 +333,7 @@ def test_tensors_tma_cannot_address_run_the_triton_kernel(forward, gluon_launche
 
 
 # ALiBi's causal (key-term) form in the warp-specialised forward: a slope per (batch, head); the
-# backward runs the Triton kernels. Sq > Sk (rows that see no key), a left window, GQA, lse in the loss.
+# backward is tests/test_hopper_backward.py's. Sq > Sk (rows that see no key), a left window, GQA, lse in the loss.
 ALIBI_CASES = [
     Case(1, 4, 2, 333, 517, 128, causal=True, alibi="heads", dtype=torch.bfloat16),
     Case(2, 2, 2, 517, 333, 64, causal=True, alibi="batch", lse_grad=True),
@@ -341,10 +341,20 @@ ALIBI_CASES = [
     Case(2, 4, 4, 700, 700, 128, causal=True, alibi="batch", softcap=20.0, dtype=torch.bfloat16),
 ]
 
+# Dropout in the warp-specialised forward: the keep tile made per key block (kernels/gluon/common.py),
+# checked against the reference given the call's own mask. Causal and not, Sq > Sk, GQA, a left
+# window, softcap, ALiBi, lse in the loss.
+DROPOUT_CASES = [
+    Case(1, 4, 2, 333, 517, 128, dropout=0.2, dtype=torch.bfloat16),
+    Case(2, 2, 2, 517, 333, 64, causal=True, dropout=0.3, lse_grad=True),
+    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), dropout=0.1, dtype=torch.bfloat16),
+    Case(2, 4, 4, 700, 700, 128, causal=True, alibi="batch", softcap=20.0, dropout=0.5, dtype=torch.bfloat16),
+]
+
 
 @pytest.mark.parametrize("forward", SCHEDULES[6:], ids=[schedule_id(c) for c in SCHEDULES[6:]])
-@pytest.mark.parametrize("case", ALIBI_CASES, ids=[c.id for c in ALIBI_CASES])
-def test_gluon_forward_computes_causal_alibi(case, forward, gluon_launches):
+@pytest.mark.parametrize("case", ALIBI_CASES + DROPOUT_CASES, ids=[c.id for c in ALIBI_CASES + DROPOUT_CASES])
+def test_gluon_forward_computes_causal_alibi_and_dropout(case, forward, gluon_launches):
     with pinned_forward(case, forward):
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
@@ -370,6 +380,31 @@ def test_persistent_alibi_launches_give_the_same_bits(forward, gluon_launches, m
                                   Case(1, 4, 2, 333, 517, 128, causal=True, alibi="heads", mask="keys",
                                        dtype=torch.bfloat16)], ids=["not-causal", "with-a-mask"])
 def test_alibi_the_gluon_forward_has_no_form_for_runs_the_triton_kernel(case, gluon_launches):
+    with pinned_forward(case, SCHEDULES[6]):
+        check_case(case, "triton", "cuda")
+    assert not any(gluon_launches)
+
+
+
+
+@pytest.mark.parametrize("forward", [SCHEDULES[6]], ids=schedule_id)
+def test_persistent_dropout_launches_give_the_same_bits(forward, gluon_launches, monkeypatch):
+    """Persistent programs make each tile's own keep bits: the bits of one program per tile."""
+    case = Case(2, 5, 5, 700, 700, 128, causal=True, dropout=0.2, dtype=torch.bfloat16)
+    q, k, v, _, _ = make_inputs(case, "cuda")
+    results = {}
+    with pinned_forward(case, forward):
+        for programs in (0, 5, 13):
+            set_knobs(monkeypatch, programs=programs)
+            torch.manual_seed(7)  # the same seed each call: the same mask
+            results[programs] = fusedattn.attention(q, k, v, causal=True, dropout_p=0.2, return_lse=True)
+    for programs, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0])), programs
+    assert gluon_launches and all(gluon_launches)
+
+
+def test_dropout_with_a_mask_runs_the_triton_kernel(gluon_launches):
+    case = Case(1, 4, 2, 333, 517, 128, causal=True, dropout=0.2, mask="keys", dtype=torch.bfloat16)
     with pinned_forward(case, SCHEDULES[6]):
         check_case(case, "triton", "cuda")
     assert not any(gluon_launches)

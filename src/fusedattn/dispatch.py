@@ -117,12 +117,14 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
 
 
 def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False,
-                  alibi_form=False) -> Support:
-    """Whether the Gluon kernels take the problem: no ALiBi, no chunk, no sinks; a bias only in a kernel that reads one
+                  alibi_form=False, dropout_form=False) -> Support:
+    """Whether the Gluon kernels take the problem: no ALiBi, no chunk, no dropout, no sinks; a bias only in a kernel that reads one
     (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
     (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
     q, k, v addressable by TMA (16-byte aligned). ``alibi_form``: the pass asked about has ALiBi's
-    causal form for this call (``gluon_forward_takes_alibi``, ``gluon_dkdv_takes_alibi``)."""
+    causal form for this call (``gluon_forward_takes_alibi``, ``gluon_dkdv_takes_alibi``);
+    ``dropout_form``: it has dropout for this call (``gluon_forward_takes_dropout``,
+    ``gluon_dkdv_takes_dropout``; the dQ pass: ``takes_gluon_dq``)."""
     if not q.is_cuda:
         return refused("not a CUDA tensor")
     if spec.alibi and not alibi_form:
@@ -130,8 +132,9 @@ def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None
                        "bias or packing; the forward's warp-specialised kernel); the dQ pass has none")
     if spec.has_chunk:
         return refused("chunk: the Gluon kernels have no chunked-attention rule")
-    if spec.has_dropout:
-        return refused("dropout_p: the Gluon kernels have no dropout")
+    if spec.has_dropout and not dropout_form:
+        return refused("dropout_p: the Gluon kernels have dropout without a mask, bias or packing (the forward "
+                       "on its warp-specialised kernel)")
     if sinks is not None:
         return refused("sinks: the Gluon kernels have no sink term")
     if bias is not None:
@@ -231,11 +234,14 @@ def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None,
         if not support:
             return ForwardPlan("triton", fallback, support.reason, fallback)
         return ForwardPlan("gluon", config, "", fallback)
-    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True, alibi_form=spec.alibi)
+    support = gluon_support(q, k, v, spec, sinks, mask, bias, reads_bias=True, alibi_form=spec.alibi,
+                            dropout_form=spec.has_dropout)
     if support and spec.alibi:
         support = gluon_forward_takes_alibi(spec, config, mask, bias)
-        if support:
-            config = gluon_alibi_forward(config, q.shape[-1])
+    if support and spec.has_dropout:
+        support = gluon_forward_takes_dropout(config, mask, bias)
+    if support and (spec.alibi or spec.has_dropout):
+        config = gluon_alibi_forward(config, q.shape[-1])
     if not support:
         return ForwardPlan("triton", fallback, support.reason, fallback)
     gluon_config = gluon_mask_forward(config) if mask is not None or bias is not None else config
@@ -263,7 +269,8 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
         return out.zero_(), lse.copy_(sinks.view(heads_q, 1).expand_as(lse)) if sinks is not None \
             else lse.fill_(float("-inf"))
     plan = plan_forward(q, k, v, spec, config, sinks, mask, bias, packing)
-    if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing, alibi):
+    if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing, alibi,
+                                                 dropout_seed):
         return out, lse
     triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing, alibi, dropout_seed)
     return out, lse
@@ -281,17 +288,27 @@ def gluon_forward_takes_alibi(spec: AttentionSpec, config: KernelConfig, mask, b
     return TAKEN
 
 
+def gluon_forward_takes_dropout(config: KernelConfig, mask, bias) -> Support:
+    """Whether the Gluon forward computes dropout for this call: the warp-specialised kernel without
+    a mask's lists or a bias (``gluon.fwd._ws_step``)."""
+    if not config.hopper_split:
+        return refused("dropout_p: the config names the 8-warp Gluon forward, which has no dropout")
+    if mask is not None or bias is not None:
+        return refused("dropout_p with a mask or bias: the Gluon forward's dropout is the plain walk's")
+    return TAKEN
+
+
 def gluon_alibi_forward(config: KernelConfig, head_dim: int) -> KernelConfig:
-    """The warp-specialised forward's config with ALiBi: above D=64, two consumer warpgroups taking
-    turns instead of three (three, at 128 registers a thread, spilled 240 bytes with ALiBi's key
-    vector; two with ping-pong spill none)."""
+    """The warp-specialised forward's config with ALiBi or dropout: above D=64, two consumer
+    warpgroups taking turns instead of three (three, at 128 registers a thread, spilled 240 bytes
+    with ALiBi's key vector; two with ping-pong spill none)."""
     if config.hopper_split == 3 and head_dim > 64:
         return replace(config, block_m=2 * 64, hopper_split=2, hopper_pingpong=1)
     return config
 
 
 def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, mask, bias, packing,
-                   alibi=None) -> bool:
+                   alibi=None, dropout_seed=None) -> bool:
     """The Gluon forward into ``out``, ``lse``; False, nothing launched, where TMA cannot address a
     tensor after all (the Triton kernel then runs)."""
     from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs (not under the interpreter)
@@ -306,7 +323,9 @@ def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
         lists = triton_fwd.row_list_args(mask, spec, seqlen_q, seqlen_k, *tiles, heads_q, heads_kv, lse)
         # (a cache hit: gluon_support read it; the launcher adds the no-bias condition)
         even = rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
-    return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, lists, bias, even_lists=even, alibi=alibi)
+    dropout = (dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None
+    return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, lists, bias, even_lists=even, alibi=alibi,
+                                       dropout=dropout)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -386,7 +405,8 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     bias_in_gluon = bias_in_gluon and atomic_dq
     support = named and gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=bias_in_gluon,
-                                      alibi_form=gluon_dkdv_takes_alibi(spec, mask, bias, packing))
+                                      alibi_form=gluon_dkdv_takes_alibi(spec, mask, bias, packing),
+                                      dropout_form=gluon_dkdv_takes_dropout(spec, mask, bias, packing))
     gluon_dkdv = support.ok
     gluon_dq = gluon_dkdv and not atomic_dq and takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing)
     dq_why = _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing)
@@ -466,8 +486,8 @@ def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfig
 
 def takes_gluon_dq(config: KernelConfig | None, spec: AttentionSpec, mask, bias, packing: Packing | None) -> bool:
     """Whether ``config`` names a Gluon dQ pass (a warp-specialised forward config) for a problem
-    of the kind it runs: no mask, bias, packed sequences or ALiBi (its steps have no ALiBi term; the
-    tensors are checked at launch, ``gluon.fwd.dq_pass``)."""
+    of the kind it runs: no mask, bias, packed sequences or ALiBi (its steps have no ALiBi term; dropout
+    they take; the tensors are checked at launch, ``gluon.fwd.dq_pass``)."""
     return (config is not None and config.hopper_split in (2, 3) and mask is None and bias is None
             and packing is None and not spec.alibi)
 
@@ -488,6 +508,12 @@ def gluon_dkdv_takes_alibi(spec: AttentionSpec, mask, bias, packing) -> bool:
     return spec.alibi and spec.window_right == 0 and mask is None and bias is None and packing is None
 
 
+def gluon_dkdv_takes_dropout(spec: AttentionSpec, mask, bias, packing) -> bool:
+    """Whether the Gluon dK/dV pass computes dropout for this call: no mask's lists, bias or packing
+    (``gluon.bwd._dropout_step``)."""
+    return spec.has_dropout and mask is None and bias is None and packing is None
+
+
 def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=None, bias=None,
                        reads_bias: bool = False) -> bool:
     """Whether ``config`` names a Gluon dK/dV pass that takes this problem and can also sum dQ
@@ -496,7 +522,8 @@ def gluon_pass_sums_dq(q, k, v, spec: AttentionSpec, config: KernelConfig, mask=
     128-row steps they do not even fit shared memory). ``reads_bias``: it may take the bias
     (``gluon_dkdv_takes_bias``)."""
     if config.family != "gluon" or not gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=reads_bias,
-                                                     alibi_form=gluon_dkdv_takes_alibi(spec, mask, bias, None)):
+                                                     alibi_form=gluon_dkdv_takes_alibi(spec, mask, bias, None),
+                                                     dropout_form=gluon_dkdv_takes_dropout(spec, mask, bias, None)):
         return False
     from .kernels.gluon import bwd as gluon_bwd  # Gluon: imported only where it runs (not under the interpreter)
 
@@ -570,11 +597,11 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dsinks = None if sinks is None else sink_gradient(sinks, lse2, delta, heads_q)
 
     gluon_dkdv = plan.gluon_dkdv and _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan, dq_buffer,
-                                                      mask, bias, dbias, packing, alibi)
+                                                      mask, bias, dbias, packing, alibi, dropout_seed)
     if gluon_dkdv and plan.atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return triton_bwd.dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
     if gluon_dkdv and plan.gluon_dq:
-        dq = _gluon_dq_pass(q, k, v, dout, lse2, delta, spec, configs.gluon_dq)
+        dq = _gluon_dq_pass(q, k, v, dout, lse2, delta, spec, configs.gluon_dq, dropout_seed)
         if dq is not None:
             return dq, dk, dv, dbias, dsinks
     dkdv_cfg = triton_dkdv_fallback(plan.dkdv) if plan.dkdv.family == "gluon" else plan.dkdv
@@ -583,19 +610,21 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     return dq, dk, dv, dbias, dsinks
 
 
-def _gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, config: KernelConfig) -> torch.Tensor | None:
+def _gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, config: KernelConfig,
+                   dropout_seed: torch.Tensor | None = None) -> torch.Tensor | None:
     """dQ by the warp-specialised forward's kernel run as the dQ pass (same arithmetic as the
     Triton dQ programs, each row summed in a fixed order); None, nothing launched, where TMA cannot
     address a tensor after all."""
     from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
     dq = gradient_like(q)
-    return dq if gluon_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config) else None
+    dropout = (dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None
+    return dq if gluon_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config, dropout) else None
 
 
 def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, plan: BackwardPlan,
                      dq_accum: torch.Tensor | None, mask, bias, dbias: torch.Tensor | None, packing,
-                     alibi: torch.Tensor | None = None) -> bool:
+                     alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None) -> bool:
     """The Gluon dK/dV pass: dK, dV, and dQ into ``dq_accum`` (fp32, zeroed) when one is given (the
     plan's ``atomic_dq``); False, nothing launched, where TMA cannot address a tensor after all.
     With a mask the pass walks its column lists at the plan's tiles (``gluon_mask_dkdv``). With the
@@ -613,7 +642,8 @@ def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, pl
     group_sum = not plan.group_walk and sums_over_group(spec, heads_q, heads_kv, plan.dkdv, lists is not None)
     return gluon_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan.dkdv,
                                dq_accum if plan.atomic_dq else None, lists, group_sum, bias, dbias, packing,
-                               alibi=alibi)
+                               alibi=alibi,
+                               dropout=(dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None)
 
 
 def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs: AttentionConfigs) -> None:

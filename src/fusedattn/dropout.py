@@ -10,9 +10,10 @@ packed), h the query head, i and j the query and key positions inside the sequen
 not depend on tile sizes, the kernel family or the backend. Philox4x32 with ``ROUNDS`` rounds,
 keyed by the seed, maps the counter (j // 16, i, b * Hq + h, 0) to four 32-bit words; their sixteen
 bytes, little-endian, word after word, are the random bytes of keys 16 (j // 16) ... 16 (j // 16) + 15.
-A probability is kept when its byte is at least ``threshold(p) = round(256 p)``: one Philox call
-covers sixteen probabilities, as FlashAttention 2 draws bytes. The drop rate is therefore p rounded
-to a multiple of 1/256 (0.1 drops 26/256 = 0.1016, as FlashAttention's 0.1 does); kept probabilities
+A probability is kept when its byte is at least ``threshold(p) = round(256 p)``, at most 255: one
+Philox call covers sixteen probabilities, as FlashAttention 2 draws bytes. The drop rate is therefore
+p rounded to a multiple of 1/256 (0.1 drops 26/256 = 0.1016, as FlashAttention's 0.1 does), and a p
+of 511/512 or more drops 255/256 (a byte can always be kept: the scale stays finite); kept probabilities
 are scaled by 256 / (256 - threshold), the inverse of the kept fraction actually drawn, so the
 output's expectation is the undropped output exactly.
 
@@ -34,8 +35,9 @@ _U32 = 0xFFFFFFFF
 
 
 def threshold(p: float) -> int:
-    """The byte value below which a probability is dropped: round(256 p)."""
-    return int(round(float(p) * LEVELS))
+    """The byte value below which a probability is dropped: round(256 p), at most 255 (a p just
+    under 1 would otherwise round to 256, drop everything and leave no scale)."""
+    return min(int(round(float(p) * LEVELS)), LEVELS - 1)
 
 
 def keep_scale(p: float) -> float:

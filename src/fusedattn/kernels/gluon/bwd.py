@@ -70,8 +70,8 @@ from ...spec import AttentionSpec, to_bhsd
 from ..shared.config import KernelConfig
 from ..shared.block_range import query_blocks_for_key_block
 from ..shared.constants import score_constants
-from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, keep_scores,
-                     launch_order, log2_scores, packed_chunk_heads, packed_tile, row_stats_descriptor,
+from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_mark_t,
+                     keep_scores, launch_order, log2_scores, packed_chunk_heads, packed_tile, row_stats_descriptor,
                      store_sequence_rows, tma_reduce_add, turn_pass, turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
@@ -379,17 +379,36 @@ def _alibi_step(t, walk, alibi_at, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LI
 
 
 @gluon.jit
+def _dropout_step(t, walk, dropout_at, first_key, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr,
+                  DROPOUT: gl.constexpr):
+    """Step t's dropout arguments for ``_step``: (seed, batch * Hq + head, first query row, first key,
+    threshold, scale); ``dropout_at`` = (the call's seed, the statistics row of the group's first
+    head, the threshold, the scale). Zeros without DROPOUT."""
+    if DROPOUT:
+        member, blk = _step_coords(t, walk, LEFT, LISTS)
+        seed, first_row, threshold, keep_scale = dropout_at
+        return seed, first_row + member, blk * BLOCK_M, first_key, threshold, keep_scale
+    else:
+        return 0, 0, 0, 0, 0, 1.0
+
+
+@gluon.jit
 def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk, dv, s_zero,
           dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M: gl.constexpr,
           HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr,
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
           LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr,
-          ALIBI: gl.constexpr = False, alibi_slope=0.0, alibi_row0=0):
+          ALIBI: gl.constexpr = False, alibi_slope=0.0, alibi_row0=0, DROPOUT: gl.constexpr = False,
+          drop=(0, 0, 0, 0, 0, 1.0)):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only (RAGGED:
     keys past Sk are masked there too, ``_query_walk``). With
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
     BIAS (with DQ, without SOFTCAP): the slot's bias tile, this warpgroup's keys read transposed,
-    added in log2 units (its -inf entries give p = 0; a row with no key has lse2 = +inf)."""
+    added in log2 units (its -inf entries give p = 0; a row with no key has lse2 = +inf). DROPOUT:
+    the keep tile of ``drop`` (``_dropout_step``) says which probabilities reached the output: dV
+    takes the kept ones, scaled; dP's dropped entries are 0 before delta is taken off (delta =
+    rowsum(dO * O) of the dropped output), so dS^T = P^T * (keep * scale * dP^T - delta). The steps
+    sum these without the keep scale, which dK, dQ and dV take once (``_consumer``)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     k_s = k_smem.index(WG).reshape([k_smem.shape[3], HEAD_D])
     slot = t % NUM_STAGES
@@ -406,7 +425,10 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     if PINGPONG == 2:
         # dP^T's accumulator (-delta) is materialised only now: fewer registers live across S^T.
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
-        dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))
+        if DROPOUT:  # dP^T itself: the dropped entries go before delta is taken off
+            dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero)
+        else:
+            dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))
         turn_pass(turn_bars, WG, PINGPONG)
     if SOFTCAP:  # log2 units now (the cap is not linear)
         s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True, True, k_s.dtype)
@@ -432,15 +454,33 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     if ALIBI:
         lse2 = lse2 + alibi_slope * gl.arange(0, BLOCK_M, layout=col_layout).to(gl.float32)
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
+    if DROPOUT:
+        # The keep bit rides in p's sign bit (a dropped p is stored negated, -0.0 included), so no
+        # tile of bits stays live across dP^T: p >= 0, and the cap's derivative below keeps the sign.
+        seed, batch_head, first_query, first_key, threshold, dropout_scale = drop
+        p = dropout_mark_t(p, seed, batch_head, first_key, first_query, threshold, s_layout)
     if SOFTCAP:
         # dV first: then only P^T times the cap's derivative stays live across dP^T, not P^T and
         # tanh both (D=128 causal: 48 -> 24 B of stack, with dQ 104 -> 64 B).
-        dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
+        if DROPOUT:  # what multiplied V in the forward: the kept probabilities (scaled at the end)
+            dv = warpgroup_mma(gl.convert_layout(gl.maximum(p, 0.0).to(k_s.dtype), a_layout), do, dv)
+        else:
+            dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
         p = p * (1.0 - tanh_s * tanh_s)
     if PINGPONG != 2:
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
-        dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
-    ds16 = (p * dp).to(k_s.dtype)
+        if DROPOUT:
+            dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero)
+        else:
+            dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
+    if DROPOUT:
+        # A dropped probability's value never reached the output: its dP is 0. With the keep scale
+        # taken out (dK, dQ, dV take it at the end) and delta divided by it, dS^T = P_kept dP^T -
+        # P delta: a multiply-add, P_kept = max(p, 0) and P = |p|.
+        kept_delta = gl.expand_dims(delta / dropout_scale, 0)
+        ds16 = gl.fma(gl.maximum(p, 0.0), dp, -(gl.abs(p) * kept_delta)).to(k_s.dtype)
+    else:
+        ds16 = (p * dp).to(k_s.dtype)
     # With DQ, dV and dK are issued together and retired by one wait, this step's dS^T staged for
     # dQ under them: one wgmma round trip a step less, and the hand-off's store, fence and barrier
     # off the critical path (the D=128 dK/dV+dQ pass measured faster). Without DQ the pair saves
@@ -448,7 +488,10 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     # tile-list walk at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
     ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
-        p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
+        if DROPOUT:
+            p_a = gl.convert_layout(gl.maximum(p, 0.0).to(k_s.dtype), a_layout)
+        else:
+            p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
         dv = warpgroup_mma(p_a, do, dv, is_async=DQ)
     dk = warpgroup_mma(ds_a, q, dk, is_async=DQ)
     if DQ:
@@ -470,10 +513,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
               stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
-              ALIBI: gl.constexpr = False):
+              ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. ALIBI (causal, no lists, bias or
     packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of the group's first head); each
-    step reads its query head's slope. VARLEN (packed sequences): dK, dV
+    step reads its query head's slope. DROPOUT (no lists, bias or packing): ``dropout_at``
+    (``_dropout_step``). VARLEN (packed sequences): dK, dV
     of the keys inside the sequence go out by pointer stores (``packed`` = (first query row, first
     key row, first statistics row, KV head, dK, dV, their row and head strides))."""
     RAGGED: gl.constexpr = DQ or VARLEN
@@ -488,6 +532,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                 RAGGED, LISTS)
     n_interior_steps = walk[0]
+    if DROPOUT:  # the steps sum unscaled kept terms (``_step``): dK, dQ and dV take the keep scale once
+        scale = scale * dropout_at[3]
     rule = (seq_k - seq_q, window_left)
     nc = n0 + WG * KEYS
     k_s = k_smem.index(WG).reshape([KEYS, HEAD_D])
@@ -511,17 +557,19 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
             mbarrier.wait(kv_bars.index(c), 0)
         for t in range(0, n_interior_steps):
             slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
+            drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
-                           RAGGED, ALIBI, slope, row0)
+                           RAGGED, ALIBI, slope, row0, DROPOUT, drop)
         for t in range(n_interior_steps, n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS)
             slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
+            drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
                            BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
-                           SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0)
+                           SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
         if DQ_COLS != HEAD_D:
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -534,10 +582,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         interior_end = gl.where(active, n_interior_steps, 0)
         for t in range(0, interior_end):
             slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
+            drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
-                           RAGGED, ALIBI, slope, row0)
+                           RAGGED, ALIBI, slope, row0, DROPOUT, drop)
         # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
         # (every step, when inactive): query blocks [w_begin, w_end) are visible.
         w_end = 2147483647
@@ -560,15 +609,19 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                     visible = blk >= w_begin
                 if visible:
                     slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
+                    drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
                     dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars,
                                    dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale,
                                    softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
-                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0)
+                                   PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0,
+                                   DROPOUT, drop)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
             for t in range(interior_end, n_steps):
                 _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
+    if DROPOUT:
+        dv = dv * dropout_at[3]
     if GROUP_SUM:
         # fp32 dK (* scale) and dV staged for the producer's reduce-adds, in buffers every
         # warpgroup's walk reads (K tiles, the ring): only once all walks are over (``walked``).
@@ -604,17 +657,18 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "heads_q", "heads_kv", "group", "window_left", "list_stride_b",
                               "list_stride_h", "list_stride_n", "bias_batches", "bias_head_div", "key_blocks",
-                              "chunk_heads", "stride_kv_row", "stride_kv_head"])
+                              "chunk_heads", "stride_kv_row", "stride_kv_head", "dropout_threshold"])
 def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, dq_desc, seq_q, seq_k,
                     heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, tile_lists, list_stride_b,
                     list_stride_h, list_stride_n, bias_desc, dbias_desc, bias_batches, bias_head_div, key_blocks,
-                    chunk_heads, DK, DV, stride_kv_row, stride_kv_head, Alibi, BLOCK_M: gl.constexpr,
+                    chunk_heads, DK, DV, stride_kv_row, stride_kv_head, Alibi, DropoutSeed, dropout_threshold,
+                    dropout_scale, BLOCK_M: gl.constexpr,
                     HEAD_D: gl.constexpr,
                     CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr,
                     SPLIT: gl.constexpr, PINGPONG: gl.constexpr, CHUNKED: gl.constexpr, DQ: gl.constexpr,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    num_warps: gl.constexpr, ALIBI: gl.constexpr = False):
+                    num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -672,6 +726,10 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         stats_row0 = batch * heads_q
     packed = (q_start, k_start, stats_row0, head_kv, DK, DV, stride_kv_row, stride_kv_head)
     alibi_at = (Alibi, stats_row0 + first_head)  # ALIBI: the slopes of the group's heads
+    if DROPOUT:  # the call's seed, read once
+        dropout_at = (gl.load(DropoutSeed), stats_row0 + first_head, dropout_threshold, dropout_scale)
+    else:
+        dropout_at = (0, 0, 0, 1.0)
     n0 = pid_n * BLOCK_N
     entries = tile_lists  # LISTS: this program's list (indexed by KV head)
     if LISTS:
@@ -751,11 +809,13 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
+                         DROPOUT)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
+                         DROPOUT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -770,15 +830,18 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
+                         DROPOUT)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
+                         DROPOUT)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
-                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI)),
+                         PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
+                         DROPOUT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -814,7 +877,7 @@ def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
               dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
               bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None, packing=None,
-              alibi: torch.Tensor | None = None) -> bool:
+              alibi: torch.Tensor | None = None, dropout: tuple | None = None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
@@ -831,6 +894,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     (spec.Packing; no mask or bias): q, k, v, dout, dk, dv are (1, total, H, D) views of packed
     sequences, the row statistics (sequences * Hq, padded rows) (``_packed_dkdv``)."""
     assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
+    assert spec.has_dropout == (dropout is not None), "spec.dropout_p and (seed, threshold, scale) go together"
+    assert dropout is None or (packing is None and tile_lists is None and bias is None), \
+        "dropout: the pass without lists, bias or packing (dispatch.gluon_dkdv_takes_dropout)"
     assert alibi is None or (packing is None and tile_lists is None and bias is None and spec.window_right == 0), \
         "ALiBi: the causal pass without lists, bias or packing (dispatch.gluon_dkdv_takes_alibi)"
     if packing is not None:
@@ -863,8 +929,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
     launcher = _dkdv_launcher(tuple(descs[0].shape), heads_kv, seqlen_k, spec, config, dq_accum is not None,
                               tuple(lists[1:]), tile_lists is not None, group_sum, bias_slices, dbias is not None,
-                              q.device.index)
-    launcher(*descs, dq_desc, lists[0], *bias_descs, alibi if alibi is not None else lse2)
+                              q.device.index, (0, 1.0) if dropout is None else tuple(dropout[1:]))
+    launcher(*descs, dq_desc, lists[0], *bias_descs, alibi if alibi is not None else lse2,
+             lse2 if dropout is None else dropout[0])
     if group_sum:
         to_bhsd(dk, layout).copy_(sums[0])
         to_bhsd(dv, layout).copy_(sums[1])
@@ -874,10 +941,11 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
 @per_problem
 def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, dq: bool,
                    list_strides: tuple, has_lists: bool, group_sum: bool, bias_slices: tuple | None, dbias: bool,
-                   device_index: int) -> Launcher:
+                   device_index: int, dropout_args: tuple = (0, 1.0)) -> Launcher:
     """The pass's launch for one problem (decided once: grid, launch order, registers); each call
     passes the 8 descriptors of Q, dO, K, V, dK, dV (or the group sums), lse2, delta, then dQ's, the
-    tile lists, and the bias's and its gradient's."""
+    tile lists, the bias's and its gradient's, the ALiBi slopes and the dropout seed (any fp32 tensor
+    where off). ``dropout_args``: (threshold, scale) with dropout."""
     batch, heads_q, seqlen_q, head_dim = q_shape
     key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
     heads = batch * (heads_q if group_sum else heads_kv)
@@ -885,14 +953,15 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = ((SLOT,) * 9 + (seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
                            *score_constants(spec), spec.scale, SLOT, *list_strides, SLOT, SLOT,
-                           *(bias_slices or (0, 1)), key_blocks, chunk, None, None, 0, 0, SLOT))
+                           *(bias_slices or (0, 1)), key_blocks, chunk, None, None, 0, 0, SLOT, SLOT,
+                           *dropout_args))
     grid = (heads * key_blocks,) if chunk > 1 else (key_blocks, heads)
     return Launcher(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-                    maxnreg=maxnreg, ALIBI=spec.alibi)
+                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout)
 
 
 def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig, dq_accum,
@@ -925,7 +994,8 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
                                          group_sum, q.device.index)
         head_rows = heads_q if group_sum else heads_kv
         # dQ's descriptor stands in the bias and bias-gradient slots (never read with VARLEN)
-        launcher(*descs, dq_desc, tile_map, dq_desc, dq_desc, entries, dk4, dv4, lse2, grid=(entries * head_rows,))
+        launcher(*descs, dq_desc, tile_map, dq_desc, dq_desc, entries, dk4, dv4, lse2, lse2,
+                 grid=(entries * head_rows,))
     if group_sum:
         dk4.copy_(sums[0])
         dv4.copy_(sums[1])
@@ -947,10 +1017,10 @@ def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, sp
     args = ((SLOT,) * 9 + (0, 0, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, *score_constants(spec),
                            spec.scale, SLOT, 0, 0, 0, SLOT, SLOT, 0, 1, SLOT,
                            packed_chunk_heads(heads_q if group_sum else heads_kv), SLOT, SLOT, dkv_strides[1],
-                           dkv_strides[0], SLOT))
+                           dkv_strides[0], SLOT, SLOT, 0, 1.0))
     return Launcher(_dkdv_ws_kernel, None, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=False, DQ=dq, LISTS=False, GROUP_SUM=group_sum, BIAS=False, DBIAS=False, VARLEN=True,
                     PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
-                    ALIBI=False)
+                    ALIBI=False, DROPOUT=False)

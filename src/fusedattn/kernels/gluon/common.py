@@ -282,6 +282,226 @@ def keep_scores(s, rows, keys, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.const
     return gl.where(keep, s, -float("inf"))
 
 
+# --------------------------------------------------------------------------- dropout
+
+# Philox4x32's constants (Random123; Triton's tl.philox has the same), for the kernels' own rounds:
+# Gluon has no philox of its own.
+_PHILOX_KEY_A = gl.constexpr(0x9E3779B9)
+_PHILOX_KEY_B = gl.constexpr(0xBB67AE85)
+_PHILOX_ROUND_A = gl.constexpr(0xD2511F53)
+_PHILOX_ROUND_B = gl.constexpr(0xCD9E8D57)
+DROPOUT_ROUNDS = gl.constexpr(7)  # dropout.ROUNDS
+
+
+@gluon.jit
+def _philox(seed, c0, c1, c2, c3):
+    """Philox4x32 with DROPOUT_ROUNDS rounds of counter (c0, c1, c2, c3) (uint32 tensors) keyed by
+    the int64 ``seed``, word for word what ``tl.philox(seed, c0, c1, c2, c3, DROPOUT_ROUNDS)`` gives."""
+    seed = seed.to(gl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(gl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(gl.uint32)
+    for _ in gl.static_range(DROPOUT_ROUNDS):
+        a, b = c0, c2
+        c0 = gl.umulhi(b, _PHILOX_ROUND_B) ^ c1 ^ k0
+        c2 = gl.umulhi(a, _PHILOX_ROUND_A) ^ c3 ^ k1
+        c1 = gl.mul(b, _PHILOX_ROUND_B, sanitize_overflow=False)
+        c3 = gl.mul(a, _PHILOX_ROUND_A, sanitize_overflow=False)
+        k0 = gl.add(k0, _PHILOX_KEY_A, sanitize_overflow=False)
+        k1 = gl.add(k1, _PHILOX_KEY_B, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _kept_bits(word, t_low7, t_all):
+    """Bit 8b + 7 of the result says whether byte b of the uint32 ``word`` is at least the
+    threshold (``t_all`` = threshold * 0x01010101, ``t_low7`` = t_all & 0x7F7F7F7F; threshold
+    <= 255); the other bits are garbage. Four bytes in three operations: the low seven bits of
+    each byte compared by a subtraction that cannot borrow across bytes, the top bits decide
+    where they differ."""
+    below = gl.sub(word | 0x80808080, t_low7, sanitize_overflow=False)
+    differ = word ^ t_all
+    return (differ & word) | (~differ & below)
+
+
+@gluon.jit
+def _call_kept_bits(seed, batch_head, key_groups, queries, threshold):
+    """The four words of kept bits (``_kept_bits``) of the Philox calls at counters (key_groups,
+    queries, batch_head, 0) (uint32 tensors of one shape and layout): word u, bit 8b + 7, for key
+    16 * group + 4u + b."""
+    zero = key_groups * 0
+    w0, w1, w2, w3 = _philox(seed, key_groups, queries, zero + batch_head.to(gl.uint32), zero)
+    t_all = threshold.to(gl.uint32) * 0x01010101
+    t_low7 = t_all & 0x7F7F7F7F
+    return (_kept_bits(w0, t_low7, t_all), _kept_bits(w1, t_low7, t_all), _kept_bits(w2, t_low7, t_all),
+            _kept_bits(w3, t_low7, t_all))
+
+
+@gluon.constexpr_function
+def _log2(n):
+    return n.bit_length() - 1
+
+
+@gluon.constexpr_function
+def _row_layouts(groups):
+    """The forward's keep-tile layouts over a warpgroup's 64 rows (the wgmma accumulator gives lane
+    4 (r % 8) + c the row r of warp r // 16 and the keys 8 j + 2 c + {0, 1}): calls (rows, groups),
+    lane c making the call of group 4 j + c, and their words (rows, groups, 4) as the lanes of a
+    quad take them, word c in lane c."""
+    g = _log2(groups)
+    calls = gl.DistributedLinearLayout(
+        [[8, 0]] + [[0, 4 << j] for j in range(g - 2)],
+        [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]], [], [64, groups])
+    words = gl.DistributedLinearLayout(
+        [[8, 0, 0]] + [[0, 1 << j, 0] for j in range(g)],
+        [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]], [[16, 0, 0], [32, 0, 0]], [], [64, groups, 4])
+    return calls, words
+
+
+@gluon.constexpr_function
+def _key_layouts(rows):
+    """The dK/dV pass's keep-tile layouts (S^T: the wgmma accumulator gives lane 4 r + c the keys
+    16 w + r and + 8 of warp w, and the queries 8 i + 2 c + {0, 1}): calls (4 groups, 32, rows //
+    32), group w in warp w, index m = 4 i + c in the lanes, the queries 64 h + 2 m + e in a thread's
+    registers (n = 2 h + e); their bytes (4, 32, 8) as the destination lanes take them, byte r in
+    the lanes of keys r and 8 + r."""
+    n = rows // 32
+    calls = gl.DistributedLinearLayout(
+        [[0, 0, 1 << j] for j in range(_log2(n))],
+        [[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 16, 0]], [[1, 0, 0], [2, 0, 0]], [], [4, 32, n])
+    bytes_ = gl.DistributedLinearLayout(
+        [[0, 4, 0], [0, 8, 0], [0, 16, 0]],
+        [[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]], [[1, 0, 0], [2, 0, 0]], [], [4, 32, 8])
+    return calls, bytes_
+
+
+@gluon.jit
+def _per_probability(values, positions, shape: gl.constexpr, order: gl.constexpr, out_layout: gl.constexpr):
+    """Each probability's word of kept bits and the position of its bit, (ROWS, KEYS) in
+    ``out_layout``: ``values`` (..., V) repeated once for each of the positions (constants, joined
+    into the trailing axes the same way), permuted by ``order`` and read as ``shape``."""
+    gl.static_assert(len(positions) == 4 or len(positions) == 8, "two or three joined axes")
+    if len(positions) == 4:
+        words = gl.join(gl.join(values, values), gl.join(values, values))
+        bits = gl.join(gl.join(values * 0 + positions[0], values * 0 + positions[1]),
+                       gl.join(values * 0 + positions[2], values * 0 + positions[3]))
+    else:
+        words = gl.join(gl.join(gl.join(values, values), gl.join(values, values)),
+                        gl.join(gl.join(values, values), gl.join(values, values)))
+        bits = gl.join(gl.join(gl.join(values * 0 + positions[0], values * 0 + positions[1]),
+                               gl.join(values * 0 + positions[2], values * 0 + positions[3])),
+                       gl.join(gl.join(values * 0 + positions[4], values * 0 + positions[5]),
+                               gl.join(values * 0 + positions[6], values * 0 + positions[7])))
+    words = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(words, shape[0]), order), shape[1]), out_layout)
+    bits = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(bits, shape[0]), order), shape[1]), out_layout)
+    return words, bits
+
+
+@gluon.jit
+def _row_keep_words(seed, batch_head, first_row, first_key, threshold, ROWS: gl.constexpr, KEYS: gl.constexpr,
+                    out_layout: gl.constexpr):
+    """The forward's keep words (``_per_probability``) over a warpgroup's (ROWS, KEYS) tile. One
+    Philox call per (query, 16 keys): counter (key // 16, query, batch_head, 0); its bytes, word
+    after word, little-endian, belong to the 16 keys in order (``fusedattn/dropout.py``).
+
+    The accumulator gives lane c of a quad 4 of a call's 16 keys (2c, 2c + 1, 8 + 2c, 9 + 2c), so
+    the quad's lanes make one call each and trade 32-bit words of kept bits: each lane then holds
+    its own probabilities' bits, in place."""
+    GROUPS: gl.constexpr = KEYS // 16
+    gl.static_assert(ROWS == 64 and GROUPS >= 4, "a warpgroup's 64 rows; a quad's calls over 64 keys or more")
+    layouts: gl.constexpr = _row_layouts(GROUPS)
+    call_layout: gl.constexpr = layouts[0]
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, call_layout))
+    groups = gl.arange(0, GROUPS, layout=gl.SliceLayout(0, call_layout))
+    zero = gl.zeros([ROWS, GROUPS], gl.uint32, layout=call_layout)
+    k0, k1, k2, k3 = _call_kept_bits(seed, batch_head,
+                                     zero + gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 0),
+                                     zero + gl.expand_dims((first_row + rows).to(gl.uint32), 1), threshold)
+    # lane c's word: keys 2c, 2c + 1 (half c % 2 of word c // 2) low, keys 8 + 2c, 9 + 2c high:
+    # the bit of key 8 h + 2 c + e at 8 (2 h + e) + 7
+    words = gl.join(gl.join((k0 & 0xFFFF) | (k2 << 16), (k1 & 0xFFFF) | (k3 << 16)),
+                    gl.join((k0 >> 16) | (k2 & 0xFFFF0000), (k1 >> 16) | (k3 & 0xFFFF0000)))
+    words = gl.convert_layout(gl.reshape(words, (ROWS, GROUPS, 4)), layouts[1])  # [.., a, b] -> c = 2a + b
+    # joined (rows, groups, c, e, h) -> (rows, groups, h, c, e), read as (rows, keys)
+    return _per_probability(words, (7, 15, 23, 31), ((ROWS, GROUPS, 4, 2, 2), (ROWS, KEYS)), (0, 1, 4, 2, 3),
+                            out_layout)
+
+
+@gluon.jit
+def _key_keep_words(seed, batch_head, first_key, first_row, threshold, KEYS: gl.constexpr, ROWS: gl.constexpr,
+                    out_layout: gl.constexpr):
+    """The dK/dV pass's keep words (``_per_probability``) over a warpgroup's S^T tile (KEYS, ROWS):
+    the probability of key first_key + r and query first_row + c, ``_row_keep_words``' calls.
+
+    Warp w holds the keys [16 w, + 16), the group of one call per query; the accumulator gives
+    lane 4 r + c the keys r and 8 + r of the queries 8 i + 2 c + {0, 1}. Each lane makes the calls
+    of queries 64 h + 2 (4 i + c) + e for its (i, c) and every (h, e), packs the two bits each of
+    the 8 lanes r = 0..7 of its quad column needs into one byte per r, and the lanes trade those
+    bytes: 8 values per lane move."""
+    N: gl.constexpr = ROWS // 32
+    gl.static_assert(KEYS == 64 and (ROWS == 64 or ROWS == 128), "one 16-key group per warp; 64 or 128 queries")
+    layouts: gl.constexpr = _key_layouts(ROWS)
+    call_layout: gl.constexpr = layouts[0]
+    groups = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, call_layout)))
+    m = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, call_layout)))
+    n = gl.arange(0, N, layout=gl.SliceLayout(0, gl.SliceLayout(1, call_layout)))
+    queries = gl.expand_dims(gl.expand_dims(2 * m, 0), 2) + gl.expand_dims(gl.expand_dims(64 * (n // 2) + n % 2, 0), 1)
+    zero = gl.zeros([4, 32, N], gl.uint32, layout=call_layout)
+    k0, k1, k2, k3 = _call_kept_bits(seed, batch_head,
+                                     zero + gl.expand_dims(gl.expand_dims((first_key // 16 + groups).to(gl.uint32), 1), 2),
+                                     zero + (first_row + queries).to(gl.uint32), threshold)
+    # byte s of a_u: bit 0 key 4u + s kept, bit 1 key 8 + 4u + s
+    a0 = ((k0 >> 7) & 0x01010101) | ((k2 >> 6) & 0x02020202)
+    a1 = ((k1 >> 7) & 0x01010101) | ((k3 >> 6) & 0x02020202)
+    # byte s of y_u, bits 2 n + {0, 1}: the two of query n's call
+    if N == 2:
+        lo0, hi0 = gl.split(a0)
+        lo1, hi1 = gl.split(a1)
+        y0 = lo0 | (hi0 << 2)
+        y1 = lo1 | (hi1 << 2)
+    else:
+        e0, e1 = gl.split(gl.reshape(a0, (4, 32, 2, 2)))  # (h, e) -> e
+        h0, h1 = gl.split(e0 | (e1 << 2))
+        y0 = h0 | (h1 << 4)
+        e0, e1 = gl.split(gl.reshape(a1, (4, 32, 2, 2)))
+        h0, h1 = gl.split(e0 | (e1 << 2))
+        y1 = h0 | (h1 << 4)
+    # (4, 32, 8): byte r for the lanes of keys r and 8 + r; joined [.., a, b, c] is r = a + 2b + 4c
+    lanes = gl.join(gl.join(gl.join(y0 & 0xFF, (y0 >> 8) & 0xFF), gl.join((y0 >> 16) & 0xFF, y0 >> 24)),
+                    gl.join(gl.join(y1 & 0xFF, (y1 >> 8) & 0xFF), gl.join((y1 >> 16) & 0xFF, y1 >> 24)))
+    lanes = gl.convert_layout(gl.reshape(gl.permute(lanes, (0, 1, 4, 3, 2)), (4, 32, 8)), layouts[1])
+    if N == 2:
+        # joined (g, i, c, r, half, e) -> (g, half, r, i, c, e), read as (keys, queries)
+        return _per_probability(lanes, (0, 1, 2, 3), ((4, 8, 4, 8, 2, 2), (KEYS, ROWS)), (0, 4, 3, 1, 2, 5),
+                                out_layout)
+    else:
+        # joined (g, i, c, r, half, e, h) -> (g, half, r, h, i, c, e)
+        return _per_probability(lanes, (0, 1, 2, 3, 4, 5, 6, 7), ((4, 8, 4, 8, 2, 2, 2), (KEYS, ROWS)),
+                                (0, 4, 3, 6, 1, 2, 5), out_layout)
+
+
+@gluon.jit
+def dropout_zero(p, seed, batch_head, first_row, first_key, threshold, out_layout: gl.constexpr):
+    """``p`` (a warpgroup's (64, KEYS) fp32 tile of the forward's S layout ``out_layout``, queries
+    first_row.., keys first_key..) with its dropped entries 0. The select is opaque to the compiler,
+    which would otherwise move it past the conversion to 16 bits and select halves there."""
+    words, bits = _row_keep_words(seed, batch_head, first_row, first_key, threshold, p.shape[0], p.shape[1],
+                                  out_layout)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred kept; .reg .b32 t; and.b32 t, $2, $3; setp.ne.b32 kept, t, 0; selp.b32 $0, $1, 0, kept; }",
+        "=r,r,r,r", [p, words, (bits * 0 + 1) << bits], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def dropout_mark_t(p, seed, batch_head, first_key, first_row, threshold, out_layout: gl.constexpr):
+    """``p`` (a warpgroup's (64, ROWS) fp32 tile of the dK/dV pass's S^T layout ``out_layout``, keys
+    first_key.., queries first_row..) with its dropped entries negated (-0.0 for a 0): the keep bit
+    rides in the sign bit."""
+    words, bits = _key_keep_words(seed, batch_head, first_key, first_row, threshold, p.shape[0], p.shape[1],
+                                  out_layout)
+    dropped_sign = ~(words << (31 - bits)) & 0x80000000
+    return (p.to(gl.uint32, bitcast=True) ^ dropped_sign).to(gl.float32, bitcast=True)
+
+
 @gluon.jit
 def turn_wait(turn_bars, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: wait for this warpgroup's t-th turn (round robin 0, 1, (2,) 0, ...)."""

@@ -62,9 +62,9 @@ from ..shared.config import KernelConfig
 from ..shared.block_range import key_blocks_for_query_block
 from . import common as hopper
 from ..shared.constants import score_constants
-from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, keep_scores,
-                     launch_order, log2_scores, packed_tile, sm_count, store_sequence_rows, turn_pass, turn_wait,
-                     ws_registers)
+from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_zero,
+                     keep_scores, launch_order, log2_scores, packed_tile, sm_count, store_sequence_rows, turn_pass,
+                     turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared import packed_tiles
 from ..shared.knobs import knobs
@@ -584,13 +584,14 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
                 key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
                 LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
-                PINGPONG: gl.constexpr):
+                PINGPONG: gl.constexpr, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0, 1.0)):
     """The dQ pass's step (GRAD_Q): S = Q K^T and dP = dO V^T issued together (the turn covers both),
     P = exp2(S * qk_scale - lse2) from the pre-pass's row statistics (lse2 = +inf on a row with no
     visible key: P = 0), dS = P (dP - delta), dQ += dS K with dS a register operand -- the Triton dQ
     pass's arithmetic (``kernels.triton.bwd._dq_tiles``). SOFTCAP: the scores capped first (log2
     units), and dS takes the cap's derivative 1 - tanh^2, as in the dK/dV pass. V's slot goes back
-    once dP is done, K's after dS K."""
+    once dP is done, K's after dS K. DROPOUT (``_ws_step``'s ``drop``): dP of a dropped probability
+    is 0, a kept one's scaled, before delta is taken off."""
     slot = j % NUM_STAGES
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
@@ -607,6 +608,9 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
     mbarrier.arrive(v_empty.index(slot), count=1)
+    if DROPOUT:
+        seed, batch_head, first_row, first_key, threshold, dropout_scale = drop
+        dp = dropout_zero(dp, seed, batch_head, first_row, first_key, threshold, s_layout) * dropout_scale
     ds = p * (dp - gl.expand_dims(delta, 1))
     if SOFTCAP:
         ds = ds * (1.0 - tanh_s * tanh_s)
@@ -622,13 +626,15 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
              CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
              PINGPONG: gl.constexpr, BIAS: gl.constexpr, do, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr = False,
-             alibi_slope=0.0, alibi_shift=0.0):
+             alibi_slope=0.0, alibi_shift=0.0, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0, 1.0)):
     """Key block j of a tile on one warpgroup: the forward's online-softmax step, or with GRAD_Q the
-    dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only)."""
+    dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only). DROPOUT:
+    ``drop`` = (seed, batch * Hq + head, first query row, first key, threshold, scale): the dropped
+    probabilities leave the sum over values but not l (the caller scales the output once)."""
     if GRAD_Q:
         acc = _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
                           s_zero, j, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D,
-                          NUM_STAGES, s_layout, p_layout, CAUSAL, LEFT, MASK, SOFTCAP, WG, PINGPONG)
+                          NUM_STAGES, s_layout, p_layout, CAUSAL, LEFT, MASK, SOFTCAP, WG, PINGPONG, DROPOUT, drop)
         return acc, m_i, l_i
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     turn_wait(turn_bars, j, WG, PINGPONG)
@@ -644,6 +650,9 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
                                          BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, BIAS, k.dtype, ALIBI,
                                          alibi_slope, alibi_shift)
     acc = _rescale(acc, alpha, o_layout)
+    if DROPOUT:
+        seed, batch_head, first_row, first_key, threshold, _ = drop
+        p = dropout_zero(p, seed, batch_head, first_row, first_key, threshold, s_layout)
     p = gl.convert_layout(p.to(k.dtype), p_layout)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     acc = warpgroup_mma(p, v, acc)
@@ -679,7 +688,7 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                  ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                  SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                 VARLEN: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr):
+                 VARLEN: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
     if PERSISTENT:  # rounds in pairs, as the producer: Q buffer 0 for even rounds, 1 for odd ones
         total_tiles = sched[0] * sched[1]
@@ -693,12 +702,12 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                                             k_empty, v_empty, turn_bars, bias_state, grad_in, Lse, sched, qk_scale,
                                             softcap_log2, tile, r + qbuf, done, WG, ROWS, NQ, BLOCK_N, HEAD_D,
                                             NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                                            VARLEN, qbuf, GRAD_Q, ALIBI)
+                                            VARLEN, qbuf, GRAD_Q, ALIBI, DROPOUT)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, grad_in, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ,
                          BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                         VARLEN, 0, GRAD_Q, ALIBI)
+                         VARLEN, 0, GRAD_Q, ALIBI, DROPOUT)
 
 
 @gluon.jit
@@ -707,7 +716,8 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                     VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr):
+                     VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr,
+                     DROPOUT: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th, its Q in
     buffer QBUF where there are two), on one warpgroup: the tile's key blocks (the producer loads each
     once for all) that this warpgroup's rows see, with the mask on those not interior to them; the
@@ -764,6 +774,12 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     else:
         slope = 0.0
     alibi_c = mw + seq_k - seq_q
+    if DROPOUT:  # sched: the seed's pointer, the threshold, the scale
+        seed = gl.load(sched[18])
+        batch_head = batch * sched[3] + head
+    else:
+        seed = 0
+        batch_head = 0
     if GRAD_Q:  # the row state: lse2 and delta, rows padded past Sq (lse2 = +inf there)
         stats = pid_bh.to(gl.int64) * sched[13] + rows
         m_i = gl.load(Lse + stats)
@@ -788,25 +804,30 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                      bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                      o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
-                                     ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
+                                     ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
+                                     (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
                                  BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
                                  SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, slope,
-                                 slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
+                                 slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
+                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     for j in range(n_inner, n_seen):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
-                                 ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32))
+                                 ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
+                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     if CAUSAL and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
             _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
                           PINGPONG, BIAS)
     if ALIBI:  # the row term the scores left out, -slope * (i' - c), in the row maxima that make lse
         m_i = m_i - slope * (rows - mw).to(gl.float32)
+    if DROPOUT and not GRAD_Q:  # the kept probabilities' scale, once (the dQ pass's dS has it)
+        acc = acc * sched[20]
     if GRAD_Q:
         _dq_epilogue(acc, qk_scale, softcap_log2, q, q_buf, o_desc, batch, head, mw, SOFTCAP)
     else:
@@ -820,16 +841,16 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
 @gluon.jit(do_not_specialize=["seq_q", "seq_k", "num_heads", "group", "window_left", "query_blocks", "chunk_heads",
                               "head_rows", "list_stride_b", "list_stride_h", "list_stride_r", "list_head_div",
                               "bias_batches", "bias_head_div", "lse_head_stride", "stride_out_row",
-                              "stride_out_head"])
+                              "stride_out_head", "dropout_threshold"])
 def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
                         softcap_log2, query_blocks, chunk_heads, head_rows, tile_lists, list_stride_b, list_stride_h,
                         list_stride_r, list_head_div, bias_desc, bias_batches, bias_head_div, lse_head_stride, Out,
-                        stride_out_row, stride_out_head, do_desc, Alibi,
-                        BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                        stride_out_row, stride_out_head, do_desc, Alibi, DropoutSeed, dropout_threshold,
+                        dropout_scale, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                         SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
                         LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
                         GRAD_Q: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        num_warps: gl.constexpr, ALIBI: gl.constexpr = False):
+                        num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
@@ -856,6 +877,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     gl.static_assert(not (VARLEN and (LISTS or BIAS or PERSISTENT)), "packed sequences: no mask, bias, persistence")
     gl.static_assert(not (GRAD_Q and (VARLEN or LISTS or BIAS or PERSISTENT)),
                      "the dQ pass: no packed sequences, mask, bias or persistence")
+    gl.static_assert(not (DROPOUT and (VARLEN or LISTS or BIAS)), "dropout: no packed sequences, mask or bias")
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
@@ -864,7 +886,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
     sched = (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists,
              list_stride_b, list_stride_h, list_stride_r, list_head_div, lse_head_stride, Out, stride_out_row,
-             stride_out_head, Alibi)
+             stride_out_head, Alibi, DropoutSeed, dropout_threshold, dropout_scale)
     bias_slices = (bias_batches, bias_head_div)
     # one program per tile: its tile, found here (as the partitions' argument it costs the 3-warpgroup
     # consumers fewer registers than found in each partition)
@@ -927,11 +949,11 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -941,15 +963,15 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -995,7 +1017,7 @@ def runs_persistent(config: KernelConfig, causal: bool, plain: bool, even_lists:
 
 def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
                       tile_lists: tuple | None = None, bias: torch.Tensor | None = None, packing=None,
-                      even_lists: bool = False, alibi: torch.Tensor | None = None) -> bool:
+                      even_lists: bool = False, alibi: torch.Tensor | None = None, dropout: tuple | None = None) -> bool:
     """Attention into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32); False, launching
     nothing, when a tensor cannot go through TMA (the caller then runs the Triton kernel).
     ``config.hopper_split`` 2 or 3: the warp-specialised kernel with that many consumer warpgroups
@@ -1008,8 +1030,13 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     equally long and there is no bias (``persistent_programs``). ``packing`` (spec.Packing): q, k, v,
     out are (1, total, H, D) views of packed sequences and lse (Hq, total_q) (``_packed_forward``).
     ``alibi`` (with ``spec.alibi``): the contiguous float32 (B, Hq) slopes, for causal calls on the
-    warp-specialised kernel without lists, bias or packing (``dispatch.gluon_forward_takes_alibi``)."""
+    warp-specialised kernel without lists, bias or packing (``dispatch.gluon_forward_takes_alibi``).
+    ``dropout`` (with ``spec.dropout_p``): (the call's (1,) int64 seed, threshold, scale), for the
+    warp-specialised kernel without lists, bias or packing (``dispatch.gluon_forward_takes_dropout``)."""
     assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
+    assert spec.has_dropout == (dropout is not None), "spec.dropout_p and (seed, threshold, scale) go together"
+    assert dropout is None or (config.hopper_split and tile_lists is None and bias is None and packing is None), \
+        "dropout: the warp-specialised forward without lists, bias or packing"
     assert alibi is None or (config.hopper_split and spec.window_right == 0 and tile_lists is None and bias is None
                              and packing is None), "ALiBi: the causal warp-specialised forward only"
     if packing is not None:
@@ -1029,9 +1056,11 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
         bias_desc, bias_slices = descs[0], None
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, tuple(lists[1:]),
                                  tile_lists is not None, bias_slices, q.device.index,
-                                 even_lists=even_lists and tile_lists is not None and bias is None)
+                                 even_lists=even_lists and tile_lists is not None and bias is None,
+                                 dropout_args=(0, 1.0) if dropout is None else tuple(dropout[1:]))
     # then the packed forward's O pointer and the dQ pass's dO descriptor (unused here)
-    per_call = (*descs, lse, lists[0], bias_desc, lse, descs[0], alibi if alibi is not None else lse)
+    per_call = (*descs, lse, lists[0], bias_desc, lse, descs[0], alibi if alibi is not None else lse,
+                lse if dropout is None else dropout[0])
     launcher(*per_call[:len(launcher.slots)])  # the 8-warp kernel takes no lists or bias
     return True
 
@@ -1039,14 +1068,16 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
 @per_problem
 def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
                       list_strides: tuple, has_lists: bool, bias_slices: tuple | None, device_index: int,
-                      stats_stride: int | None = None, even_lists: bool = False) -> Launcher:
+                      stats_stride: int | None = None, even_lists: bool = False,
+                      dropout_args: tuple = (0, 1.0)) -> Launcher:
     """The forward's launch for one problem (decided once: grid, launch order, persistence,
     registers); each call passes Q, K, V, O descriptors, lse, the tile lists and the bias
     descriptor.
     ``stats_stride`` (the row statistics' row stride): the same kernel as the dQ pass (GRAD_Q,
     ``dq_pass``), one program per tile; each call then passes Q, K, V, dQ descriptors, lse2, a
     placeholder for the tile lists, one for the bias descriptor, delta and the dO descriptor.
-    ``even_lists``: see ``persistent_programs``."""
+    ``even_lists``: see ``persistent_programs``. ``dropout_args``: (threshold, scale) with dropout
+    (then each call passes the seed last)."""
     grad_q = stats_stride is not None
     batch, heads_q, seqlen_q, head_dim = q_shape
     device = torch.device("cuda", device_index)
@@ -1070,11 +1101,12 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     return Launcher(
         _attn_fwd_ws_kernel, grid, (*args, batch * heads_q, SLOT, *list_strides, SLOT, *(bias_slices or (0, 1)),
-                                    stats_stride or 0, SLOT, 0, 0, SLOT, SLOT),
+                                    stats_stride or 0, SLOT, 0, 0, SLOT, SLOT, SLOT, *dropout_args),
         BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
         NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
         BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=grad_q, PRODUCER_REGS=producer_regs,
-        CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, num_warps=4, maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, DROPOUT=spec.has_dropout, num_warps=4,
+        maxnreg=maxnreg)
 
 
 def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, packing) -> bool:
@@ -1097,7 +1129,8 @@ def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig
     launcher = _packed_forward_launcher(q4.shape, k4.shape[1], out_rows.stride()[1:3], spec, config,
                                         q.device.index)
     # Q's descriptor stands in the O and bias descriptor slots (never read with VARLEN)
-    launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, descs[0], lse, grid=(entries * q4.shape[1],))
+    launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, descs[0], lse, lse,
+             grid=(entries * q4.shape[1],))
     return True
 
 
@@ -1111,21 +1144,24 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = (SLOT, SLOT, SLOT, SLOT, SLOT, 0, 0, heads_q, heads_q // heads_kv, spec.window_left,
             *score_constants(spec), SLOT, hopper.packed_chunk_heads(heads_q), heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
-            total_q, SLOT, out_strides[1], out_strides[0], SLOT, SLOT)
+            total_q, SLOT, out_strides[1], out_strides[0], SLOT, SLOT, SLOT, 0, 1.0)
     return Launcher(_attn_fwd_ws_kernel, None, args, BLOCK_N=config.block_n, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True, GRAD_Q=False, PRODUCER_REGS=producer_regs,
-                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg)
+                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg, ALIBI=False, DROPOUT=False)
 
 
-def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelConfig) -> bool:
+def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelConfig,
+            dropout: tuple | None = None) -> bool:
     """The backward's dQ pass on the warp-specialised forward's skeleton (``GRAD_Q``): dQ (q's
     layout, dtype and strides) from the pre-pass's lse2 and delta ((B * Hq, padded rows) fp32, rows
     padded to a multiple of the tile height, lse2 = +inf past Sq). ``config``: a warp-specialised
     forward config (``hopper_split`` warpgroups of 64 query rows, ``block_n`` keys a step). False,
     nothing launched, where a tensor cannot go through TMA (the caller runs the Triton dQ pass).
-    The caller checks the problem: no mask, bias or packed sequences (``dispatch.takes_gluon_dq``)."""
+    The caller checks the problem: no mask, bias, packed sequences or ALiBi (``dispatch.takes_gluon_dq``).
+    ``dropout`` (with ``spec.dropout_p``): (the call's seed, threshold, scale)."""
+    assert spec.has_dropout == (dropout is not None), "spec.dropout_p and (seed, threshold, scale) go together"
     layout = spec.layout
     descs = [descriptor(q, WG_ROWS, layout), descriptor(k, config.block_n, layout),
              descriptor(v, config.block_n, layout), descriptor(dq, WG_ROWS, layout), descriptor(dout, WG_ROWS, layout)]
@@ -1133,7 +1169,10 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
         return False
     q_shape, k_shape = descs[0].shape, descs[1].shape  # (B, H, S, D)
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, (0, 0, 0, 1), False, None,
-                                 q.device.index, stats_stride=lse2.stride(0))
+                                 q.device.index, stats_stride=lse2.stride(0),
+                                 dropout_args=(0, 1.0) if dropout is None else tuple(dropout[1:]))
     q_desc, k_desc, v_desc, dq_desc, do_desc = descs
-    launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc, lse2)  # no lists, bias, slopes
+    # no lists, bias or slopes
+    launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc, lse2,
+             lse2 if dropout is None else dropout[0])
     return True

@@ -48,7 +48,8 @@ from .fwd import (bhs_strides, broadcast_args, chunk_arg, dot_precision, dropout
                   row_list_args, sequence_args, softcap_mode)
 from ..shared.constants import score_constants
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
-from .masking import ALIBI_KEY_TERM, adjust_scores, alibi_in_scores, alibi_mode, alibi_row_term, alibi_slope, broadcast_tile_offsets, slice_indices
+from .masking import (ALIBI_KEY_TERM, adjust_scores, alibi_distance, alibi_in_scores, alibi_mode, alibi_slope,
+                      broadcast_tile_offsets, slice_indices)
 from .memory import (Descriptor, all_or_placeholders, head_base, load_block, load_tile, loop_descriptors, lse_offset,
                      score_tile_descriptor, sequence_pair, sequence_rows, store_tile, tile_ptrs)
 from .softmax import log2_scores, lse_for_backward
@@ -66,9 +67,10 @@ def _probabilities(
     TRANSPOSED: tl.constexpr, alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1,
     HAS_CHUNK: tl.constexpr = False, key_part=0.0, KEY_PART: tl.constexpr = False,
 ):
-    """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain). ``KEY_PART``:
-    ``key_part``, a vector over the tile's keys, is added to the scores (ALiBi's key term, whose
-    rest the caller took out of ``lse2``)."""
+    """Recomputed softmax probabilities of a tile from the forward's lse (log2 domain). ``HAS_ALIBI``:
+    the distance form only (``alibi_in_scores``, ``alibi_distance``). ``KEY_PART``: ``key_part``, a
+    vector over the tile's keys, is added to the scores (ALiBi's key term, whose rest the caller
+    took out of ``lse2``)."""
     scores, tanh_arg = log2_scores(qk, qk_scale, softcap_log2, HAS_SOFTCAP)
     scores = adjust_scores(scores, offs_q, offs_k, start_q, start_k, seqlen_q, seqlen_k, window_left, window_right,
                            mask_desc, mask_base, mask_batch, mask_head, stride_mq, stride_mk, MASK_SHIFT_Q,
@@ -81,8 +83,6 @@ def _probabilities(
             scores = scores + key_part[:, None]
         else:
             scores = scores + key_part[None, :]
-    if HAS_ALIBI == ALIBI_KEY_TERM:  # the scores lack their row term: take it out of lse instead
-        lse2 = lse2 - alibi_row_term(offs_q, start_q, alibi_slope_log2)
     if TRANSPOSED:
         p = tl.math.exp2(scores - lse2[None, :])
     else:
@@ -745,7 +745,7 @@ def _bias_grad_kernel(
                 stride_mq, stride_mk, MASK_SHIFT_Q, MASK_SHIFT_K, Bias,
                 head_base(Bias, batch, head // bias_head_div, stride_bb, stride_bh), 0, 0, stride_bq, stride_bk,
                 HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_MASK, HAS_BIAS, False, False, True, False,
-                alibi_slope_log2=slope, HAS_ALIBI=HAS_ALIBI,
+                alibi_slope_log2=slope, HAS_ALIBI=alibi_distance(HAS_ALIBI),
             chunk=chunk, HAS_CHUNK=HAS_CHUNK)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             if HAS_DROPOUT:

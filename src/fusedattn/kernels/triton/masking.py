@@ -184,6 +184,13 @@ def alibi_in_scores(mode):
     return 0 if mode == ALIBI_KEY_TERM else mode
 
 
+@triton.constexpr_function
+def alibi_distance(mode):
+    """ALiBi in its distance form wherever it is on: for a pass that reads the true lse and adds no
+    key term of its own (the deterministic bias-gradient pass)."""
+    return ALIBI_DISTANCE if mode else 0
+
+
 @triton.jit
 def alibi_row_term(offs_q, start_q, slope_log2):
     """The row term ``-slope * (i' - c)`` of the key-term form (log2 units), with c the aligned
@@ -192,17 +199,10 @@ def alibi_row_term(offs_q, start_q, slope_log2):
 
 
 @triton.jit
-def alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, slope_log2, TRANSPOSED: tl.constexpr,
-                 MODE: tl.constexpr = 1, start_q=0):
+def alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, slope_log2, TRANSPOSED: tl.constexpr):
     """``scores - slope * |i + Sk - Sq - j|`` (``slope_log2``: the slope times log2 e, the scores'
-    units); the torch statement is ``spec.alibi_distances``. ``MODE == ALIBI_KEY_TERM``: only the
-    key term ``slope * (j - c)``, c = ``start_q + Sk - Sq`` (``alibi_mode``)."""
-    if MODE == ALIBI_KEY_TERM:
-        key_term = slope_log2 * (offs_k - (start_q + seqlen_k - seqlen_q)).to(tl.float32)
-        if TRANSPOSED:
-            return scores + key_term[:, None]
-        else:
-            return scores + key_term[None, :]
+    units), ALiBi's distance form; the torch statement is ``spec.alibi_distances``. (The key-term
+    form is each loop's own: ``alibi_mode``.)"""
     diagonal = offs_q + (seqlen_k - seqlen_q)
     if TRANSPOSED:
         distance = tl.abs(offs_k[:, None] - diagonal[None, :])
@@ -221,8 +221,8 @@ def adjust_scores(
     alibi_slope_log2=0.0, HAS_ALIBI: tl.constexpr = False, chunk=1, HAS_CHUNK: tl.constexpr = False,
 ):
     """Everything attention does to a log2-domain score tile after scale and softcap: the user's
-    bias (times log2 e; -inf entries mask), ALiBi (``HAS_ALIBI``, an ``alibi_mode``: ``alibi_scores``
-    with the program's slope, ``alibi_slope``; the key-term form leaves its row term to the caller), the keep rule (boundary tiles only: ``IS_MASKED``)
+    bias (times log2 e; -inf entries mask), ALiBi's distance form (``HAS_ALIBI``: ``alibi_scores`` with
+    the program's slope, ``alibi_slope``), the keep rule (boundary tiles only: ``IS_MASKED``)
     and the user's boolean mask (True = attend). ``mask_base`` / ``bias_base`` point at this
     (batch, head) of their 4-D tensor; either may instead come through a descriptor read at its
     own (batch, head) indices (``load_bias_tile``, ``load_mask_tile``).
@@ -233,8 +233,8 @@ def adjust_scores(
         scores += load_bias_tile(bias_desc, bias_base, bias_batch, bias_head, start_q, start_k, offs_q, offs_k,
                                  seqlen_q, seqlen_k, stride_bq, stride_bk, BIAS_TMA, TRANSPOSED) * LOG2E
     if HAS_ALIBI:
-        scores = alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, alibi_slope_log2, TRANSPOSED, HAS_ALIBI,
-                              start_q)
+        tl.static_assert(HAS_ALIBI != ALIBI_KEY_TERM, "the key-term form is the loop's own (alibi_in_scores)")
+        scores = alibi_scores(scores, offs_q, offs_k, seqlen_q, seqlen_k, alibi_slope_log2, TRANSPOSED)
     if IS_MASKED:
         scores = apply_mask(scores, offs_q, offs_k, seqlen_q, seqlen_k, window_left, window_right,
                             HAS_LEFT, HAS_RIGHT, TRANSPOSED, chunk, HAS_CHUNK)
