@@ -1,0 +1,305 @@
+"""The strategies of ``cp_attention``: how keys reach the queries that need them, forward and backward.
+
+- ``allgather``: every rank gathers every rank's K/V, then attends its queries to all of them
+  (``pieces``); the backward gathers K/V again, and each rank's dK/dV (fp32) go back to their owner
+  by an all-to-all and a sum in rank order. Every feature; K/V of the whole sequence live during
+  the call.
+- ``ring``: K/V blocks travel around the ring; each step attends to the block it holds while the
+  next block is in flight, the running output and lse merged in fp32. The backward sends the
+  blocks around again with their dK/dV accumulators (fp32), which end at their owner.
+- ``ulysses``: all-to-all over heads: each rank gets every token of Hq / N query heads (and their
+  K/V heads, replicated where N > Hkv), runs the whole sequence, and sends the output back.
+
+All of them: the blocks' outputs merged by lse in fp32 (never rounded between steps), sinks applied
+once to the merged row, every sum in a fixed order (``deterministic=True`` gives bitwise-identical
+gradients run to run).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import dispatch
+from ..row_gradients import sink_gradient_from_outputs
+from ..spec import AttentionSpec
+from .pieces import backward_block, forward_block, pieces
+from .plan import ShardPlan
+
+STRATEGIES = ("auto", "allgather", "ring", "ulysses")
+
+
+class Problem:
+    """One call's fixed parts: the plan, the spec, the backend, which rank holds what."""
+
+    def __init__(self, plan: ShardPlan, spec: AttentionSpec, backend: str, chunk: int):
+        self.plan, self.spec, self.backend, self.chunk = plan, spec, backend, chunk
+
+    def block_pieces(self, key_rank: int, query_runs=None) -> list:
+        plan = self.plan
+        return pieces(plan.runs[plan.rank] if query_runs is None else query_runs, plan.runs[key_rank],
+                      plan.documents, self.spec.window_left, self.spec.window_right, self.chunk)
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+def all_gather_concat(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Every rank's ``x`` concatenated along dim 0 into ``out`` (torch's name for it changed)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+def _all_gather(x: torch.Tensor, plan: ShardPlan) -> list:
+    """Every rank's ``x`` (same shape), in rank order."""
+    flat = x.contiguous()
+    out = flat.new_empty((plan.world_size * flat.shape[0], *flat.shape[1:]))
+    all_gather_concat(out, flat, plan.group)
+    return list(out.view(plan.world_size, *flat.shape).unbind(0))
+
+
+def _sum_to_owners(parts: list, plan: ShardPlan) -> torch.Tensor:
+    """parts[r]: this rank's contribution to rank r's tensor; returns this rank's tensor, the sum
+    of every rank's contribution in rank order (an all-to-all, then a local sum: the same order
+    every run, unlike a reduction's)."""
+    send = torch.stack(parts).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=plan.group)
+    total = recv[0].clone()
+    for r in range(1, plan.world_size):
+        total += recv[r]
+    return total
+
+
+def _exchange(tensors: list, plan: ShardPlan, to_next: bool = True) -> tuple:
+    """Send ``tensors`` to the next rank of the ring and receive the previous rank's (same shapes);
+    returns (received tensors, requests to wait on)."""
+    me, n = plan.rank, plan.world_size
+    dst, src = ((me + 1) % n, (me - 1) % n) if to_next else ((me - 1) % n, (me + 1) % n)
+    dst, src = dist.get_global_rank(plan.group, dst) if plan.group is not None else dst, \
+        dist.get_global_rank(plan.group, src) if plan.group is not None else src
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), dst, plan.group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, src, plan.group) for r in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+# ----------------------------------------------------------------------------- sinks, once per row
+
+
+def _finish(acc_out, acc_lse, sinks, dtype):
+    """The merged row with the sinks' logits in its denominator: (out in ``dtype``, lse fp32)."""
+    if sinks is not None:
+        lse = torch.logaddexp(acc_lse, sinks.detach().float().view(1, -1, 1))
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        acc_out = acc_out * torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
+        acc_lse = lse
+    return acc_out.to(dtype), acc_lse
+
+
+def _accumulators(q: torch.Tensor, v: torch.Tensor) -> tuple:
+    batch, seqlen, heads_q, _ = q.shape
+    out = torch.zeros((batch, seqlen, heads_q, v.shape[-1]), dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- all-gather
+
+
+def allgather_forward(q, k, v, sinks, problem: Problem):
+    acc_out, acc_lse = _accumulators(q, v)
+    for r, (k_r, v_r) in enumerate(zip(_all_gather(k, problem.plan), _all_gather(v, problem.plan))):
+        forward_block(q, k_r, v_r, problem.block_pieces(r), problem.spec, acc_out, acc_lse, problem.backend)
+    return _finish(acc_out, acc_lse, sinks, q.dtype)
+
+
+def allgather_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dks, dvs = [], []
+    for r, (k_r, v_r) in enumerate(zip(_all_gather(k, problem.plan), _all_gather(v, problem.plan))):
+        dk_r = torch.zeros(k_r.shape, dtype=torch.float32, device=k.device)
+        dv_r = torch.zeros(v_r.shape, dtype=torch.float32, device=v.device)
+        backward_block(dout, dlse, q, k_r, v_r, out, lse, problem.block_pieces(r), problem.spec, dq, dk_r, dv_r,
+                       problem.backend)
+        dks.append(dk_r)
+        dvs.append(dv_r)
+    return dq, _sum_to_owners(dks, problem.plan), _sum_to_owners(dvs, problem.plan)
+
+
+# ----------------------------------------------------------------------------- ring
+
+
+def ring_forward(q, k, v, sinks, problem: Problem):
+    plan = problem.plan
+    acc_out, acc_lse = _accumulators(q, v)
+    block = [k, v]
+    for step in range(plan.world_size):
+        if step + 1 < plan.world_size:  # the next block in flight while this one is computed
+            incoming, requests = _exchange(block, plan)
+        source = (plan.rank - step) % plan.world_size
+        forward_block(q, block[0], block[1], problem.block_pieces(source), problem.spec, acc_out, acc_lse,
+                      problem.backend)
+        if step + 1 < plan.world_size:
+            _wait(requests)
+            block = incoming
+    return _finish(acc_out, acc_lse, sinks, q.dtype)
+
+
+def ring_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
+    """At step s this rank holds source (rank - s)'s K/V and the dK/dV that the ranks before it
+    added for that source; it adds its own and passes both on. After the last step the
+    accumulators are one hop from their owner."""
+    plan = problem.plan
+    n = plan.world_size
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    block = [k, v]
+    grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+             torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    grad_requests = []
+    for step in range(n):
+        if step + 1 < n:
+            incoming, requests = _exchange(block, plan)
+        if step > 0:  # this source's accumulators, from the previous rank
+            _wait(grad_requests)
+            grads = incoming_grads
+        source = (plan.rank - step) % n
+        backward_block(dout, dlse, q, block[0], block[1], out, lse, problem.block_pieces(source), problem.spec, dq,
+                       grads[0], grads[1], problem.backend)
+        incoming_grads, grad_requests = _exchange(grads, plan)  # on to the next holder (after the last: the owner)
+        if step + 1 < n:
+            _wait(requests)
+            block = incoming
+    _wait(grad_requests)
+    return dq, incoming_grads[0], incoming_grads[1]
+
+
+# ----------------------------------------------------------------------------- Ulysses
+
+
+def _heads_to_sequence(x: torch.Tensor, plan: ShardPlan, order: torch.Tensor) -> torch.Tensor:
+    """(B, S/N, H, D) sharded by sequence -> (B, S, H/N, D) sharded by heads, in global order."""
+    n = plan.world_size
+    batch, local, heads = x.shape[:3]
+    send = x.reshape(batch, local, n, heads // n, *x.shape[3:]).movedim(2, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=plan.group)
+    whole = recv.movedim(0, 1).reshape(batch, n * local, heads // n, *x.shape[3:])  # rank-major
+    out = torch.empty_like(whole)
+    out[:, order] = whole
+    return out
+
+
+def _sequence_to_heads(x: torch.Tensor, plan: ShardPlan, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_heads_to_sequence``: (B, S, H/N, D) -> (B, S/N, H, D)."""
+    n = plan.world_size
+    batch, total, heads_part = x.shape[:3]
+    local = total // n
+    rank_major = x[:, order]
+    send = rank_major.reshape(batch, n, local, heads_part, *x.shape[3:]).movedim(1, 0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=plan.group)
+    return recv.movedim(0, 2).reshape(batch, local, n * heads_part, *x.shape[3:])
+
+
+def _kv_replicas(heads_kv: int, n: int) -> int:
+    """How many copies of each K/V head the all-to-all sends, so that N divides them."""
+    return 1 if heads_kv % n == 0 else n // heads_kv
+
+
+def ulysses_layout(plan: ShardPlan, heads_q: int, heads_kv: int) -> str | None:
+    """Why Ulysses cannot run this problem, or None."""
+    n = plan.world_size
+    if heads_q % n:
+        return f"{heads_q} query heads do not divide over {n} ranks"
+    if heads_kv % n and n % heads_kv:
+        return f"{heads_kv} key/value heads neither divide over {n} ranks nor divide {n}"
+    return None
+
+
+def _whole_problem(problem: Problem) -> Problem:
+    plan = problem.plan
+    whole = ShardPlan(1, 0, plan.seqlen, plan.balance, (((0, plan.seqlen),),), plan.documents, plan.packed)
+    return Problem(whole, problem.spec, problem.backend, problem.chunk)
+
+
+def ulysses_forward(q, k, v, sinks, problem: Problem):
+    plan = problem.plan
+    order = torch.cat([plan.global_index(r, device=q.device) for r in range(plan.world_size)])
+    reps = _kv_replicas(k.shape[2], plan.world_size)
+    qh = _heads_to_sequence(q, plan, order)
+    kh = _heads_to_sequence(k.repeat_interleave(reps, dim=2), plan, order)
+    vh = _heads_to_sequence(v.repeat_interleave(reps, dim=2), plan, order)
+    whole = _whole_problem(problem)
+    acc_out, acc_lse = _accumulators(qh, vh)
+    forward_block(qh, kh, vh, whole.block_pieces(0), whole.spec, acc_out, acc_lse, whole.backend)
+    heads = q.shape[2] // plan.world_size
+    my_sinks = None if sinks is None else sinks.narrow(0, plan.rank * heads, heads)
+    out_h, lse_h = _finish(acc_out, acc_lse, my_sinks, q.dtype)
+    out = _sequence_to_heads(out_h, plan, order)
+    lse = _sequence_to_heads(lse_h.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2)
+    return out, lse.contiguous()
+
+
+def ulysses_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
+    plan = problem.plan
+    n = plan.world_size
+    order = torch.cat([plan.global_index(r, device=q.device) for r in range(n)])
+    reps = _kv_replicas(k.shape[2], n)
+    qh = _heads_to_sequence(q, plan, order)
+    kh = _heads_to_sequence(k.repeat_interleave(reps, dim=2), plan, order)
+    vh = _heads_to_sequence(v.repeat_interleave(reps, dim=2), plan, order)
+    out_h = _heads_to_sequence(out, plan, order)
+    dout_h = _heads_to_sequence(dout, plan, order)
+    lse_h = _heads_to_sequence(lse.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2)
+    dlse_h = None if dlse is None else \
+        _heads_to_sequence(dlse.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2).contiguous()
+    whole = _whole_problem(problem)
+    dq_h = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)
+    dk_h = torch.zeros(kh.shape, dtype=torch.float32, device=q.device)
+    dv_h = torch.zeros(vh.shape, dtype=torch.float32, device=q.device)
+    backward_block(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.contiguous(), whole.block_pieces(0), whole.spec, dq_h,
+                   dk_h, dv_h, whole.backend)
+    dq = _sequence_to_heads(dq_h, plan, order)
+    dk = _sequence_to_heads(dk_h, plan, order)
+    dv = _sequence_to_heads(dv_h, plan, order)
+    if reps > 1:  # the replicas' gradients summed back into their head, in a fixed order
+        dk = dk.unflatten(2, (-1, reps)).sum(3)
+        dv = dv.unflatten(2, (-1, reps)).sum(3)
+    return dq, dk, dv
+
+
+FORWARD = {"allgather": allgather_forward, "ring": ring_forward, "ulysses": ulysses_forward}
+BACKWARD = {"allgather": allgather_backward, "ring": ring_backward, "ulysses": ulysses_backward}
+
+
+class ContextParallelAttention(torch.autograd.Function):
+    """Forward and backward of one strategy; q, k, v are (B, S/N, H, D) shards."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, problem: Problem, strategy: str):
+        out, lse = FORWARD[strategy](q, k, v, sinks, problem)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
+        ctx.problem, ctx.strategy = problem, strategy
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = BACKWARD[ctx.strategy](dout, dlse, q, k, v, out, lse, ctx.problem)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # this rank's rows' part, as for every parameter under context parallelism
+            dsinks = sink_gradient_from_outputs(sinks, out, dout, lse, dlse, "bshd").to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
+
+
+def resolve_backend(q: torch.Tensor) -> str:
+    return dispatch.resolve_backend(q.device)

@@ -1,0 +1,294 @@
+"""Context parallelism (fusedattn.distributed): the sharding plan, the decomposition into kernel
+calls, and every strategy on 2, 3 and 4 CPU processes (gloo) against single-process float64
+attention on the whole sequence: outputs, lse and every gradient within SPEC 4's rule."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fusedattn.distributed import shard_plan
+from fusedattn.distributed.pieces import pieces
+from fusedattn.reference import reference_attention
+from fusedattn.spec import UNBOUNDED, keep_mask
+
+sys.path.insert(0, os.path.dirname(__file__))
+from numerics import assert_close_to_reference  # noqa: E402
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
+    plans = [shard_plan(24, world_size=3, rank=r, balance="zigzag") for r in range(3)]
+    assert [p.runs[p.rank] for p in plans] == [((0, 4), (20, 4)), ((4, 4), (16, 4)), ((8, 8),)]
+    every = torch.cat([p.global_index() for p in plans]).sort().values
+    assert torch.equal(every, torch.arange(24))
+    assert plans[1].balance == "zigzag" and plans[1].local_len == 8
+
+
+def test_packed_plans_cut_each_document_and_give_positions_inside_it():
+    cu = [0, 8, 24, 28]
+    zig = shard_plan(cu_seqlens=torch.tensor(cu, dtype=torch.int32), world_size=2, rank=0)
+    assert zig.balance == "zigzag" and zig.runs[0] == ((0, 2), (6, 6), (20, 5), (27, 1))  # adjacent chunks joined
+    assert zig.positions().tolist() == [0, 1, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 0, 3]
+    cont = shard_plan(cu_seqlens=[0, 5, 19, 28], world_size=4, rank=1, balance="auto")
+    assert cont.balance == "contiguous" and cont.runs[1] == ((7, 7),)
+    assert cont.positions().tolist() == [2, 3, 4, 5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(seqlen=20, balance="zigzag"), ValueError, "divisible by 2 x 3"),
+    (dict(seqlen=20, balance="contiguous"), ValueError, "do not divide over 3"),
+    (dict(seqlen=24, balance="head-tail"), ValueError, "`balance` must be one of"),
+    (dict(seqlen=None), ValueError, "exactly one of"),
+    (dict(cu_seqlens=[0, 6, 3]), ValueError, "not decrease"),
+])
+def test_plan_errors_name_the_problem(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        shard_plan(**kwargs, world_size=3, rank=0)
+
+
+def test_shard_cuts_the_whole_tensor_in_local_order():
+    plan = shard_plan(12, world_size=2, rank=1, balance="zigzag")
+    x = torch.arange(2 * 12).view(2, 12, 1, 1)
+    assert plan.shard(x)[0, :, 0, 0].tolist() == [3, 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match="cuts 12"):
+        plan.shard(x[:, :10])
+
+
+# ----------------------------------------------------------------------------- the kernel calls
+
+
+def _global_rule(q, k, documents, left, right, chunk):
+    def segment(p):
+        for i, (a, b) in enumerate(documents):
+            if a <= p < b:
+                return i, (p - a) // chunk if chunk else 0
+    return (segment(q) == segment(k) and (right == UNBOUNDED or k <= q + right)
+            and (left == UNBOUNDED or k >= q - left))
+
+
+def test_pieces_cover_exactly_the_pairs_the_global_rule_keeps():
+    """Random runs of queries and keys, documents, chunks and windows: the kernel calls' own keep
+    rules (bottom-right aligned windows on their sub-ranges) cover every kept (query, key) pair
+    once and no other."""
+    rng = random.Random(0)
+    for _ in range(1500):
+        total = rng.randint(1, 40)
+        cuts = sorted(rng.sample(range(1, total), rng.randint(0, min(4, total - 1)))) if total > 1 else []
+        offsets = [0, *cuts, total]
+        documents = list(zip(offsets, offsets[1:]))
+
+        def runs():
+            out = []
+            for _ in range(rng.randint(1, 3)):
+                a = rng.randint(0, total - 1)
+                out.append((a, rng.randint(1, total - a)))
+            return out
+        q_runs, k_runs = runs(), runs()
+        left, right = rng.choice([UNBOUNDED, 0, 1, 3, 7]), rng.choice([UNBOUNDED, 0, 0, 2, 5])
+        chunk = rng.choice([0, 0, 2, 5])
+        q_pos = [p for a, n in q_runs for p in range(a, a + n)]
+        k_pos = [p for a, n in k_runs for p in range(a, a + n)]
+        covered = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int)
+        for p in pieces(q_runs, k_runs, documents, left, right, chunk):
+            assert (p.left == UNBOUNDED or p.left >= 0) and (p.right == UNBOUNDED or p.right >= 0)
+            covered[p.q_off:p.q_off + p.q_len, p.k_off:p.k_off + p.k_len] += \
+                keep_mask(p.q_len, p.k_len, p.left, p.right).int()
+        wanted = torch.tensor([[int(_global_rule(q, k, documents, left, right, chunk)) for k in k_pos]
+                               for q in q_pos], dtype=torch.int)
+        assert torch.equal(covered, wanted), (documents, q_runs, k_runs, left, right, chunk)
+
+
+# ----------------------------------------------------------------------------- the strategies, on gloo
+
+
+@dataclass(frozen=True)
+class CPCase:
+    name: str
+    heads_q: int = 12
+    heads_kv: int = 2
+    causal: bool = True
+    window: tuple | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    chunk: int | None = None
+    documents: tuple | None = None  # document lengths (packed)
+    balance: str = "auto"
+    lse_grad: bool = True
+    strategies: tuple = ("allgather", "ring", "ulysses")
+    options: dict = field(default_factory=dict)
+
+
+def _cases(world: int) -> list:
+    two_n = 2 * world
+    return [
+        CPCase("causal GQA zigzag"),
+        CPCase("full, contiguous", causal=False, balance="contiguous"),
+        CPCase("causal, window narrower than a shard, softcap", window=(3, 0), softcap=5.0),
+        CPCase("causal, window wider than a shard, sinks", window=(17, 0), sinks=True),
+        CPCase("two-sided window, MQA (cp > Hkv)", causal=False, window=(4, 2), heads_kv=1),
+        CPCase("causal chunks of 5", chunk=5, heads_kv=1),
+        CPCase("packed documents, zigzag per document, sinks", documents=(two_n, 3 * two_n, 2 * two_n), sinks=True),
+        CPCase("packed documents crossing shards, window, chunk", documents=(5, 19, 12), balance="contiguous",
+               window=(6, 0), chunk=7),
+        CPCase("auto strategy, no lse gradient", heads_kv=2, strategies=("auto",), lse_grad=False),
+    ]
+
+
+def _reference(case: CPCase, q, k, v, sinks, lengths):
+    """The whole sequence on one process (per document when packed): (out, lse)."""
+    options = dict(causal=case.causal, window=case.window, softcap=case.softcap, chunk=case.chunk,
+                   return_lse=True)
+    if lengths is None:
+        return reference_attention(q, k, v, sinks=sinks, **options)
+    outs, lses, start = [], [], 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        o, lse = reference_attention(q[:, rows], k[:, rows], v[:, rows], sinks=sinks, **options)
+        outs.append(o)
+        lses.append(lse)
+        start += n
+    return torch.cat(outs, 1), torch.cat(lses, 2)
+
+
+def _check_case(case: CPCase, world: int, rank: int, strategy: str, deterministic: bool = False) -> None:
+    from fusedattn.distributed import cp_attention
+
+    gen = torch.Generator().manual_seed(sum(map(ord, case.name)))  # the same inputs on every rank
+    lengths = case.documents
+    seqlen = sum(lengths) if lengths else 24
+    batch = 1 if lengths else 2
+    q = torch.randn(batch, seqlen, case.heads_q, 16, generator=gen)
+    k = torch.randn(batch, seqlen, case.heads_kv, 16, generator=gen)
+    v = torch.randn(batch, seqlen, case.heads_kv, 16, generator=gen)
+    dout = torch.randn(batch, seqlen, case.heads_q, 16, generator=gen)
+    dlse = torch.randn(batch, case.heads_q, seqlen, generator=gen) if case.lse_grad else None
+    sinks = torch.randn(case.heads_q, generator=gen) if case.sinks else None
+    if lengths:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        plan = shard_plan(cu_seqlens=cu, balance=case.balance)
+    else:
+        plan = shard_plan(seqlen, balance=case.balance)
+
+    def local(t):
+        return plan.shard(t[0] if lengths else t).detach().requires_grad_()
+    ql, kl, vl = local(q), local(k), local(v)
+    sl = None if sinks is None else sinks.clone().requires_grad_()
+    out, lse = cp_attention(ql, kl, vl, plan, strategy=strategy, causal=case.causal, window=case.window,
+                            softcap=case.softcap, sinks=sl, chunk=case.chunk, deterministic=deterministic,
+                            return_lse=True)
+    loss = (out * local(dout).detach()).sum()
+    if dlse is not None:
+        lse_local = plan.shard(dlse[0] if lengths else dlse, dim=-1)
+        loss = loss + (lse * lse_local).sum()
+    leaves = [t for t in (ql, kl, vl, sl) if t is not None]
+    grads = torch.autograd.grad(loss, leaves)
+    if sl is not None:
+        dist.all_reduce(grads[-1])  # each rank's rows' part of the sinks' gradient
+
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        leaves_ref = [t.to(dtype).requires_grad_() for t in (q, k, v)] + \
+            ([sinks.to(dtype).requires_grad_()] if sinks is not None else [])
+        o_ref, lse_ref = _reference(case, *leaves_ref[:3], leaves_ref[3] if sinks is not None else None, lengths)
+        loss_ref = (o_ref * dout.to(dtype)).sum() + ((lse_ref * dlse.to(dtype)).sum() if dlse is not None else 0)
+        g_ref = torch.autograd.grad(loss_ref, leaves_ref)
+        results[dtype] = (o_ref, lse_ref, *g_ref)
+
+    def mine(t, dim=None):
+        return plan.shard(t[0] if lengths else t, dim=dim)
+    names = ["out", "lse", "dq", "dk", "dv", "dsinks"]
+    ours = [out, lse, *grads]
+    for i, name in enumerate(names[:len(ours)]):
+        ref64, lowp = results[torch.float64][i], results[torch.float32][i]
+        if name == "lse":
+            ref64, lowp = mine(ref64, -1), mine(lowp, -1)
+        elif name != "dsinks":
+            ref64, lowp = mine(ref64), mine(lowp)
+        finite = torch.isfinite(ref64)
+        assert torch.equal(finite, torch.isfinite(ours[i].detach())), f"{name}: -inf rows differ"
+        assert_close_to_reference(f"{case.name} [{strategy}] {name}", ours[i].detach()[finite].double(),
+                                  lowp[finite].double(), ref64[finite])
+    if deterministic:
+        again = torch.autograd.grad(
+            _loss_again(cp_attention, ql, kl, vl, sl, plan, strategy, case, local(dout), dlse, lengths), leaves)
+        if sl is not None:
+            dist.all_reduce(again[-1])
+        for name, a, b in zip(["dq", "dk", "dv", "dsinks"], grads, again):
+            assert torch.equal(a, b), f"{case.name} [{strategy}] {name}: not bitwise identical run to run"
+
+
+def _loss_again(cp_attention, ql, kl, vl, sl, plan, strategy, case, dout_local, dlse, lengths):
+    out, lse = cp_attention(ql, kl, vl, plan, strategy=strategy, causal=case.causal, window=case.window,
+                            softcap=case.softcap, sinks=sl, chunk=case.chunk, deterministic=True, return_lse=True)
+    loss = (out * dout_local).sum()
+    if dlse is not None:
+        loss = loss + (lse * plan.shard(dlse[0] if lengths else dlse, dim=-1)).sum()
+    return loss
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    failures = []
+    try:
+        for case in _cases(world):
+            for strategy in case.strategies:
+                if strategy == "ulysses" and (case.heads_q % world or (case.heads_kv % world and world % case.heads_kv)):
+                    continue  # the heads do not split over this group (tested below as an error)
+                try:
+                    _check_case(case, world, rank, strategy, deterministic=case.name.startswith("causal GQA"))
+                except AssertionError as e:
+                    failures.append(f"{case.name} [{strategy}]: {e}")
+        _check_errors(world)
+    finally:
+        dist.destroy_process_group()
+    assert not failures, f"rank {rank} of {world}:\n" + "\n".join(failures)
+
+
+def _check_errors(world: int) -> None:
+    from fusedattn.distributed import cp_attention
+
+    plan = shard_plan(24)
+    q = torch.randn(1, plan.local_len, 5, 16)
+    kv = torch.randn(1, plan.local_len, 5, 16)
+    if world > 1:
+        try:
+            cp_attention(q, kv, kv, plan, strategy="ulysses")
+        except ValueError as e:
+            assert "splits the heads" in str(e)
+        else:
+            raise AssertionError("ulysses with heads that do not split over the group did not raise")
+    for kwargs, error in ((dict(dropout_p=0.1), NotImplementedError), (dict(alibi_slopes=torch.ones(5)),
+                                                                      NotImplementedError),
+                          (dict(strategy="tree"), ValueError)):
+        try:
+            cp_attention(q, kv, kv, plan, **kwargs)
+        except error:
+            pass
+        else:
+            raise AssertionError(f"{kwargs} did not raise {error.__name__}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_strategy_matches_the_whole_sequence_on_one_process(world):
+    """Every strategy and case on `world` gloo processes: outputs, lse, dq, dk, dv and the sinks'
+    gradient (summed over the ranks) against float64 on the whole sequence; the deterministic case
+    bitwise identical twice."""
+    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
