@@ -333,6 +333,13 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-layers", type=int, default=2, help="with --hf: decoder layers (default 2)")
     parser.add_argument("--hf-vocab", type=int, default=None,
                         help="with --hf: vocabulary size (default Llama 3's 128256; the tiny CPU model's 256)")
+    parser.add_argument("--cp", action="store_true",
+                        help="context parallelism's strong scaling under torchrun, one process per GPU "
+                             "(bench/cp.py): one GPU vs N on causal, windowed and packed rows, torch's "
+                             "context_parallel beside")
+    parser.add_argument("--cp-seqlen", type=int, default=None, help="with --cp: tokens (default 32k per GPU)")
+    parser.add_argument("--cp-strategies", default="ulysses,ring,allgather",
+                        help="with --cp: comma-separated strategies to time")
     args = parser.parse_args(argv)
     # Thread-local: the whole run happens on this thread. A graph's replay runs no Python, so only the
     # eager times can change.
@@ -343,6 +350,11 @@ def main(argv=None) -> None:
 def _main(args, parser) -> None:
     if args.variants:
         return _main_variants(args)
+    if args.cp:
+        from . import cp
+
+        env = environment()
+        return cp.main(args, env, result_stem(env, "cp"))
     if args.packed:
         return _main_packed(args)
     if args.decode:

@@ -1,0 +1,224 @@
+"""``python -m fusedattn.bench --cp``: context parallelism's strong scaling, one process per GPU.
+
+    torchrun --nproc-per-node 2 -m fusedattn.bench --cp                 # 64k tokens
+    torchrun --nproc-per-node 4 -m fusedattn.bench --cp --cp-seqlen 131072
+
+bf16, D=128, Hq=32, Hkv=8, B=1, forward+backward. Rows: causal; causal with a 4096-key window;
+packed documents (causal). Each row times one GPU running the whole sequence (T1, rank 0 while
+the others wait) and every strategy on all N GPUs (T_N: the slowest rank's time), checked first
+against the one-GPU output on each rank's rows; efficiency = T1 / (N x T_N). Beside them torch's
+``context_parallel`` (SDPA, cuDNN backend, causal; its own round-robin sharding), where it runs.
+Per-GPU peak memory of each run is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import fusedattn
+from fusedattn import distributed as cp
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+WINDOW = 4096
+
+
+def _timed(fn, iters: int = 3, together: bool = True) -> float:
+    """ms per call of ``fn`` (forward+backward), the median of ``iters`` after one warm-up;
+    ``together``: every rank synchronised around each call (the step ends with its slowest rank)."""
+    fn()
+    times = []
+    for _ in range(iters):
+        if together:
+            dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if together:
+            dist.barrier()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _documents(total: int, world: int) -> list:
+    """Document lengths summing to ``total``, each a multiple of 2N (zigzag per document): a fixed
+    mix of long and short documents."""
+    unit = 2 * world * 64
+    weights = [8, 3, 5, 1, 2, 6, 4, 3]
+    lengths = [max(unit, total * w // sum(weights) // unit * unit) for w in weights]
+    lengths[-1] += total - sum(lengths)
+    return lengths
+
+
+def _rows(world: int) -> list:
+    return [dict(name="causal", causal=True, window=None, documents=False),
+            dict(name=f"causal, window {WINDOW}", causal=True, window=(WINDOW, 0), documents=False),
+            dict(name="packed documents, causal", causal=True, window=None, documents=True)]
+
+
+def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape_q, shape_kv = (1, seqlen, HEADS_Q, HEAD_DIM), (1, seqlen, HEADS_KV, HEAD_DIM)
+    q, dout = (torch.randn(shape_q, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k, v = (torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    results = []
+    for row in _rows(world):
+        lengths = _documents(seqlen, world) if row["documents"] else None
+        cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
+                                                       dtype=torch.int32, device=device)
+        options = dict(causal=row["causal"], window=row["window"])
+        # T1: the whole sequence on rank 0
+        one = dict(row=row["name"], system="fusedattn, 1 GPU", gpus=1, seqlen=seqlen)
+        reference = None
+        if rank == 0:
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+
+            def whole():
+                if cu is None:
+                    o = fusedattn.attention(*leaves, **options)
+                else:
+                    o = fusedattn.varlen_attention(*(t[0] for t in leaves), cu, cu, max(lengths), max(lengths),
+                                                   **options)[None]
+                o.backward(dout)
+                return o
+            torch.cuda.reset_peak_memory_stats()
+            one["fwdbwd_ms"] = _timed(whole, together=False)
+            one["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            reference = whole().detach()
+            for t in leaves:
+                t.grad = None
+        dist.barrier()  # the other ranks wait for rank 0's whole sequence
+        ref = torch.empty_like(q) if reference is None else reference
+        dist.broadcast(ref, 0)
+        results.append(one)
+        plan = cp.shard_plan(seqlen, balance="zigzag") if cu is None else \
+            cp.shard_plan(cu_seqlens=cu.cpu(), balance="zigzag")
+
+        def local(t):
+            return plan.shard(t[0] if cu is not None else t)
+        ql, kl, vl, dl = (local(t).detach().clone() for t in (q, k, v, dout))
+        for strategy in strategies:
+            entry = dict(row=row["name"], system=f"fusedattn cp {strategy}", gpus=world, seqlen=seqlen)
+            try:
+                leaves = [t.clone().requires_grad_() for t in (ql, kl, vl)]
+                used = cp.choose_strategy(plan, HEADS_Q, HEADS_KV, options["window"]) if strategy == "auto" \
+                    else strategy
+
+                def step():
+                    o = cp.cp_attention(*leaves, plan, strategy=used, **options)
+                    o.backward(dl)
+                    return o
+                out = step().detach()
+                err = (out.float() - local(ref).float()).abs().max()
+                dist.all_reduce(err, op=dist.ReduceOp.MAX)
+                entry["max_abs_diff_vs_1gpu"] = err.item()
+                if err.item() > 0.05:
+                    entry["note"] = f"output differs from one GPU's by {err.item():.3g}: not timed"
+                else:
+                    torch.cuda.reset_peak_memory_stats()
+                    entry["fwdbwd_ms"] = _timed(step)
+                    peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=device)
+                    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+                    entry["peak_gb"] = peak.item()
+                    if "fwdbwd_ms" in one:
+                        entry["efficiency"] = one["fwdbwd_ms"] / (world * entry["fwdbwd_ms"])
+                entry["strategy"] = used
+            except Exception as e:  # a strategy that cannot run this row is a result
+                entry["note"] = f"{type(e).__name__}: {str(e)[:200]}"
+            _share_t1(entry, one, world)
+            results.append(entry)
+            _save(results, out_path, env, rank)
+        if cu is None and not row["window"]:
+            results.append(_torch_context_parallel(row, q, k, v, dout, seqlen, one, world))
+        _save(results, out_path, env, rank)
+    return results
+
+
+def _share_t1(entry: dict, one: dict, world: int) -> None:
+    """T1 lives on rank 0: every rank's entry gets rank 0's efficiency."""
+    value = torch.tensor(entry.get("efficiency", float("nan")), device="cuda")
+    dist.broadcast(value, 0)
+    if value.isfinite():
+        entry["efficiency"] = value.item()
+
+
+def _torch_context_parallel(row, q, k, v, dout, seqlen, one, world) -> dict:
+    """torch's context_parallel around SDPA (cuDNN backend, is_causal), K/V heads expanded to Hq
+    (its ring has no GQA)."""
+    entry = dict(row=row["name"], system="torch context_parallel, SDPA cuDNN", gpus=world, seqlen=seqlen)
+    try:
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        mesh = init_device_mesh("cuda", (world,))
+        group = HEADS_Q // HEADS_KV
+        buffers = [t.transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(group, 2),
+                                                            v.repeat_interleave(group, 2), dout)]
+        qt, kt, vt, dt = buffers
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+            leaves = [t.detach().clone().requires_grad_() for t in (qt, kt, vt)]
+
+            def step():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    o = F.scaled_dot_product_attention(*leaves, is_causal=True)
+                o.backward(dt)
+            torch.cuda.reset_peak_memory_stats()
+            entry["fwdbwd_ms"] = _timed(step)
+            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            entry["peak_gb"] = peak.item()
+        t1 = torch.tensor(one.get("fwdbwd_ms", float("nan")), device="cuda")
+        dist.broadcast(t1, 0)
+        entry["efficiency"] = t1.item() / (world * entry["fwdbwd_ms"])
+        entry["note"] = "its output is not checked against ours (its own sharding and SDPA's kernel)"
+    except Exception as e:
+        entry["note"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return entry
+
+
+def _save(results, out_path, env, rank) -> None:
+    if rank == 0 and out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(dict(environment=env, rows=results), indent=1))
+
+
+def table(results: list) -> str:
+    lines = [f"{'row':<28} {'system':<36} {'GPUs':>4} {'f+b ms':>9} {'efficiency':>10} {'peak GB':>8}  note"]
+    for r in results:
+        ms = f"{r['fwdbwd_ms']:.1f}" if "fwdbwd_ms" in r else "--"
+        eff = f"{100 * r['efficiency']:.1f}%" if "efficiency" in r else "--"
+        peak = f"{r['peak_gb']:.1f}" if "peak_gb" in r else "--"
+        lines.append(f"{r['row']:<28} {r['system']:<36} {r['gpus']:>4} {ms:>9} {eff:>10} {peak:>8}  {r.get('note', '')}")
+    return "\n".join(lines)
+
+
+def main(args, env: dict, stem: str) -> None:
+    if "WORLD_SIZE" not in os.environ or not torch.cuda.is_available():
+        print("fusedattn benchmark --cp: run it under torchrun on CUDA devices, one process per GPU, e.g.\n"
+              "  torchrun --nproc-per-node 2 -m fusedattn.bench --cp")
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    world = dist.get_world_size()
+    seqlen = args.cp_seqlen or 32768 * world
+    strategies = args.cp_strategies.split(",")
+    out_path = None if args.no_save else Path(args.out) / f"{stem}-{world}gpu.json"
+    try:
+        results = run(seqlen, strategies, out_path, env)
+        if dist.get_rank() == 0:
+            print(table(results))
+            if out_path is not None:
+                print(f"wrote {out_path}")
+    finally:
+        dist.destroy_process_group()
