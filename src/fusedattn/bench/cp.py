@@ -8,7 +8,8 @@ packed documents (causal). Each row times one GPU running the whole sequence (T1
 the others wait) and every strategy on all N GPUs (T_N: the slowest rank's time), checked first
 against the one-GPU output on each rank's rows; efficiency = T1 / (N x T_N). Beside them torch's
 ``context_parallel`` (SDPA, cuDNN backend, causal; its own round-robin sharding), where it runs.
-Per-GPU peak memory of each run is reported.
+Per-GPU peak memory of each run is reported: the step's own, from its q, k, v on (inputs, outputs,
+gradients, activations, communication buffers), the largest rank's.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
         one = dict(row=row["name"], system="fusedattn, 1 GPU", gpus=1, seqlen=seqlen)
         reference = None
         if rank == 0:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()  # the step's memory: from its own q, k, v on
+            torch.cuda.reset_peak_memory_stats()
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
             def whole():
@@ -89,9 +93,8 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
                                                    **options)[None]
                 o.backward(dout)
                 return o
-            torch.cuda.reset_peak_memory_stats()
             one["fwdbwd_ms"] = _timed(whole, together=False)
-            one["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            one["peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
             reference = whole().detach()
             for t in leaves:
                 t.grad = None
@@ -108,6 +111,9 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
         for strategy in strategies:
             entry = dict(row=row["name"], system=f"fusedattn cp {strategy}", gpus=world, seqlen=seqlen)
             try:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
                 leaves = [t.clone().requires_grad_() for t in (ql, kl, vl)]
                 used = cp.choose_strategy(plan, HEADS_Q, HEADS_KV, options["window"]) if strategy == "auto" \
                     else strategy
@@ -123,9 +129,8 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
                 if err.item() > 0.05:
                     entry["note"] = f"output differs from one GPU's by {err.item():.3g}: not timed"
                 else:
-                    torch.cuda.reset_peak_memory_stats()
                     entry["fwdbwd_ms"] = _timed(step)
-                    peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=device)
+                    peak = torch.tensor((torch.cuda.max_memory_allocated() - base) / 2**30, device=device)
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                     entry["peak_gb"] = peak.item()
                     if "fwdbwd_ms" in one:
@@ -166,15 +171,17 @@ def _torch_context_parallel(row, q, k, v, dout, seqlen, one, world) -> dict:
                                                             v.repeat_interleave(group, 2), dout)]
         qt, kt, vt, dt = buffers
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             leaves = [t.detach().clone().requires_grad_() for t in (qt, kt, vt)]
 
             def step():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     o = F.scaled_dot_product_attention(*leaves, is_causal=True)
                 o.backward(dt)
-            torch.cuda.reset_peak_memory_stats()
             entry["fwdbwd_ms"] = _timed(step)
-            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device="cuda")
+            peak = torch.tensor((torch.cuda.max_memory_allocated() - base) / 2**30, device="cuda")
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             entry["peak_gb"] = peak.item()
         t1 = torch.tensor(one.get("fwdbwd_ms", float("nan")), device="cuda")
@@ -202,6 +209,36 @@ def table(results: list) -> str:
     return "\n".join(lines)
 
 
+def plot(results: list, path: Path, title: str) -> bool:
+    """Efficiency (T1 / (N x T_N)) of every multi-GPU system, grouped by row; the issue's bars
+    dashed. False where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = list(dict.fromkeys(r["row"] for r in results))
+    systems = list(dict.fromkeys(r["system"] for r in results if r["gpus"] > 1))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / max(len(systems), 1)
+    for i, system in enumerate(systems):
+        values = [next((100 * r["efficiency"] for r in results if r["row"] == row and r["system"] == system
+                        and "efficiency" in r), 0.0) for row in rows]
+        ax.bar([x + i * width for x in range(len(rows))], values, width, label=system)
+    for bar, style in ((90, "--"), (85, ":")):
+        ax.axhline(bar, color="gray", linestyle=style, linewidth=1)
+    ax.set_xticks([x + width * (len(systems) - 1) / 2 for x in range(len(rows))], rows, fontsize=8)
+    ax.set_ylabel("efficiency, % (T1 / (N x T_N))")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def main(args, env: dict, stem: str) -> None:
     if "WORLD_SIZE" not in os.environ or not torch.cuda.is_available():
         print("fusedattn benchmark --cp: run it under torchrun on CUDA devices, one process per GPU, e.g.\n"
@@ -220,5 +257,8 @@ def main(args, env: dict, stem: str) -> None:
             print(table(results))
             if out_path is not None:
                 print(f"wrote {out_path}")
+                title = f"{env['device']} x {world}: {seqlen // 1024}k tokens, bf16, Hq=32, Hkv=8, D=128, fwd+bwd"
+                if plot(results, out_path.with_suffix(".png"), title):
+                    print(f"wrote {out_path.with_suffix('.png')}")
     finally:
         dist.destroy_process_group()

@@ -55,8 +55,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardP
     for packed plans). ``strategy``: "allgather", "ring", "ulysses" or "auto" (``choose_strategy``).
     Returns ``out`` like q (head dim Dv), and with ``return_lse`` also this rank's ``lse`` (B, Hq,
     S/N) float32 (packed: (Hq, T/N)); both differentiable. ``sinks`` (Hq,) float32: each rank's
-    gradient is its own rows' part, as for every parameter under context parallelism -- sum it over
-    the group as for the others (FSDP or DDP over the group do). ``alibi_slopes``, ``dropout_p``,
+    gradient is its part (its rows', or with Ulysses its heads'), as for every parameter under
+    context parallelism -- sum it over the group as for the others (FSDP or DDP over the group do). ``alibi_slopes``, ``dropout_p``,
     ``bias`` and ``mask`` raise ``NotImplementedError``: their terms depend on positions or entries
     the shards do not carry."""
     for name, given in (("alibi_slopes", alibi_slopes is not None), ("dropout_p", dropout_p != 0.0),
@@ -92,7 +92,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardP
             raise ValueError(f"{_CALLER}: strategy='ulysses' splits the heads over the group: {why}")
     spec = resolve_spec(q.shape[-1], layout="bshd", causal=causal, window=window, scale=scale, softcap=softcap,
                         deterministic=deterministic)
-    problem = Problem(plan, spec, resolve_backend(q), int(chunk or 0))
+    problem = Problem(plan, spec, resolve_backend(q), int(chunk or 0), shapes.heads_kv)
     out, lse = ContextParallelAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, problem,
                                               strategy)
     if packed:

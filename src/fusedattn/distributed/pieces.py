@@ -122,15 +122,46 @@ def _rows(t: torch.Tensor, off: int, length: int) -> torch.Tensor:
     return t.narrow(1, off, length).contiguous()
 
 
-def forward_block(q, k, v, block_pieces, spec: AttentionSpec, acc_out, acc_lse, backend: str) -> None:
-    """Merge the block's calls into ``acc_out`` (fp32, q's (B, S, Hq, Dv)) and ``acc_lse`` (fp32,
-    (B, Hq, S), -inf where no key was seen yet), in place."""
+def _call(q, k, v, p: Piece, spec: AttentionSpec, backend: str):
+    call_spec = replace(spec, window_left=p.left, window_right=p.right)
+    return dispatch.forward(_rows(q, p.q_off, p.q_len), _rows(k, p.k_off, p.k_len), _rows(v, p.k_off, p.k_len),
+                            call_spec, None, None, None, backend)
+
+
+def disjoint(ranges) -> bool:
+    """Whether the (offset, length) ranges overlap nowhere."""
+    ordered = sorted(ranges)
+    return all(a_off + a_len <= b_off for (a_off, a_len), (b_off, _) in zip(ordered, ordered[1:]))
+
+
+def forward_direct(q, k, v, block_pieces, spec: AttentionSpec, backend: str):
+    """(out in q's dtype, lse fp32) where no row is in two calls: each call's result is its rows'
+    whole result, written in place (rows no call has: out 0, lse -inf). No fp32 accumulator."""
+    batch, seqlen, heads_q, _ = q.shape
+    out = q.new_zeros((batch, seqlen, heads_q, v.shape[-1]))
+    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
     for p in block_pieces:
-        call_spec = replace(spec, window_left=p.left, window_right=p.right)
-        out, lse = dispatch.forward(_rows(q, p.q_off, p.q_len), _rows(k, p.k_off, p.k_len),
-                                    _rows(v, p.k_off, p.k_len), call_spec, None, None, None, backend)
+        o, l = _call(q, k, v, p, spec, backend)
+        out[:, p.q_off:p.q_off + p.q_len] = o
+        lse[:, :, p.q_off:p.q_off + p.q_len] = l
+    return out, lse
+
+
+def forward_block(q, k, v, block_pieces, spec: AttentionSpec, acc_out, acc_lse, backend: str,
+                  written: list | None = None) -> None:
+    """Merge the block's calls into ``acc_out`` (fp32, q's (B, S, Hq, Dv)) and ``acc_lse`` (fp32,
+    (B, Hq, S), -inf where no key was seen yet), in place. ``written``: the (offset, length) row
+    ranges merged so far (kept up to date): rows no earlier call reached are copied, not merged."""
+    for p in block_pieces:
+        out, lse = _call(q, k, v, p, spec, backend)
         rows = slice(p.q_off, p.q_off + p.q_len)
-        merge_into(acc_out[:, rows], acc_lse[:, :, rows], out, lse.float())
+        if written is not None and disjoint([*written, (p.q_off, p.q_len)]):
+            acc_out[:, rows] = out
+            acc_lse[:, :, rows] = lse
+        else:
+            merge_into(acc_out[:, rows], acc_lse[:, :, rows], out, lse.float())
+        if written is not None:
+            written.append((p.q_off, p.q_len))
 
 
 def merge_into(acc_out, acc_lse, out, lse) -> None:
@@ -147,7 +178,10 @@ def merge_into(acc_out, acc_lse, out, lse) -> None:
 def backward_block(dout, dlse, q, k, v, out, lse, block_pieces, spec: AttentionSpec, dq_acc, dk_acc, dv_acc,
                    backend: str) -> None:
     """Add the block's gradients into ``dq_acc`` (q's rows) and ``dk_acc`` / ``dv_acc`` (the
-    block's keys), fp32, from the merged ``out`` (q's dtype) and ``lse`` (fp32)."""
+    block's keys), fp32, from the merged ``out`` (q's dtype) and ``lse`` (fp32). Where no row and
+    no key is in two calls (``disjoint``), the accumulators may be of q's dtype: each call's
+    gradients are then its rows' and keys' whole gradients, written in place."""
+    direct = dq_acc.dtype != torch.float32
     for p in block_pieces:
         call_spec = replace(spec, window_left=p.left, window_right=p.right)
         rows = slice(p.q_off, p.q_off + p.q_len)
@@ -157,6 +191,9 @@ def backward_block(dout, dlse, q, k, v, out, lse, block_pieces, spec: AttentionS
             _rows(out, p.q_off, p.q_len), lse[:, :, rows].contiguous(), call_spec, None, False, None, None, False,
             backend)
         keys = slice(p.k_off, p.k_off + p.k_len)
-        dq_acc[:, rows] += dq.float()
-        dk_acc[:, keys] += dk.float()
-        dv_acc[:, keys] += dv.float()
+        if direct:
+            dq_acc[:, rows], dk_acc[:, keys], dv_acc[:, keys] = dq, dk, dv
+        else:
+            dq_acc[:, rows] += dq.float()
+            dk_acc[:, keys] += dk.float()
+            dv_acc[:, keys] += dv.float()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import dispatch
 from ..row_gradients import sink_gradient_from_outputs
 from ..spec import AttentionSpec
-from .pieces import backward_block, forward_block, pieces
+from .pieces import backward_block, disjoint, forward_block, forward_direct, pieces
 from .plan import ShardPlan
 
 STRATEGIES = ("auto", "allgather", "ring", "ulysses")
@@ -32,8 +32,8 @@ STRATEGIES = ("auto", "allgather", "ring", "ulysses")
 class Problem:
     """One call's fixed parts: the plan, the spec, the backend, which rank holds what."""
 
-    def __init__(self, plan: ShardPlan, spec: AttentionSpec, backend: str, chunk: int):
-        self.plan, self.spec, self.backend, self.chunk = plan, spec, backend, chunk
+    def __init__(self, plan: ShardPlan, spec: AttentionSpec, backend: str, chunk: int, heads_kv: int):
+        self.plan, self.spec, self.backend, self.chunk, self.heads_kv = plan, spec, backend, chunk, heads_kv
 
     def block_pieces(self, key_rank: int, query_runs=None) -> list:
         plan = self.plan
@@ -114,12 +114,15 @@ def _accumulators(q: torch.Tensor, v: torch.Tensor) -> tuple:
 
 def allgather_forward(q, k, v, sinks, problem: Problem):
     acc_out, acc_lse = _accumulators(q, v)
+    written = []
     for r, (k_r, v_r) in enumerate(zip(_all_gather(k, problem.plan), _all_gather(v, problem.plan))):
-        forward_block(q, k_r, v_r, problem.block_pieces(r), problem.spec, acc_out, acc_lse, problem.backend)
-    return _finish(acc_out, acc_lse, sinks, q.dtype)
+        forward_block(q, k_r, v_r, problem.block_pieces(r), problem.spec, acc_out, acc_lse, problem.backend, written)
+    out, lse = _finish(acc_out, acc_lse, sinks, q.dtype)
+    return out, lse, (q, k, v, out, lse)
 
 
-def allgather_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
+def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
+    q, k, v, out, lse = saved
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dks, dvs = [], []
     for r, (k_r, v_r) in enumerate(zip(_all_gather(k, problem.plan), _all_gather(v, problem.plan))):
@@ -129,7 +132,8 @@ def allgather_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
                        problem.backend)
         dks.append(dk_r)
         dvs.append(dv_r)
-    return dq, _sum_to_owners(dks, problem.plan), _sum_to_owners(dvs, problem.plan)
+    return dq, _sum_to_owners(dks, problem.plan), _sum_to_owners(dvs, problem.plan), \
+        _sinks_gradient(sinks, out, dout, lse, dlse)
 
 
 # ----------------------------------------------------------------------------- ring
@@ -138,23 +142,26 @@ def allgather_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
 def ring_forward(q, k, v, sinks, problem: Problem):
     plan = problem.plan
     acc_out, acc_lse = _accumulators(q, v)
+    written = []
     block = [k, v]
     for step in range(plan.world_size):
         if step + 1 < plan.world_size:  # the next block in flight while this one is computed
             incoming, requests = _exchange(block, plan)
         source = (plan.rank - step) % plan.world_size
         forward_block(q, block[0], block[1], problem.block_pieces(source), problem.spec, acc_out, acc_lse,
-                      problem.backend)
+                      problem.backend, written)
         if step + 1 < plan.world_size:
             _wait(requests)
             block = incoming
-    return _finish(acc_out, acc_lse, sinks, q.dtype)
+    out, lse = _finish(acc_out, acc_lse, sinks, q.dtype)
+    return out, lse, (q, k, v, out, lse)
 
 
-def ring_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
+def ring_backward(dout, dlse, saved, sinks, problem: Problem):
     """At step s this rank holds source (rank - s)'s K/V and the dK/dV that the ranks before it
     added for that source; it adds its own and passes both on. After the last step the
     accumulators are one hop from their owner."""
+    q, k, v, out, lse = saved
     plan = problem.plan
     n = plan.world_size
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -176,7 +183,7 @@ def ring_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
             _wait(requests)
             block = incoming
     _wait(grad_requests)
-    return dq, incoming_grads[0], incoming_grads[1]
+    return dq, incoming_grads[0], incoming_grads[1], _sinks_gradient(sinks, out, dout, lse, dlse)
 
 
 # ----------------------------------------------------------------------------- Ulysses
@@ -225,7 +232,7 @@ def ulysses_layout(plan: ShardPlan, heads_q: int, heads_kv: int) -> str | None:
 def _whole_problem(problem: Problem) -> Problem:
     plan = problem.plan
     whole = ShardPlan(1, 0, plan.seqlen, plan.balance, (((0, plan.seqlen),),), plan.documents, plan.packed)
-    return Problem(whole, problem.spec, problem.backend, problem.chunk)
+    return Problem(whole, problem.spec, problem.backend, problem.chunk, problem.heads_kv)
 
 
 def ulysses_forward(q, k, v, sinks, problem: Problem):
@@ -236,69 +243,88 @@ def ulysses_forward(q, k, v, sinks, problem: Problem):
     kh = _heads_to_sequence(k.repeat_interleave(reps, dim=2), plan, order)
     vh = _heads_to_sequence(v.repeat_interleave(reps, dim=2), plan, order)
     whole = _whole_problem(problem)
-    acc_out, acc_lse = _accumulators(qh, vh)
-    forward_block(qh, kh, vh, whole.block_pieces(0), whole.spec, acc_out, acc_lse, whole.backend)
+    calls = whole.block_pieces(0)
     heads = q.shape[2] // plan.world_size
     my_sinks = None if sinks is None else sinks.narrow(0, plan.rank * heads, heads)
-    out_h, lse_h = _finish(acc_out, acc_lse, my_sinks, q.dtype)
+    if disjoint([(p.q_off, p.q_len) for p in calls]):  # every row's keys in one call: its result as is
+        out_h, lse_h = forward_direct(qh, kh, vh, calls, whole.spec, whole.backend)
+        if my_sinks is not None:
+            out_h, lse_h = _finish(out_h.float(), lse_h, my_sinks, q.dtype)
+    else:
+        acc_out, acc_lse = _accumulators(qh, vh)
+        forward_block(qh, kh, vh, calls, whole.spec, acc_out, acc_lse, whole.backend, [])
+        out_h, lse_h = _finish(acc_out, acc_lse, my_sinks, q.dtype)
     out = _sequence_to_heads(out_h, plan, order)
     lse = _sequence_to_heads(lse_h.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2)
-    return out, lse.contiguous()
+    # the backward reads the head-sharded tensors kept from here: no all-to-all of q, k, v, out again
+    return out, lse.contiguous(), (qh, kh, vh, out_h, lse_h.contiguous())
 
 
-def ulysses_backward(dout, dlse, q, k, v, out, lse, problem: Problem):
+def ulysses_backward(dout, dlse, saved, sinks, problem: Problem):
+    qh, kh, vh, out_h, lse_h = saved
     plan = problem.plan
     n = plan.world_size
-    order = torch.cat([plan.global_index(r, device=q.device) for r in range(n)])
-    reps = _kv_replicas(k.shape[2], n)
-    qh = _heads_to_sequence(q, plan, order)
-    kh = _heads_to_sequence(k.repeat_interleave(reps, dim=2), plan, order)
-    vh = _heads_to_sequence(v.repeat_interleave(reps, dim=2), plan, order)
-    out_h = _heads_to_sequence(out, plan, order)
+    order = torch.cat([plan.global_index(r, device=qh.device) for r in range(n)])
+    reps = _kv_replicas(problem.heads_kv, n)
     dout_h = _heads_to_sequence(dout, plan, order)
-    lse_h = _heads_to_sequence(lse.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2)
     dlse_h = None if dlse is None else \
         _heads_to_sequence(dlse.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2).contiguous()
     whole = _whole_problem(problem)
-    dq_h = torch.zeros(qh.shape, dtype=torch.float32, device=q.device)
-    dk_h = torch.zeros(kh.shape, dtype=torch.float32, device=q.device)
-    dv_h = torch.zeros(vh.shape, dtype=torch.float32, device=q.device)
-    backward_block(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.contiguous(), whole.block_pieces(0), whole.spec, dq_h,
-                   dk_h, dv_h, whole.backend)
+    calls = whole.block_pieces(0)
+    # every row's and key's gradient from one call: sent back as is, in q's dtype; else summed in fp32
+    direct = disjoint([(p.q_off, p.q_len) for p in calls]) and disjoint([(p.k_off, p.k_len) for p in calls])
+    grad_type = qh.dtype if direct else torch.float32
+    dq_h, dk_h, dv_h = (torch.zeros(t.shape, dtype=grad_type, device=qh.device) for t in (qh, kh, vh))
+    backward_block(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.contiguous(), calls, whole.spec, dq_h, dk_h, dv_h,
+                   whole.backend)
+    if reps > 1:  # replicas' partial gradients: summed back into their head in fp32, in a fixed order
+        dk_h, dv_h = dk_h.float(), dv_h.float()
     dq = _sequence_to_heads(dq_h, plan, order)
     dk = _sequence_to_heads(dk_h, plan, order)
     dv = _sequence_to_heads(dv_h, plan, order)
-    if reps > 1:  # the replicas' gradients summed back into their head, in a fixed order
+    if reps > 1:
         dk = dk.unflatten(2, (-1, reps)).sum(3)
         dv = dv.unflatten(2, (-1, reps)).sum(3)
-    return dq, dk, dv
+    dsinks = None
+    if sinks is not None:  # this rank's heads' part (the other heads' entries 0)
+        heads = qh.shape[2]
+        dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
+        dsinks[plan.rank * heads:(plan.rank + 1) * heads] = _sinks_gradient(
+            sinks.narrow(0, plan.rank * heads, heads), out_h, dout_h, lse_h, dlse_h)
+    return dq, dk, dv, dsinks
 
 
 FORWARD = {"allgather": allgather_forward, "ring": ring_forward, "ulysses": ulysses_forward}
 BACKWARD = {"allgather": allgather_backward, "ring": ring_backward, "ulysses": ulysses_backward}
 
 
+def _sinks_gradient(sinks, out, dout, lse, dlse):
+    """The sinks' gradient from these rows (None without sinks)."""
+    return None if sinks is None else sink_gradient_from_outputs(sinks, out, dout, lse, dlse, "bshd")
+
+
 class ContextParallelAttention(torch.autograd.Function):
-    """Forward and backward of one strategy; q, k, v are (B, S/N, H, D) shards."""
+    """Forward and backward of one strategy; q, k, v are (B, S/N, H, D) shards. Each strategy's
+    forward returns what its backward reads (saved here)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, problem: Problem, strategy: str):
-        out, lse = FORWARD[strategy](q, k, v, sinks, problem)
-        ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.problem, ctx.strategy = problem, strategy
+        out, lse, saved = FORWARD[strategy](q, k, v, sinks, problem)
+        ctx.save_for_backward(sinks, *saved)
+        ctx.problem, ctx.strategy, ctx.dtypes = problem, strategy, (q.dtype, k.dtype, v.dtype)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
-        q, k, v, sinks, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = BACKWARD[ctx.strategy](dout, dlse, q, k, v, out, lse, ctx.problem)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            # this rank's rows' part, as for every parameter under context parallelism
-            dsinks = sink_gradient_from_outputs(sinks, out, dout, lse, dlse, "bshd").to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
+        sinks, *saved = ctx.saved_tensors
+        dq, dk, dv, dsinks = BACKWARD[ctx.strategy](dout.contiguous(), dlse, saved,
+                                                    sinks if ctx.needs_input_grad[3] else None, ctx.problem)
+        q_type, k_type, v_type = ctx.dtypes
+        # a rank's sinks gradient is its own rows' (Ulysses: heads') part, as every parameter's under
+        # context parallelism: the group's sum is the gradient
+        return dq.to(q_type), dk.to(k_type), dv.to(v_type), None if dsinks is None else dsinks.to(sinks.dtype), \
+            None, None
 
 
 def resolve_backend(q: torch.Tensor) -> str:
