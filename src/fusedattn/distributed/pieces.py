@@ -147,6 +147,58 @@ def forward_direct(q, k, v, block_pieces, spec: AttentionSpec, backend: str):
     return out, lse
 
 
+def diagonal_tiling(block_pieces, seqlen: int, spec: AttentionSpec) -> list | None:
+    """The segment offsets where the calls are the diagonal blocks of a self-attention that tile
+    [0, seqlen) with the global window unshifted (Ulysses over documents or chunks): one packed
+    (varlen) call then does them all. None otherwise."""
+    if len(block_pieces) < 2:
+        return None
+    offsets = [0]
+    for p in sorted(block_pieces, key=lambda p: p.q_off):
+        if p.q_off != offsets[-1] or p.k_off != p.q_off or p.k_len != p.q_len:
+            return None
+        offsets.append(p.q_off + p.q_len)
+    return offsets if offsets[-1] == seqlen else None
+
+
+def _packing(offsets: list, batch: int, seqlen: int, q, k):
+    from ..varlen import check_packing
+
+    cu = torch.tensor([b * seqlen + o for b in range(batch) for o in offsets[:-1]] + [batch * seqlen],
+                      dtype=torch.int32)
+    longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+    return check_packing(cu, cu, longest, longest, q, k)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def forward_tiled(q, k, v, offsets: list, spec: AttentionSpec, backend: str):
+    """(out, lse) of ``diagonal_tiling``'s calls as one packed call over every batch row's segments."""
+    from ..varlen import _forward
+
+    batch, seqlen = q.shape[:2]
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    out, lse = _forward(qf, kf, vf, None, _packing(offsets, batch, seqlen, qf, kf), spec, backend, True)
+    return out.view(batch, seqlen, *out.shape[1:]), \
+        lse.view(lse.shape[0], batch, seqlen).transpose(0, 1).contiguous()
+
+
+def backward_tiled(dout, dlse, q, k, v, out, lse, offsets: list, spec: AttentionSpec, backend: str):
+    """(dq, dk, dv) of ``forward_tiled``, from the rows' ``out`` and ``lse``."""
+    from ..varlen import _backward
+
+    batch, seqlen = q.shape[:2]
+    qf, kf = _flat(q), _flat(k)
+
+    def packed_lse(t):
+        return None if t is None else t.transpose(0, 1).reshape(t.shape[1], batch * seqlen)
+    dq, dk, dv, _ = _backward(_flat(dout), packed_lse(dlse), qf, kf, _flat(v), _flat(out), packed_lse(lse),
+                              None, False, _packing(offsets, batch, seqlen, qf, kf), spec, backend)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
 def forward_block(q, k, v, block_pieces, spec: AttentionSpec, acc_out, acc_lse, backend: str,
                   written: list | None = None) -> None:
     """Merge the block's calls into ``acc_out`` (fp32, q's (B, S, Hq, Dv)) and ``acc_lse`` (fp32,

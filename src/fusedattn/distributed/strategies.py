@@ -23,7 +23,8 @@ import torch.distributed as dist
 from .. import dispatch
 from ..row_gradients import sink_gradient_from_outputs
 from ..spec import AttentionSpec
-from .pieces import backward_block, disjoint, forward_block, forward_direct, pieces
+from .pieces import (backward_block, backward_tiled, diagonal_tiling, disjoint, forward_block, forward_direct,
+                     forward_tiled, pieces)
 from .plan import ShardPlan
 
 STRATEGIES = ("auto", "allgather", "ring", "ulysses")
@@ -246,7 +247,12 @@ def ulysses_forward(q, k, v, sinks, problem: Problem):
     calls = whole.block_pieces(0)
     heads = q.shape[2] // plan.world_size
     my_sinks = None if sinks is None else sinks.narrow(0, plan.rank * heads, heads)
-    if disjoint([(p.q_off, p.q_len) for p in calls]):  # every row's keys in one call: its result as is
+    tiling = diagonal_tiling(calls, qh.shape[1], whole.spec)
+    if tiling is not None:  # documents or chunks: one packed call over all of them
+        out_h, lse_h = forward_tiled(qh, kh, vh, tiling, whole.spec, whole.backend)
+        if my_sinks is not None:
+            out_h, lse_h = _finish(out_h.float(), lse_h, my_sinks, q.dtype)
+    elif disjoint([(p.q_off, p.q_len) for p in calls]):  # every row's keys in one call: its result as is
         out_h, lse_h = forward_direct(qh, kh, vh, calls, whole.spec, whole.backend)
         if my_sinks is not None:
             out_h, lse_h = _finish(out_h.float(), lse_h, my_sinks, q.dtype)
@@ -273,10 +279,15 @@ def ulysses_backward(dout, dlse, saved, sinks, problem: Problem):
     calls = whole.block_pieces(0)
     # every row's and key's gradient from one call: sent back as is, in q's dtype; else summed in fp32
     direct = disjoint([(p.q_off, p.q_len) for p in calls]) and disjoint([(p.k_off, p.k_len) for p in calls])
-    grad_type = qh.dtype if direct else torch.float32
-    dq_h, dk_h, dv_h = (torch.zeros(t.shape, dtype=grad_type, device=qh.device) for t in (qh, kh, vh))
-    backward_block(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.contiguous(), calls, whole.spec, dq_h, dk_h, dv_h,
-                   whole.backend)
+    tiling = diagonal_tiling(calls, qh.shape[1], whole.spec)
+    if tiling is not None:
+        dq_h, dk_h, dv_h = backward_tiled(dout_h, dlse_h, qh, kh, vh, out_h, lse_h, tiling, whole.spec,
+                                          whole.backend)
+    else:
+        grad_type = qh.dtype if direct else torch.float32
+        dq_h, dk_h, dv_h = (torch.zeros(t.shape, dtype=grad_type, device=qh.device) for t in (qh, kh, vh))
+        backward_block(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.contiguous(), calls, whole.spec, dq_h, dk_h, dv_h,
+                       whole.backend)
     if reps > 1:  # replicas' partial gradients: summed back into their head in fp32, in a fixed order
         dk_h, dv_h = dk_h.float(), dv_h.float()
     dq = _sequence_to_heads(dq_h, plan, order)
