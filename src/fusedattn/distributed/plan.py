@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from .comm import all_gather_concat
+
 BALANCES = ("auto", "zigzag", "contiguous")
 
 
@@ -68,8 +70,6 @@ class ShardPlan:
     def unshard(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
         """The whole sequence from every rank's shard ``x`` (a collective over the plan's group:
         every rank calls it), in global order. Not differentiable."""
-        from .strategies import all_gather_concat
-
         dim = self._dim(x, dim)
         if x.shape[dim] != self.local_len:
             raise ValueError(f"ShardPlan.unshard: `x` has {x.shape[dim]} tokens along dim {dim}; this rank "

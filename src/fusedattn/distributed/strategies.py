@@ -25,6 +25,7 @@ from ..row_gradients import sink_gradient_from_outputs
 from ..spec import AttentionSpec
 from .pieces import (backward_block, backward_tiled, diagonal_tiling, disjoint, forward_block, forward_direct,
                      forward_tiled, pieces)
+from .comm import all_gather, exchange, sum_to_owners, wait_all
 from .plan import ShardPlan
 
 STRATEGIES = ("auto", "allgather", "ring", "ulysses")
@@ -40,54 +41,6 @@ class Problem:
         plan = self.plan
         return pieces(plan.runs[plan.rank] if query_runs is None else query_runs, plan.runs[key_rank],
                       plan.documents, self.spec.window_left, self.spec.window_right, self.chunk)
-
-
-# ----------------------------------------------------------------------------- communication
-
-
-def all_gather_concat(out: torch.Tensor, x: torch.Tensor, group) -> None:
-    """Every rank's ``x`` concatenated along dim 0 into ``out`` (torch's name for it changed)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x, group=group)
-
-
-def _all_gather(x: torch.Tensor, plan: ShardPlan) -> list:
-    """Every rank's ``x`` (same shape), in rank order."""
-    flat = x.contiguous()
-    out = flat.new_empty((plan.world_size * flat.shape[0], *flat.shape[1:]))
-    all_gather_concat(out, flat, plan.group)
-    return list(out.view(plan.world_size, *flat.shape).unbind(0))
-
-
-def _sum_to_owners(parts: list, plan: ShardPlan) -> torch.Tensor:
-    """parts[r]: this rank's contribution to rank r's tensor; returns this rank's tensor, the sum
-    of every rank's contribution in rank order (an all-to-all, then a local sum: the same order
-    every run, unlike a reduction's)."""
-    send = torch.stack(parts).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=plan.group)
-    total = recv[0].clone()
-    for r in range(1, plan.world_size):
-        total += recv[r]
-    return total
-
-
-def _exchange(tensors: list, plan: ShardPlan, to_next: bool = True) -> tuple:
-    """Send ``tensors`` to the next rank of the ring and receive the previous rank's (same shapes);
-    returns (received tensors, requests to wait on)."""
-    me, n = plan.rank, plan.world_size
-    dst, src = ((me + 1) % n, (me - 1) % n) if to_next else ((me - 1) % n, (me + 1) % n)
-    dst, src = dist.get_global_rank(plan.group, dst) if plan.group is not None else dst, \
-        dist.get_global_rank(plan.group, src) if plan.group is not None else src
-    received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), dst, plan.group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, src, plan.group) for r in received]
-    return received, dist.batch_isend_irecv(ops)
-
-
-def _wait(requests) -> None:
-    for request in requests:
-        request.wait()
 
 
 # ----------------------------------------------------------------------------- sinks, once per row
@@ -116,7 +69,7 @@ def _accumulators(q: torch.Tensor, v: torch.Tensor) -> tuple:
 def allgather_forward(q, k, v, sinks, problem: Problem):
     acc_out, acc_lse = _accumulators(q, v)
     written = []
-    for r, (k_r, v_r) in enumerate(zip(_all_gather(k, problem.plan), _all_gather(v, problem.plan))):
+    for r, (k_r, v_r) in enumerate(zip(all_gather(k, problem.plan), all_gather(v, problem.plan))):
         forward_block(q, k_r, v_r, problem.block_pieces(r), problem.spec, acc_out, acc_lse, problem.backend, written)
     out, lse = _finish(acc_out, acc_lse, sinks, q.dtype)
     return out, lse, (q, k, v, out, lse)
@@ -126,14 +79,14 @@ def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
     q, k, v, out, lse = saved
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dks, dvs = [], []
-    for r, (k_r, v_r) in enumerate(zip(_all_gather(k, problem.plan), _all_gather(v, problem.plan))):
+    for r, (k_r, v_r) in enumerate(zip(all_gather(k, problem.plan), all_gather(v, problem.plan))):
         dk_r = torch.zeros(k_r.shape, dtype=torch.float32, device=k.device)
         dv_r = torch.zeros(v_r.shape, dtype=torch.float32, device=v.device)
         backward_block(dout, dlse, q, k_r, v_r, out, lse, problem.block_pieces(r), problem.spec, dq, dk_r, dv_r,
                        problem.backend)
         dks.append(dk_r)
         dvs.append(dv_r)
-    return dq, _sum_to_owners(dks, problem.plan), _sum_to_owners(dvs, problem.plan), \
+    return dq, sum_to_owners(dks, problem.plan), sum_to_owners(dvs, problem.plan), \
         _sinks_gradient(sinks, out, dout, lse, dlse)
 
 
@@ -147,12 +100,12 @@ def ring_forward(q, k, v, sinks, problem: Problem):
     block = [k, v]
     for step in range(plan.world_size):
         if step + 1 < plan.world_size:  # the next block in flight while this one is computed
-            incoming, requests = _exchange(block, plan)
+            incoming, requests = exchange(block, plan)
         source = (plan.rank - step) % plan.world_size
         forward_block(q, block[0], block[1], problem.block_pieces(source), problem.spec, acc_out, acc_lse,
                       problem.backend, written)
         if step + 1 < plan.world_size:
-            _wait(requests)
+            wait_all(requests)
             block = incoming
     out, lse = _finish(acc_out, acc_lse, sinks, q.dtype)
     return out, lse, (q, k, v, out, lse)
@@ -167,23 +120,23 @@ def ring_backward(dout, dlse, saved, sinks, problem: Problem):
     n = plan.world_size
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     block = [k, v]
-    grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-             torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    # the accumulators of step 0's source (this rank's own keys) start at zero; later ones arrive
+    incoming_grads = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                      torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
     grad_requests = []
     for step in range(n):
         if step + 1 < n:
-            incoming, requests = _exchange(block, plan)
-        if step > 0:  # this source's accumulators, from the previous rank
-            _wait(grad_requests)
-            grads = incoming_grads
+            incoming, requests = exchange(block, plan)
+        wait_all(grad_requests)  # this source's accumulators, from the previous rank
+        grads = incoming_grads
         source = (plan.rank - step) % n
         backward_block(dout, dlse, q, block[0], block[1], out, lse, problem.block_pieces(source), problem.spec, dq,
                        grads[0], grads[1], problem.backend)
-        incoming_grads, grad_requests = _exchange(grads, plan)  # on to the next holder (after the last: the owner)
+        incoming_grads, grad_requests = exchange(grads, plan)  # on to the next holder (after the last: the owner)
         if step + 1 < n:
-            _wait(requests)
+            wait_all(requests)
             block = incoming
-    _wait(grad_requests)
+    wait_all(grad_requests)
     return dq, incoming_grads[0], incoming_grads[1], _sinks_gradient(sinks, out, dout, lse, dlse)
 
 
