@@ -108,6 +108,23 @@ def test_pieces_cover_exactly_the_pairs_the_global_rule_keeps():
         assert torch.equal(covered, wanted), (documents, q_runs, k_runs, left, right, chunk)
 
 
+def test_the_gather_strategy_fetches_only_the_keys_a_window_reaches():
+    """4 ranks, zigzag chunks of 12: with a causal 5-key window rank 1 (chunks 1 and 6) needs the
+    last 5 keys of chunk 0 (rank 0's local [7, 12)) and of chunk 5 (rank 2's local [19, 24)), nothing
+    of rank 3; causal without a window, all of chunk 0 and nothing of chunk 7."""
+    from fusedattn.distributed.strategies import Problem
+    from fusedattn.spec import resolve_spec
+
+    plan = shard_plan(96, world_size=4, rank=1, balance="zigzag")
+
+    def needed(window):
+        spec = resolve_spec(16, layout="bshd", causal=True, window=window, scale=None, softcap=None,
+                            deterministic=False)
+        return Problem(plan, spec, "torch", 0, 2).needed_keys()[1]
+    assert needed((5, 0)) == [(7, 12), (0, 24), (19, 24), None]
+    assert needed(None) == [(0, 12), (0, 24), (0, 24), (0, 24)]
+
+
 # ----------------------------------------------------------------------------- the strategies, on gloo
 
 

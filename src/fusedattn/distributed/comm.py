@@ -13,27 +13,6 @@ def all_gather_concat(out: torch.Tensor, x: torch.Tensor, group) -> None:
     gather(out, x, group=group)
 
 
-def all_gather(x: torch.Tensor, plan) -> list:
-    """Every rank's ``x`` (same shape), in rank order."""
-    flat = x.contiguous()
-    out = flat.new_empty((plan.world_size * flat.shape[0], *flat.shape[1:]))
-    all_gather_concat(out, flat, plan.group)
-    return list(out.view(plan.world_size, *flat.shape).unbind(0))
-
-
-def sum_to_owners(parts: list, plan) -> torch.Tensor:
-    """parts[r]: this rank's contribution to rank r's tensor; returns this rank's tensor, the sum
-    of every rank's contribution in rank order (an all-to-all, then a local sum: the same order
-    every run, unlike a reduction's)."""
-    send = torch.stack(parts).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=plan.group)
-    total = recv[0].clone()
-    for r in range(1, plan.world_size):
-        total += recv[r]
-    return total
-
-
 def exchange(tensors: list, plan, to_next: bool = True) -> tuple:
     """Send ``tensors`` to the next rank of the ring and receive the previous rank's (same shapes);
     returns (received tensors, requests to wait on)."""
@@ -50,3 +29,19 @@ def exchange(tensors: list, plan, to_next: bool = True) -> tuple:
 def wait_all(requests) -> None:
     for request in requests:
         request.wait()
+
+
+def sparse_exchange(sends: dict, receive_like: dict, plan) -> tuple:
+    """Point-to-point with the peers that need it: ``sends[peer]`` tensors go to group rank
+    ``peer``; ``receive_like[peer]`` ((shape, dtype) pairs) says what arrives from it. Returns
+    (received tensors by peer, requests to wait on)."""
+    ops, received = [], {}
+    device = next((t.device for ts in sends.values() for t in ts), None)
+    for peer in sorted(set(sends) | set(receive_like)):
+        target = dist.get_global_rank(plan.group, peer) if plan.group is not None else peer
+        ops += [dist.P2POp(dist.isend, t.contiguous(), target, plan.group) for t in sends.get(peer, [])]
+        buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in receive_like.get(peer, [])]
+        ops += [dist.P2POp(dist.irecv, b, target, plan.group) for b in buffers]
+        if buffers:
+            received[peer] = buffers
+    return received, dist.batch_isend_irecv(ops) if ops else []

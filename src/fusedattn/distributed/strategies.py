@@ -1,9 +1,9 @@
 """The strategies of ``cp_attention``: how keys reach the queries that need them, forward and backward.
 
-- ``allgather``: every rank gathers every rank's K/V, then attends its queries to all of them
-  (``pieces``); the backward gathers K/V again, and each rank's dK/dV (fp32) go back to their owner
-  by an all-to-all and a sum in rank order. Every feature; K/V of the whole sequence live during
-  the call.
+- ``allgather``: every rank receives the slices of every other rank's K/V that its queries reach
+  (all of them for causal attention; with a window only its reach, from the neighbours) while it
+  computes its own block; the backward fetches them again and sends the dK/dV partial sums (fp32)
+  back to their owner, which adds them in source-rank order. Every feature.
 - ``ring``: K/V blocks travel around the ring; each step attends to the block it holds while the
   next block is in flight, the running output and lse merged in fp32. The backward sends the
   blocks around again with their dK/dV accumulators (fp32), which end at their owner.
@@ -17,6 +17,8 @@ gradients run to run).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -25,7 +27,7 @@ from ..row_gradients import sink_gradient_from_outputs
 from ..spec import AttentionSpec
 from .pieces import (backward_block, backward_tiled, diagonal_tiling, disjoint, forward_block, forward_direct,
                      forward_tiled, pieces)
-from .comm import all_gather, exchange, sum_to_owners, wait_all
+from .comm import exchange, sparse_exchange, wait_all
 from .plan import ShardPlan
 
 STRATEGIES = ("auto", "allgather", "ring", "ulysses")
@@ -37,10 +39,31 @@ class Problem:
     def __init__(self, plan: ShardPlan, spec: AttentionSpec, backend: str, chunk: int, heads_kv: int):
         self.plan, self.spec, self.backend, self.chunk, self.heads_kv = plan, spec, backend, chunk, heads_kv
 
-    def block_pieces(self, key_rank: int, query_runs=None) -> list:
+    def block_pieces(self, key_rank: int, query_rank: int | None = None) -> list:
+        """The kernel calls of ``query_rank``'s queries (default: this rank's) against
+        ``key_rank``'s keys."""
         plan = self.plan
-        return pieces(plan.runs[plan.rank] if query_runs is None else query_runs, plan.runs[key_rank],
+        return pieces(plan.runs[plan.rank if query_rank is None else query_rank], plan.runs[key_rank],
                       plan.documents, self.spec.window_left, self.spec.window_right, self.chunk)
+
+    def needed_keys(self) -> list:
+        """needed[r][s]: the range (lo, hi) of rank s's local keys that rank r's queries reach, or
+        None (every rank computes the same table from the plan)."""
+        if not hasattr(self, "_needed"):
+            n = self.plan.world_size
+            self._needed = [[_key_range(self.block_pieces(s, r)) for s in range(n)] for r in range(n)]
+        return self._needed
+
+
+def _key_range(block_pieces) -> tuple | None:
+    if not block_pieces:
+        return None
+    return min(p.k_off for p in block_pieces), max(p.k_off + p.k_len for p in block_pieces)
+
+
+def _shifted(block_pieces, lo: int) -> list:
+    """The calls against a slice of the block that starts at its key ``lo``."""
+    return [replace(p, k_off=p.k_off - lo) for p in block_pieces]
 
 
 # ----------------------------------------------------------------------------- sinks, once per row
@@ -66,28 +89,64 @@ def _accumulators(q: torch.Tensor, v: torch.Tensor) -> tuple:
 # ----------------------------------------------------------------------------- all-gather
 
 
+def _fetch(tensors: list, problem: Problem) -> tuple:
+    """The slices of ``tensors`` (this rank's K and V, or what else is laid out like them) that
+    other ranks' queries reach, sent to them; those this rank's queries reach, received. Returns
+    (received by source rank, requests)."""
+    plan, needed, me = problem.plan, problem.needed_keys(), problem.plan.rank
+    sends = {r: [t[:, needed[r][me][0]:needed[r][me][1]] for t in tensors]
+             for r in range(plan.world_size) if r != me and needed[r][me] is not None}
+    receive = {s: [((t.shape[0], needed[me][s][1] - needed[me][s][0], *t.shape[2:]), t.dtype) for t in tensors]
+               for s in range(plan.world_size) if s != me and needed[me][s] is not None}
+    return sparse_exchange(sends, receive, plan)
+
+
 def allgather_forward(q, k, v, sinks, problem: Problem):
+    """Each rank's K/V goes to the ranks whose queries reach it -- to every rank for causal
+    attention, only the window's reach to the neighbours with a window -- while the own block is
+    computed."""
+    me, needed = problem.plan.rank, problem.needed_keys()
+    received, requests = _fetch([k, v], problem)
     acc_out, acc_lse = _accumulators(q, v)
     written = []
-    for r, (k_r, v_r) in enumerate(zip(all_gather(k, problem.plan), all_gather(v, problem.plan))):
-        forward_block(q, k_r, v_r, problem.block_pieces(r), problem.spec, acc_out, acc_lse, problem.backend, written)
+    forward_block(q, k, v, problem.block_pieces(me), problem.spec, acc_out, acc_lse, problem.backend, written)
+    wait_all(requests)
+    for s in sorted(received):
+        forward_block(q, *received[s], _shifted(problem.block_pieces(s), needed[me][s][0]), problem.spec, acc_out,
+                      acc_lse, problem.backend, written)
     out, lse = _finish(acc_out, acc_lse, sinks, q.dtype)
     return out, lse, (q, k, v, out, lse)
 
 
 def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
+    """The K/V slices fetched again; each rank's dK/dV partial sums (fp32) go back to the owner,
+    which adds them to its own in source-rank order."""
     q, k, v, out, lse = saved
+    plan, me, needed = problem.plan, problem.plan.rank, problem.needed_keys()
+    received, requests = _fetch([k, v], problem)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dks, dvs = [], []
-    for r, (k_r, v_r) in enumerate(zip(all_gather(k, problem.plan), all_gather(v, problem.plan))):
-        dk_r = torch.zeros(k_r.shape, dtype=torch.float32, device=k.device)
-        dv_r = torch.zeros(v_r.shape, dtype=torch.float32, device=v.device)
-        backward_block(dout, dlse, q, k_r, v_r, out, lse, problem.block_pieces(r), problem.spec, dq, dk_r, dv_r,
-                       problem.backend)
-        dks.append(dk_r)
-        dvs.append(dv_r)
-    return dq, sum_to_owners(dks, problem.plan), sum_to_owners(dvs, problem.plan), \
-        _sinks_gradient(sinks, out, dout, lse, dlse)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    backward_block(dout, dlse, q, k, v, out, lse, problem.block_pieces(me), problem.spec, dq, dk, dv,
+                   problem.backend)
+    wait_all(requests)
+    partial = {}
+    for s in sorted(received):
+        k_s, v_s = received[s]
+        dk_s = torch.zeros(k_s.shape, dtype=torch.float32, device=k.device)
+        dv_s = torch.zeros(v_s.shape, dtype=torch.float32, device=v.device)
+        backward_block(dout, dlse, q, k_s, v_s, out, lse, _shifted(problem.block_pieces(s), needed[me][s][0]),
+                       problem.spec, dq, dk_s, dv_s, problem.backend)
+        partial[s] = [dk_s, dv_s]
+    receive = {r: [((k.shape[0], needed[r][me][1] - needed[r][me][0], *t.shape[2:]), torch.float32) for t in (k, v)]
+               for r in range(plan.world_size) if r != me and needed[r][me] is not None}
+    returned, requests = sparse_exchange(partial, receive, plan)
+    wait_all(requests)
+    for r in sorted(returned):
+        lo, hi = needed[r][me]
+        dk[:, lo:hi] += returned[r][0]
+        dv[:, lo:hi] += returned[r][1]
+    return dq, dk, dv, _sinks_gradient(sinks, out, dout, lse, dlse)
 
 
 # ----------------------------------------------------------------------------- ring
