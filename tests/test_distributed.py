@@ -125,6 +125,58 @@ def test_the_gather_strategy_fetches_only_the_keys_a_window_reaches():
     assert needed(None) == [(0, 12), (0, 24), (0, 24), (0, 24)]
 
 
+def test_one_rank_is_attention_on_the_whole_sequence():
+    """A plan of one rank (no process group needed): cp_attention is fusedattn.attention, output,
+    lse and gradients, with a window, softcap and sinks."""
+    import fusedattn
+    from fusedattn.distributed import cp_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 21, h, 16, generator=gen).requires_grad_() for h in (4, 2, 2))
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    options = dict(causal=True, window=(6, 0), softcap=4.0, sinks=sinks, return_lse=True)
+    out, lse = cp_attention(q, k, v, shard_plan(21, world_size=1, rank=0), **options)
+    ref_out, ref_lse = fusedattn.attention(q, k, v, **options)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * dout).sum() + lse.sum(), (q, k, v, sinks))
+    ref_grads = torch.autograd.grad((ref_out * dout).sum() + ref_lse.sum(), (q, k, v, sinks))
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("world,heads,window,chunk,expected", [
+    (4, (32, 8), (5, 0), None, "allgather"),  # a window narrower than a shard: only its reach moves
+    (4, (32, 8), None, 8, "allgather"),
+    (4, (32, 8), (50, 0), None, "ulysses"),  # wider than a shard: one call a rank over the sequence
+    (4, (32, 8), None, None, "ulysses"),
+    (4, (32, 2), None, None, "ulysses"),  # K/V heads replicated
+    (4, (6, 3), None, None, "ring"),  # the heads do not split over 4
+    (1, (6, 3), None, None, "allgather"),
+])
+def test_auto_picks_the_strategy_the_problem_suits(world, heads, window, chunk, expected):
+    from fusedattn.distributed import choose_strategy
+
+    plan = shard_plan(96, world_size=world, rank=0)
+    assert choose_strategy(plan, *heads, window, chunk) == expected
+
+
+def test_cp_attention_errors_name_the_problem():
+    from fusedattn.distributed import cp_attention
+
+    plan = shard_plan(24, world_size=2, rank=0)
+    q = torch.randn(1, 12, 4, 16)
+    with pytest.raises(ValueError, match="holds 12 tokens"):
+        cp_attention(q[:, :10], q, q, plan)
+    with pytest.raises(TypeError, match="must be a ShardPlan"):
+        cp_attention(q, q, q, 24)
+    with pytest.raises(ValueError, match="packed documents"):
+        cp_attention(q, q, q, shard_plan(cu_seqlens=[0, 8, 24], world_size=2, rank=0, balance="contiguous"))
+    with pytest.raises(NotImplementedError, match="`mask` is not taken"):
+        cp_attention(q, q, q, plan, mask=torch.ones(12, 12, dtype=torch.bool))
+
+
 # ----------------------------------------------------------------------------- the strategies, on gloo
 
 
@@ -268,6 +320,9 @@ def _worker(rank: int, world: int, port: int) -> None:
                 except AssertionError as e:
                     failures.append(f"{case.name} [{strategy}]: {e}")
         _check_errors(world)
+        plan = shard_plan(24)
+        whole = torch.arange(2 * 24 * 3, dtype=torch.float32).view(2, 24, 3, 1)
+        assert torch.equal(plan.unshard(plan.shard(whole)), whole), "unshard(shard(x)) != x"
     finally:
         dist.destroy_process_group()
     assert not failures, f"rank {rank} of {world}:\n" + "\n".join(failures)

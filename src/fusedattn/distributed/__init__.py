@@ -29,17 +29,18 @@ _CALLER = "fusedattn.distributed.cp_attention"
 
 def choose_strategy(plan: ShardPlan, heads_q: int, heads_kv: int, window: tuple[int, int] | None = None,
                     chunk: int | None = None) -> str:
-    """``strategy="auto"``: Ulysses where the heads divide over the group (one kernel call over the
-    whole sequence per rank, all-to-alls of N x smaller tensors); else, with a window or chunks
-    narrower than a shard (most ring steps would find nothing to do), all-gather; else the ring."""
+    """``strategy="auto"``: with a window or chunks narrower than a shard, the gather (each rank
+    receives only the keys its queries reach: a halo, not the sequence); else Ulysses where the
+    heads divide over the group (one kernel call over the whole sequence per rank -- one packed call
+    over documents -- and all-to-alls of N x smaller tensors); else the ring."""
     if plan.world_size == 1:
         return "allgather"
-    if ulysses_layout(plan, heads_q, heads_kv) is None:
-        return "ulysses"
     shard = plan.local_len
     narrow = (window is not None and window[0] not in (None, UNBOUNDED) and window[0] < shard) or \
         (chunk is not None and chunk < shard)
-    return "allgather" if narrow else "ring"
+    if narrow:
+        return "allgather"
+    return "ulysses" if ulysses_layout(plan, heads_q, heads_kv) is None else "ring"
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardPlan, *, strategy: str = "auto",
