@@ -120,7 +120,7 @@ def test_the_gather_strategy_fetches_only_the_keys_a_window_reaches():
     def needed(window):
         spec = resolve_spec(16, layout="bshd", causal=True, window=window, scale=None, softcap=None,
                             deterministic=False)
-        return Problem(plan, spec, "torch", 0, 2).needed_keys()[1]
+        return Problem(plan, spec, "torch", 0, 2).reach()[1]
     assert needed((5, 0)) == [(7, 12), (0, 24), (19, 24), None]
     assert needed(None) == [(0, 12), (0, 24), (0, 24), (0, 24)]
 

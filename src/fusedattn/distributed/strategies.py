@@ -1,16 +1,18 @@
 """The strategies of ``cp_attention``: how keys reach the queries that need them, forward and backward.
 
-- ``allgather``: every rank receives the slices of every other rank's K/V that its queries reach
-  (all of them for causal attention; with a window only its reach, from the neighbours) while it
-  computes its own block; the backward fetches them again and sends the dK/dV partial sums (fp32)
-  back to their owner, which adds them in source-rank order. Every feature.
+- ``allgather``: every rank receives, for each of its segments (``segments.py``), the one key
+  range the segment reaches (the whole prefix for causal attention, the window's reach with a
+  window) and runs all segments as one packed call: each row's output comes from one call, no
+  merge. The backward fetches the ranges again and sends the dK/dV partial sums (fp32) back to
+  their owner, which adds them in source-rank order. Every feature.
 - ``ring``: K/V blocks travel around the ring; each step attends to the block it holds while the
   next block is in flight, the running output and lse merged in fp32. The backward sends the
   blocks around again with their dK/dV accumulators (fp32), which end at their owner.
 - ``ulysses``: all-to-all over heads: each rank gets every token of Hq / N query heads (and their
   K/V heads, replicated where N > Hkv), runs the whole sequence, and sends the output back.
 
-All of them: the blocks' outputs merged by lse in fp32 (never rounded between steps), sinks applied
+Where a row's keys are split over calls (the ring), the calls' outputs are merged by lse in fp32
+(never rounded between steps). All of them: sinks applied
 once to the merged row, every sum in a fixed order (``deterministic=True`` gives bitwise-identical
 gradients run to run).
 """
@@ -29,6 +31,7 @@ from .pieces import (backward_block, backward_tiled, diagonal_tiling, disjoint, 
                      forward_tiled, pieces)
 from .comm import exchange, sparse_exchange, wait_all
 from .plan import ShardPlan
+from .segments import key_sources, reach, segments
 
 STRATEGIES = ("auto", "allgather", "ring", "ulysses")
 
@@ -46,24 +49,12 @@ class Problem:
         return pieces(plan.runs[plan.rank if query_rank is None else query_rank], plan.runs[key_rank],
                       plan.documents, self.spec.window_left, self.spec.window_right, self.chunk)
 
-    def needed_keys(self) -> list:
-        """needed[r][s]: the range (lo, hi) of rank s's local keys that rank r's queries reach, or
-        None (every rank computes the same table from the plan)."""
-        if not hasattr(self, "_needed"):
-            n = self.plan.world_size
-            self._needed = [[_key_range(self.block_pieces(s, r)) for s in range(n)] for r in range(n)]
-        return self._needed
-
-
-def _key_range(block_pieces) -> tuple | None:
-    if not block_pieces:
-        return None
-    return min(p.k_off for p in block_pieces), max(p.k_off + p.k_len for p in block_pieces)
-
-
-def _shifted(block_pieces, lo: int) -> list:
-    """The calls against a slice of the block that starts at its key ``lo``."""
-    return [replace(p, k_off=p.k_off - lo) for p in block_pieces]
+    def reach(self) -> list:
+        """reach[r][s]: the range (lo, hi) of rank s's local keys that rank r's segments need, or
+        None (every rank computes the same table from the plan; ``segments.reach``)."""
+        if not hasattr(self, "_reach"):
+            self._reach = reach(self.plan, self.spec.window_left, self.spec.window_right, self.chunk)
+        return self._reach
 
 
 # ----------------------------------------------------------------------------- sinks, once per row
@@ -91,59 +82,153 @@ def _accumulators(q: torch.Tensor, v: torch.Tensor) -> tuple:
 
 def _fetch(tensors: list, problem: Problem) -> tuple:
     """The slices of ``tensors`` (this rank's K and V, or what else is laid out like them) that
-    other ranks' queries reach, sent to them; those this rank's queries reach, received. Returns
+    other ranks' segments reach, sent to them; those this rank's segments reach, received. Returns
     (received by source rank, requests)."""
-    plan, needed, me = problem.plan, problem.needed_keys(), problem.plan.rank
-    sends = {r: [t[:, needed[r][me][0]:needed[r][me][1]] for t in tensors]
-             for r in range(plan.world_size) if r != me and needed[r][me] is not None}
-    receive = {s: [((t.shape[0], needed[me][s][1] - needed[me][s][0], *t.shape[2:]), t.dtype) for t in tensors]
-               for s in range(plan.world_size) if s != me and needed[me][s] is not None}
+    plan, table, me = problem.plan, problem.reach(), problem.plan.rank
+    sends = {r: [t[:, table[r][me][0]:table[r][me][1]] for t in tensors]
+             for r in range(plan.world_size) if r != me and table[r][me] is not None}
+    receive = {s: [((t.shape[0], table[me][s][1] - table[me][s][0], *t.shape[2:]), t.dtype) for t in tensors]
+               for s in range(plan.world_size) if s != me and table[me][s] is not None}
     return sparse_exchange(sends, receive, plan)
 
 
+class _Gathered:
+    """This rank's segments grouped by kernel window, and where each segment's keys are in the
+    blocks at hand (its own K/V, and the slices received from each rank)."""
+
+    def __init__(self, problem: Problem, received: dict, own: list):
+        plan, me = problem.plan, problem.plan.rank
+        table = problem.reach()
+        self.blocks = {me: (own, 0)}
+        self.blocks.update({s: (tensors, table[me][s][0]) for s, tensors in received.items()})
+        groups = {}
+        for seg in segments(plan.runs[me], plan.documents, problem.spec.window_left, problem.spec.window_right,
+                            problem.chunk):
+            groups.setdefault((seg.left, seg.right), []).append(seg)
+        self.groups = list(groups.items())
+        self.plan = plan
+
+    def keys(self, segs, which: int) -> tuple:
+        """The group's keys packed (B, sum of ranges, ...) from tensor ``which`` of each block,
+        and each range's pieces as (source rank, offset in its block, length)."""
+        parts, sources = [], []
+        for seg in segs:
+            for rank, local, length in key_sources(seg.ka, seg.kb, self.plan):
+                tensors, lo = self.blocks[rank]
+                parts.append(tensors[which][:, local - lo:local - lo + length])
+                sources.append((rank, local - lo, length))
+        return torch.cat(parts, 1), sources
+
+
+def _varlen_layout(segs, batch: int, seqlen: int, q, k_packed):
+    """The packing of the group's rows (every batch row's segments, in order) against its packed
+    keys; and the rows as one index (None where the group is every row in order)."""
+    from ..varlen import check_packing
+
+    q_lens = [seg.q_len for seg in segs]
+    k_lens = [seg.kb - seg.ka for seg in segs]
+    k_total = sum(k_lens)
+    cu_q, cu_k = [0], [0]
+    for b in range(batch):
+        for lq, lk in zip(q_lens, k_lens):
+            cu_q.append(cu_q[-1] + lq)
+            cu_k.append(cu_k[-1] + lk)
+    in_order = [(seg.q_off, seg.q_len) for seg in segs]
+    whole = sum(q_lens) == seqlen and all(off == sum(q_lens[:i]) for i, (off, _) in enumerate(in_order))
+    rows = None if whole else torch.cat([torch.arange(seg.q_off, seg.q_off + seg.q_len) for seg in segs])
+    flat_q = q.reshape(batch * seqlen, *q.shape[2:]) if rows is None else \
+        q[:, rows.to(q.device)].reshape(batch * len(rows), *q.shape[2:])
+    flat_k = k_packed.reshape(batch * k_total, *k_packed.shape[2:])
+    packing = check_packing(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                            max(q_lens), max(k_lens), flat_q, flat_k)
+    return packing, rows
+
+
+def _rows_of(t: torch.Tensor, rows) -> torch.Tensor:
+    """(B, S, ...) -> (B * rows, ...): the group's rows, flattened."""
+    picked = t if rows is None else t[:, rows.to(t.device)]
+    return picked.reshape(picked.shape[0] * picked.shape[1], *picked.shape[2:])
+
+
 def allgather_forward(q, k, v, sinks, problem: Problem):
-    """Each rank's K/V goes to the ranks whose queries reach it -- to every rank for causal
-    attention, only the window's reach to the neighbours with a window -- while the own block is
-    computed."""
-    me, needed = problem.plan.rank, problem.needed_keys()
+    """Each rank receives the key ranges its segments reach (the whole prefix for causal
+    attention, the window's reach with a window) and runs one packed call per kernel window: every
+    row in one call, its output the result (no merge)."""
+    from ..varlen import _forward
+
     received, requests = _fetch([k, v], problem)
-    acc_out, acc_lse = _accumulators(q, v)
-    written = []
-    forward_block(q, k, v, problem.block_pieces(me), problem.spec, acc_out, acc_lse, problem.backend, written)
     wait_all(requests)
-    for s in sorted(received):
-        forward_block(q, *received[s], _shifted(problem.block_pieces(s), needed[me][s][0]), problem.spec, acc_out,
-                      acc_lse, problem.backend, written)
-    out, lse = _finish(acc_out, acc_lse, sinks, q.dtype)
+    gathered = _Gathered(problem, received, [k, v])
+    batch, seqlen, heads_q, _ = q.shape
+    out = q.new_zeros((batch, seqlen, heads_q, v.shape[-1]))
+    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+    for (left, right), segs in gathered.groups:
+        k_packed, _ = gathered.keys(segs, 0)
+        v_packed, _ = gathered.keys(segs, 1)
+        packing, rows = _varlen_layout(segs, batch, seqlen, q, k_packed)
+        spec = replace(problem.spec, window_left=left, window_right=right)
+        o, l = _forward(_rows_of(q, rows), _rows_of(k_packed, None), _rows_of(v_packed, None), None, packing, spec,
+                        problem.backend, True)
+        o = o.view(batch, -1, *o.shape[1:])
+        l = l.view(l.shape[0], batch, -1).transpose(0, 1)
+        if rows is None:
+            out, lse = o, l.contiguous()
+        else:
+            index = rows.to(q.device)
+            out[:, index] = o
+            lse[:, :, index] = l
+    if sinks is not None:
+        out, lse = _finish(out.float(), lse, sinks, q.dtype)
     return out, lse, (q, k, v, out, lse)
 
 
 def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
-    """The K/V slices fetched again; each rank's dK/dV partial sums (fp32) go back to the owner,
-    which adds them to its own in source-rank order."""
+    """The key ranges fetched again; one packed backward per kernel window gives dQ whole and the
+    packed keys' dK/dV, added (fp32) into this rank's own and into a partial sum per source rank,
+    which goes back to its owner and is added there in source-rank order."""
+    from ..varlen import _backward
+
     q, k, v, out, lse = saved
-    plan, me, needed = problem.plan, problem.plan.rank, problem.needed_keys()
+    plan, me, table = problem.plan, problem.plan.rank, problem.reach()
     received, requests = _fetch([k, v], problem)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    backward_block(dout, dlse, q, k, v, out, lse, problem.block_pieces(me), problem.spec, dq, dk, dv,
-                   problem.backend)
     wait_all(requests)
-    partial = {}
-    for s in sorted(received):
-        k_s, v_s = received[s]
-        dk_s = torch.zeros(k_s.shape, dtype=torch.float32, device=k.device)
-        dv_s = torch.zeros(v_s.shape, dtype=torch.float32, device=v.device)
-        backward_block(dout, dlse, q, k_s, v_s, out, lse, _shifted(problem.block_pieces(s), needed[me][s][0]),
-                       problem.spec, dq, dk_s, dv_s, problem.backend)
-        partial[s] = [dk_s, dv_s]
-    receive = {r: [((k.shape[0], needed[r][me][1] - needed[r][me][0], *t.shape[2:]), torch.float32) for t in (k, v)]
-               for r in range(plan.world_size) if r != me and needed[r][me] is not None}
+    gathered = _Gathered(problem, received, [k, v])
+    batch, seqlen = q.shape[:2]
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    sums = {rank: [torch.zeros(t[0].shape, dtype=torch.float32, device=q.device) for _ in range(2)]
+            for rank, (t, _) in gathered.blocks.items()}
+
+    def packed_stats(t, rows):
+        if t is None:
+            return None
+        picked = t if rows is None else t[:, :, rows.to(t.device)]
+        return picked.transpose(0, 1).reshape(t.shape[1], -1)
+    for (left, right), segs in gathered.groups:
+        k_packed, sources = gathered.keys(segs, 0)
+        v_packed, _ = gathered.keys(segs, 1)
+        packing, rows = _varlen_layout(segs, batch, seqlen, q, k_packed)
+        spec = replace(problem.spec, window_left=left, window_right=right)
+        dq_g, dk_g, dv_g, _ = _backward(_rows_of(dout, rows), packed_stats(dlse, rows), _rows_of(q, rows),
+                                        _rows_of(k_packed, None), _rows_of(v_packed, None), _rows_of(out, rows),
+                                        packed_stats(lse, rows), None, False, packing, spec, problem.backend)
+        if rows is None:
+            dq = dq_g.view(q.shape)
+        else:
+            dq[:, rows.to(q.device)] = dq_g.view(batch, -1, *q.shape[2:])
+        dk_g, dv_g = dk_g.view(batch, -1, *dk_g.shape[1:]), dv_g.view(batch, -1, *dv_g.shape[1:])
+        offset = 0
+        for rank, start, length in sources:  # a fixed order: the segments', then their keys'
+            sums[rank][0][:, start:start + length] += dk_g[:, offset:offset + length].float()
+            sums[rank][1][:, start:start + length] += dv_g[:, offset:offset + length].float()
+            offset += length
+    dk, dv = sums[me]
+    partial = {s: grads for s, grads in sums.items() if s != me}
+    receive = {r: [((k.shape[0], table[r][me][1] - table[r][me][0], *t.shape[2:]), torch.float32) for t in (k, v)]
+               for r in range(plan.world_size) if r != me and table[r][me] is not None}
     returned, requests = sparse_exchange(partial, receive, plan)
     wait_all(requests)
     for r in sorted(returned):
-        lo, hi = needed[r][me]
+        lo, hi = table[r][me]
         dk[:, lo:hi] += returned[r][0]
         dv[:, lo:hi] += returned[r][1]
     return dq, dk, dv, _sinks_gradient(sinks, out, dout, lse, dlse)

@@ -1,0 +1,68 @@
+"""The gather strategy's layout: each query segment against the one key range it reaches.
+
+A rank's tokens, in local order, are cut into segments: the parts of its runs inside one document
+(and one chunk of it). Under causal, window and chunk rules the keys a segment's rows reach form
+one contiguous range of global positions, [max(segment start, qa - left), min(segment end, qb +
+right)); the rank assembles each range from the ranks that hold it and runs all its segments as
+one packed (varlen) call: rows are in exactly one call, so the kernel's output is the result, with
+no merge. The kernel aligns each sequence bottom-right; a range that ends ``shift`` = kb - qb past
+its rows gets the window (left + shift, right - shift), so segments are grouped by that window
+(causal attention has one group: every range ends at its rows' end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..spec import UNBOUNDED
+from .pieces import _extent, _located, _segments
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [q_off, + q_len) of this rank (global [qa, qb)) against global keys [ka, kb), with
+    the kernel's window for that range."""
+
+    q_off: int
+    q_len: int
+    ka: int
+    kb: int
+    left: int
+    right: int
+
+
+def segments(runs, documents, left: int, right: int, chunk: int) -> list:
+    """The query segments of ``runs`` (a rank's), in local order."""
+    out = []
+    for qs, ql, qo in _located(runs):
+        for qa, qb in _segments(documents, chunk, qs, qs + ql):
+            ea, eb = _extent(documents, chunk, qa)
+            ka = ea if left == UNBOUNDED else max(ea, qa - left)
+            kb = eb if right == UNBOUNDED else min(eb, qb + right)
+            shift = kb - qb
+            out.append(Segment(qo + qa - qs, qb - qa, ka, kb, UNBOUNDED if left == UNBOUNDED else left + shift,
+                               UNBOUNDED if right == UNBOUNDED else right - shift))
+    return out
+
+
+def key_sources(ka: int, kb: int, plan) -> list:
+    """Where global keys [ka, kb) live: (rank, local offset, length), in global order."""
+    out = []
+    for rank, runs in enumerate(plan.runs):
+        for start, length, offset in _located(runs):
+            a, b = max(ka, start), min(kb, start + length)
+            if a < b:
+                out.append((a, rank, offset + a - start, b - a))
+    return [(rank, local, length) for _, rank, local, length in sorted(out)]
+
+
+def reach(plan, left: int, right: int, chunk: int) -> list:
+    """reach[r][s]: the range (lo, hi) of rank s's local keys that rank r's segments need, or None."""
+    n = plan.world_size
+    table = [[None] * n for _ in range(n)]
+    for r in range(n):
+        for seg in segments(plan.runs[r], plan.documents, left, right, chunk):
+            for s, local, length in key_sources(seg.ka, seg.kb, plan):
+                lo, hi = table[r][s] or (local, local + length)
+                table[r][s] = (min(lo, local), max(hi, local + length))
+    return table
