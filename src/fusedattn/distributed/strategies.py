@@ -385,8 +385,9 @@ def ulysses_backward(dout, dlse, saved, sinks, problem: Problem):
         dq_h, dk_h, dv_h = (torch.zeros(t.shape, dtype=grad_type, device=qh.device) for t in (qh, kh, vh))
         backward_block(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.contiguous(), calls, whole.spec, dq_h, dk_h, dv_h,
                        whole.backend)
-    if reps > 1:  # replicas' partial gradients: summed back into their head in fp32, in a fixed order
-        dk_h, dv_h = dk_h.float(), dv_h.float()
+    # dK/dV travel in fp32 (the replicas' partial sums are summed back into their head in a fixed
+    # order); dQ, whole where every row is in one call, in q's dtype
+    dk_h, dv_h = dk_h.float(), dv_h.float()
     dq = _sequence_to_heads(dq_h, plan, order)
     dk = _sequence_to_heads(dk_h, plan, order)
     dv = _sequence_to_heads(dv_h, plan, order)
