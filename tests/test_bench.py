@@ -402,3 +402,55 @@ def test_sdpa_flash_is_built_for_the_dropout_row_and_its_check_at_dropout_0():
                 pass
     assert built and all(name.startswith("dropout") for name in built)
     assert len(built) == 2 * sum(v.name.startswith("dropout") for v in variants.VARIANTS)
+
+
+def test_fa4_peer_gets_bshd_views_and_each_rows_options(tmp_path, monkeypatch):
+    """FlashAttention-4 as a peer: (B, S, H, D) views of its inputs (stored that way, no copy), the
+    shape's causal flag, window as (keys - 1, 0), deterministic, and in the variant rows softcap and
+    learnable sinks; its (out, lse) pair's out back as (B, H, S, D); the rows it has no argument for
+    are unavailable, and so is FlashAttention 2's package (no ``cute`` module)."""
+    from fusedattn.bench import systems, variants
+
+    _fake_package(tmp_path, monkeypatch, {
+        "flash_attn/__init__.py": "",
+        "flash_attn/cute/__init__.py": (
+            "calls = []\n"
+            "def flash_attn_func(q, k, v, causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None,\n"
+            "                    deterministic=False):\n"
+            "    calls.append(dict(shape=tuple(q.shape), causal=causal, window_size=window_size, softcap=softcap,\n"
+            "                      sink=learnable_sink, deterministic=deterministic))\n"
+            "    return q * 2, None\n")})
+    try:
+        _check_fa4_peer(tmp_path, monkeypatch, systems, variants)
+    finally:  # the stand-in leaves no module behind (transformers looks for flash_attn)
+        for name in [k for k in sys.modules if k == "flash_attn" or k.startswith("flash_attn.")]:
+            sys.modules.pop(name, None)
+
+
+def _check_fa4_peer(tmp_path, monkeypatch, systems, variants):
+    import flash_attn.cute as fake
+
+    q = torch.randn(1, 3, 5, 4)  # (B, H, S, D), a view of (B, S, H, D) storage
+    stored = systems.stored_as(q, "bshd")
+    shape = systems.Shape(1, 3, 5, 4, True, window=3)
+    fa4 = next(s for s in systems.SYSTEMS if s.name == "fa4-deterministic")
+    assert fa4.layout == "bshd"
+    out = fa4.make(shape)(stored, stored, stored)
+    assert torch.equal(out, stored * 2) and out.shape == q.shape
+    assert fake.calls[-1] == dict(shape=(1, 5, 3, 4), causal=True, window_size=(2, 0), softcap=0.0, sink=None,
+                                  deterministic=True)
+    by_name = {v.name: v for v in variants.VARIANTS}
+    sinks = torch.randn(3)
+    variants.SYSTEMS["fa4"](by_name["sinks (trainable)"])(variants.Inputs(stored, stored, stored, stored,
+                                                                          dict(sinks=sinks)))
+    assert fake.calls[-1]["sink"] is sinks and fake.calls[-1]["causal"]
+    variants.SYSTEMS["fa4"](by_name["softcap 30"])(variants.Inputs(stored, stored, stored, stored))
+    assert fake.calls[-1]["softcap"] == 30.0
+    for name in ("bias (B,H,S,S) trainable", "ALiBi (H,) slopes", "dropout 0.1", "chunk 1024"):
+        with pytest.raises(systems.Unavailable, match="FlashAttention-4 takes no"):
+            variants.SYSTEMS["fa4"](by_name[name])
+    assert variants.INPUT_LAYOUT["fa4"] == "bshd"
+
+    _fake_package(tmp_path / "fa2", monkeypatch, {"flash_attn/__init__.py": ""})
+    with pytest.raises(systems.Unavailable, match="does not import"):
+        systems.fa4_attn_func()

@@ -260,6 +260,37 @@ def _stand_in_triton_kernels() -> None:
         del sys.modules[key]
 
 
+def fa4_attn_func():
+    """FlashAttention-4's ``flash_attn_func`` (``flash_attn.cute``: the CuTe DSL kernels; (B, S, H,
+    D) tensors, fewer key/value heads taken as they are; it returns (out, lse)), or Unavailable.
+    Its wheels are not on any index the GPU machine reaches: ../shared/BENCHMARKS.md says how they
+    travel."""
+    if importlib.util.find_spec("flash_attn") is None:
+        raise Unavailable("flash-attn-4 not installed")
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as e:  # FlashAttention 2's package has no cute module; a broken install is a result
+        raise Unavailable(f"flash_attn.cute does not import: {type(e).__name__}: {str(e)[:120]}") from e
+    return flash_attn_func
+
+
+def fa4_call(fn, q, k, v, **options):
+    """FA4 on (B, H, S, D) views of (B, S, H, D) tensors (``System.layout`` "bshd": no copy); its
+    output as a (B, H, S, D) view."""
+    out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options)
+    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+
+def _fa4(deterministic: bool):
+    def make(shape: Shape):
+        fn = fa4_attn_func()
+        window = (shape.window - 1, 0) if shape.window else (None, None)
+        return lambda q, k, v: fa4_call(fn, q, k, v, causal=shape.causal, window_size=window,
+                                        deterministic=deterministic)
+
+    return make
+
+
 def _flash_sparse_dense(shape: Shape):
     fn = flash_dense_attn_func()
     # Its layout is (B, S, H, D): the bench hands it q, k, v (and dout) stored that way
@@ -277,6 +308,8 @@ SYSTEMS = [
     System("flex", _flex, "FlexAttention under torch.compile, causal block mask"),
     System("flaggems", _flaggems, "flag_gems.ops.attention.scaled_dot_product_attention"),
     System("flash-sparse-attn", _flash_sparse_dense, "flash_sparse_attn.flash_dense_attn_func (Triton)", "bshd"),
+    System("fa4", _fa4(False), "FlashAttention-4, flash_attn.cute.flash_attn_func (CuTe DSL)", "bshd"),
+    System("fa4-deterministic", _fa4(True), "FlashAttention-4, deterministic=True", "bshd"),
 ]
 CPU_SYSTEMS = [
     System("fusedattn", _fusedattn(False), "fusedattn.attention on CPU tensors (the PyTorch path, fusedattn/cpu.py)"),

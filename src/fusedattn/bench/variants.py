@@ -32,8 +32,8 @@ import torch.nn.functional as F
 import fusedattn
 
 from . import gpu_state
-from .systems import (Unavailable, agreement, disagreement, failure_note, flaggems_attention, flash_dense_attn_func,
-                      flash_sparse_bias_attn_func, stored_as)
+from .systems import (Unavailable, agreement, disagreement, fa4_attn_func, fa4_call, failure_note,
+                      flaggems_attention, flash_dense_attn_func, flash_sparse_bias_attn_func, stored_as)
 from .timing import progress
 
 B, H, S, D = 4, 16, 4096, 128
@@ -321,6 +321,20 @@ def _flaggems(variant: Variant):
     return lambda inp: fn(inp.q, inp.k, inp.v, is_causal=variant.causal, enable_gqa=variant.heads_kv != H)
 
 
+def _fa4(variant: Variant):
+    """FlashAttention-4 (``systems.fa4_attn_func``): causal, fewer key/value heads, a window, softcap
+    and sink logits (``learnable_sink``, its gradient returned). Its bias, masks and block sparsity
+    come as score_mod / mask_mod functions or its own block tensors, not these rows' dense tensors;
+    it has no ALiBi slopes, dropout or chunk argument."""
+    if not (variant.window or variant.softcap or variant.name.startswith(("GQA", "sinks"))):
+        raise Unavailable("FlashAttention-4 takes no dense bias, mask, ALiBi slopes, dropout or chunk "
+                          "(its score_mod / mask_mod are not wired here)")
+    fn = fa4_attn_func()
+    window = (variant.window - 1, 0) if variant.window else (None, None)
+    return lambda inp: fa4_call(fn, inp.q, inp.k, inp.v, causal=variant.causal, window_size=window,
+                                softcap=variant.softcap or 0.0, learnable_sink=inp.extra.get("sinks"))
+
+
 SYSTEMS = {
     "fusedattn": lambda variant: _fused(variant, plain=False),
     "fusedattn-plain": lambda variant: _fused(variant, plain=True),
@@ -329,9 +343,10 @@ SYSTEMS = {
     "sdpa-efficient": lambda variant: _sdpa("EFFICIENT_ATTENTION", variant),
     "sdpa-flash": lambda variant: _sdpa("FLASH_ATTENTION", variant),
     "flash-sparse-attn": _flash_sparse,
+    "fa4": _fa4,
     "flaggems": _flaggems,
 }
-INPUT_LAYOUT = {"flash-sparse-attn": "bshd"}  # how a system's q, k, v, dout are stored (else bhsd)
+INPUT_LAYOUT = {"flash-sparse-attn": "bshd", "fa4": "bshd"}  # how a system's q, k, v, dout are stored (else bhsd)
 
 
 def _inputs(variant: Variant, plain: bool, layout: str = "bhsd") -> Inputs:
