@@ -162,6 +162,46 @@ def test_auto_picks_the_strategy_the_problem_suits(world, heads, window, chunk, 
     assert choose_strategy(plan, *heads, window, chunk) == expected
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels on a GPU (the CPU path: the gloo tests)")
+@pytest.mark.parametrize("documents", [None, (96, 250, 167)], ids=["one sequence", "documents"])
+def test_one_gpu_rank_runs_the_gather_on_the_kernels(documents):
+    """A plan of one rank on the GPU: the gather strategy's packed call on the kernels (bf16, GQA,
+    a window, softcap, sinks, documents) against float64 on the whole sequence, outputs, lse and
+    every gradient; no process group needed."""
+    from fusedattn.distributed import cp_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    seqlen = sum(documents) if documents else 513
+    q, k, v, dout = (torch.randn(1, seqlen, h, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for h in (4, 2, 2, 4))
+    sinks = torch.randn(4, device="cuda", generator=gen)
+    case = CPCase("gpu", heads_q=4, heads_kv=2, window=(100, 0), softcap=20.0, sinks=True, documents=documents)
+    if documents:
+        cu = torch.tensor([0, *torch.tensor(documents).cumsum(0).tolist()], dtype=torch.int32)
+        plan = shard_plan(cu_seqlens=cu, world_size=1, rank=0)
+    else:
+        plan = shard_plan(seqlen, world_size=1, rank=0)
+    squeeze = (lambda t: t[0]) if documents else (lambda t: t)
+    leaves = [squeeze(t).detach().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+    out, lse = cp_attention(*leaves[:3], plan, strategy="allgather", causal=True, window=case.window,
+                            softcap=case.softcap, sinks=leaves[3], return_lse=True)
+    dlse = torch.randn(lse.shape, device="cuda", generator=gen)
+    grads = torch.autograd.grad((out.float() * squeeze(dout).float()).sum() + (lse * dlse).sum(), leaves)
+    results = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        ref_leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)] + \
+            [sinks.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()]
+        o, l = _reference(case, *ref_leaves, documents)
+        loss = (o.float() * dout.float()).sum() + (l.float() * (dlse if not documents else dlse[None])).sum()
+        results[dtype] = (o, l, *torch.autograd.grad(loss, ref_leaves))
+    ours = [out, lse, *grads]
+    for i, name in enumerate(["out", "lse", "dq", "dk", "dv", "dsinks"]):
+        ref64, lowp = results[torch.float64][i], results[torch.bfloat16][i]
+        if documents and name not in ("dsinks",):
+            ref64, lowp = ref64[0], lowp[0]
+        assert_close_to_reference(name, ours[i].detach().double(), lowp.double(), ref64)
+
+
 def test_cp_attention_errors_name_the_problem():
     from fusedattn.distributed import cp_attention
 
