@@ -38,7 +38,7 @@ class Piece:
     right: int
 
 
-def _located(runs) -> list:
+def located_runs(runs) -> list:
     """(global start, length, local offset) of each run."""
     out, offset = [], 0
     for start, length in runs:
@@ -47,7 +47,7 @@ def _located(runs) -> list:
     return out
 
 
-def _segments(documents, chunk: int, lo: int, hi: int):
+def segment_parts(documents, chunk: int, lo: int, hi: int):
     """The parts of [lo, hi) inside one document (and one chunk of it), as (start, end)."""
     starts = [s for s, _ in documents]
     i = max(bisect.bisect_right(starts, lo) - 1, 0)
@@ -69,10 +69,10 @@ def pieces(q_runs, k_runs, documents, left: int, right: int, chunk: int = 0) -> 
     """The kernel calls of this rank's queries (runs of global positions) against a block of keys.
     ``left`` / ``right``: the global window (UNBOUNDED: none; causal is right = 0)."""
     out = []
-    for qs, ql, qo in _located(q_runs):
-        for seg_a, seg_b in _segments(documents, chunk, qs, qs + ql):
-            ea, eb = _extent(documents, chunk, seg_a)
-            for ks, kl, ko in _located(k_runs):
+    for qs, ql, qo in located_runs(q_runs):
+        for seg_a, seg_b in segment_parts(documents, chunk, qs, qs + ql):
+            ea, eb = segment_extent(documents, chunk, seg_a)
+            for ks, kl, ko in located_runs(k_runs):
                 clipped = _clipped(seg_a, seg_b, max(ks, ea), min(ks + kl, eb), left, right)
                 if clipped is not None:
                     qa, qb, ka, kb, k_left, k_right = clipped
@@ -80,7 +80,7 @@ def pieces(q_runs, k_runs, documents, left: int, right: int, chunk: int = 0) -> 
     return out
 
 
-def _extent(documents, chunk: int, position: int) -> tuple:
+def segment_extent(documents, chunk: int, position: int) -> tuple:
     """The segment (document, or chunk of it) that holds ``position``."""
     ds, de = documents[bisect.bisect_right([s for s, _ in documents], position) - 1]
     if not chunk:
@@ -147,7 +147,7 @@ def forward_direct(q, k, v, block_pieces, spec: AttentionSpec, backend: str):
     return out, lse
 
 
-def diagonal_tiling(block_pieces, seqlen: int, spec: AttentionSpec) -> list | None:
+def diagonal_tiling(block_pieces, seqlen: int) -> list | None:
     """The segment offsets where the calls are the diagonal blocks of a self-attention that tile
     [0, seqlen) with the global window unshifted (Ulysses over documents or chunks): one packed
     (varlen) call then does them all. None otherwise."""

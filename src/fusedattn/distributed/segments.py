@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..spec import UNBOUNDED
-from .pieces import _extent, _located, _segments
+from .pieces import segment_extent, located_runs, segment_parts
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ class Segment:
 def segments(runs, documents, left: int, right: int, chunk: int) -> list:
     """The query segments of ``runs`` (a rank's), in local order."""
     out = []
-    for qs, ql, qo in _located(runs):
-        for qa, qb in _segments(documents, chunk, qs, qs + ql):
-            ea, eb = _extent(documents, chunk, qa)
+    for qs, ql, qo in located_runs(runs):
+        for qa, qb in segment_parts(documents, chunk, qs, qs + ql):
+            ea, eb = segment_extent(documents, chunk, qa)
             ka = ea if left == UNBOUNDED else max(ea, qa - left)
             kb = eb if right == UNBOUNDED else min(eb, qb + right)
             shift = kb - qb
@@ -49,7 +49,7 @@ def key_sources(ka: int, kb: int, plan) -> list:
     """Where global keys [ka, kb) live: (rank, local offset, length), in global order."""
     out = []
     for rank, runs in enumerate(plan.runs):
-        for start, length, offset in _located(runs):
+        for start, length, offset in located_runs(runs):
             a, b = max(ka, start), min(kb, start + length)
             if a < b:
                 out.append((a, rank, offset + a - start, b - a))

@@ -344,7 +344,7 @@ def ulysses_forward(q, k, v, sinks, problem: Problem):
     calls = whole.block_pieces(0)
     heads = q.shape[2] // plan.world_size
     my_sinks = None if sinks is None else sinks.narrow(0, plan.rank * heads, heads)
-    tiling = diagonal_tiling(calls, qh.shape[1], whole.spec)
+    tiling = diagonal_tiling(calls, qh.shape[1])
     if tiling is not None:  # documents or chunks: one packed call over all of them
         out_h, lse_h = forward_tiled(qh, kh, vh, tiling, whole.spec, whole.backend)
         if my_sinks is not None:
@@ -376,7 +376,7 @@ def ulysses_backward(dout, dlse, saved, sinks, problem: Problem):
     calls = whole.block_pieces(0)
     # every row's and key's gradient from one call: sent back as is, in q's dtype; else summed in fp32
     direct = disjoint([(p.q_off, p.q_len) for p in calls]) and disjoint([(p.k_off, p.k_len) for p in calls])
-    tiling = diagonal_tiling(calls, qh.shape[1], whole.spec)
+    tiling = diagonal_tiling(calls, qh.shape[1])
     if tiling is not None:
         dq_h, dk_h, dv_h = backward_tiled(dout_h, dlse_h, qh, kh, vh, out_h, lse_h, tiling, whole.spec,
                                           whole.backend)
