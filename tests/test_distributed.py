@@ -404,3 +404,36 @@ def test_every_strategy_matches_the_whole_sequence_on_one_process(world):
     gradient (summed over the ranks) against float64 on the whole sequence; the deterministic case
     bitwise identical twice."""
     mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+
+
+def _bench_worker(rank: int, world: int, port: int, out: str) -> None:
+    from pathlib import Path
+
+    from fusedattn.bench import cp as cp_bench
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        cp_bench.run(128, ["ulysses", "ring", "allgather", "auto"], Path(out), {"device": "cpu"}, heads=(4, 2),
+                     head_dim=16, window=8, granule=2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_cp_bench_runs_every_row_and_strategy_on_gloo(tmp_path):
+    """``python -m fusedattn.bench --cp``'s rows on 2 CPU processes at a toy size (its smoke test:
+    the GPU calls are few): every row's one-process time, every strategy checked against it and
+    timed, with an efficiency; the JSON written by rank 0."""
+    import json
+
+    out = tmp_path / "cp.json"
+    mp.spawn(_bench_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["row"] for r in rows} == {"causal", "causal, window 8", "packed documents, causal"}
+    for r in rows:
+        assert "note" not in r, r
+        assert r["fwdbwd_ms"] > 0
+        if r["gpus"] == 2:
+            assert r["max_abs_diff_vs_1gpu"] < 1e-4 and 0 < r["efficiency"], r
+    assert len([r for r in rows if r["gpus"] == 2]) == 3 * 4

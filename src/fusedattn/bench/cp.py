@@ -29,50 +29,79 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 WINDOW = 4096
 
 
+class _Memory:
+    """The step's memory on a CUDA device (nothing to report on the CPU, where the bench runs only
+    as a smoke test of its own code)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def start(self) -> int:
+        if not self.cuda:
+            return 0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+
+    def peak_gb(self, base: int) -> float:
+        return (torch.cuda.max_memory_allocated() - base) / 2**30 if self.cuda else 0.0
+
+
 def _timed(fn, iters: int = 3, together: bool = True) -> float:
     """ms per call of ``fn`` (forward+backward), the median of ``iters`` after one warm-up;
     ``together``: every rank synchronised around each call (the step ends with its slowest rank)."""
     fn()
     times = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(iters):
         if together:
             dist.barrier()
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         if together:
             dist.barrier()
         times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
-def _documents(total: int, world: int) -> list:
-    """Document lengths summing to ``total``, each a multiple of 2N (zigzag per document): a fixed
-    mix of long and short documents."""
-    unit = 2 * world * 64
+def _documents(total: int, world: int, granule: int = 64) -> list:
+    """Document lengths summing to ``total``, each a multiple of 2N x ``granule`` (zigzag per
+    document): a fixed mix of long and short documents."""
+    unit = 2 * world * granule
     weights = [8, 3, 5, 1, 2, 6, 4, 3]
     lengths = [max(unit, total * w // sum(weights) // unit * unit) for w in weights]
     lengths[-1] += total - sum(lengths)
     return lengths
 
 
-def _rows(world: int) -> list:
+def _rows(world: int, window: int = WINDOW) -> list:
     return [dict(name="causal", causal=True, window=None, documents=False),
-            dict(name=f"causal, window {WINDOW}", causal=True, window=(WINDOW, 0), documents=False),
+            dict(name=f"causal, window {window}", causal=True, window=(window, 0), documents=False),
             dict(name="packed documents, causal", causal=True, window=None, documents=True)]
 
 
-def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list:
+def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: tuple = (HEADS_Q, HEADS_KV),
+        head_dim: int = HEAD_DIM, window: int = WINDOW, granule: int = 64) -> list:
+    """Every row, T1 then each strategy (module docstring). On the CPU (gloo, float32) with small
+    ``heads``, ``head_dim``, ``window`` and document ``granule``: a smoke test of this code."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device())
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    memory = _Memory(device)
     gen = torch.Generator(device=device).manual_seed(0)
-    shape_q, shape_kv = (1, seqlen, HEADS_Q, HEAD_DIM), (1, seqlen, HEADS_KV, HEAD_DIM)
-    q, dout = (torch.randn(shape_q, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    k, v = (torch.randn(shape_kv, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    shape_q, shape_kv = (1, seqlen, heads[0], head_dim), (1, seqlen, heads[1], head_dim)
+    q, dout = (torch.randn(shape_q, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    k, v = (torch.randn(shape_kv, device=device, dtype=dtype, generator=gen) for _ in range(2))
     results = []
-    for row in _rows(world):
-        lengths = _documents(seqlen, world) if row["documents"] else None
+    for row in _rows(world, window):
+        lengths = _documents(seqlen, world, granule) if row["documents"] else None
         cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
                                                        dtype=torch.int32, device=device)
         options = dict(causal=row["causal"], window=row["window"])
@@ -80,9 +109,7 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
         one = dict(row=row["name"], system="fusedattn, 1 GPU", gpus=1, seqlen=seqlen)
         reference = None
         if rank == 0:
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()  # the step's memory: from its own q, k, v on
-            torch.cuda.reset_peak_memory_stats()
+            base = memory.start()  # the step's memory: from its own q, k, v on
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
             def whole():
@@ -94,7 +121,7 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
                 o.backward(dout)
                 return o
             one["fwdbwd_ms"] = _timed(whole, together=False)
-            one["peak_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            one["peak_gb"] = memory.peak_gb(base)
             reference = whole().detach()
             for t in leaves:
                 t.grad = None
@@ -111,11 +138,9 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
         for strategy in strategies:
             entry = dict(row=row["name"], system=f"fusedattn cp {strategy}", gpus=world, seqlen=seqlen)
             try:
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
+                base = memory.start()
                 leaves = [t.clone().requires_grad_() for t in (ql, kl, vl)]
-                used = cp.choose_strategy(plan, HEADS_Q, HEADS_KV, options["window"]) if strategy == "auto" \
+                used = cp.choose_strategy(plan, *heads, options["window"]) if strategy == "auto" \
                     else strategy
 
                 def step():
@@ -130,7 +155,7 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
                     entry["note"] = f"output differs from one GPU's by {err.item():.3g}: not timed"
                 else:
                     entry["fwdbwd_ms"] = _timed(step)
-                    peak = torch.tensor((torch.cuda.max_memory_allocated() - base) / 2**30, device=device)
+                    peak = torch.tensor(memory.peak_gb(base), device=device)
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
                     entry["peak_gb"] = peak.item()
                     if "fwdbwd_ms" in one:
@@ -138,18 +163,18 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict) -> list
                 entry["strategy"] = used
             except Exception as e:  # a strategy that cannot run this row is a result
                 entry["note"] = f"{type(e).__name__}: {str(e)[:200]}"
-            _share_t1(entry, one, world)
+            _share_t1(entry, device)
             results.append(entry)
             _save(results, out_path, env, rank)
-        if cu is None and not row["window"]:
+        if on_gpu and cu is None and not row["window"]:
             results.append(_torch_context_parallel(row, q, k, v, dout, seqlen, one, world))
         _save(results, out_path, env, rank)
     return results
 
 
-def _share_t1(entry: dict, one: dict, world: int) -> None:
+def _share_t1(entry: dict, device: torch.device) -> None:
     """T1 lives on rank 0: every rank's entry gets rank 0's efficiency."""
-    value = torch.tensor(entry.get("efficiency", float("nan")), device="cuda")
+    value = torch.tensor(entry.get("efficiency", float("nan")), device=device)
     dist.broadcast(value, 0)
     if value.isfinite():
         entry["efficiency"] = value.item()
