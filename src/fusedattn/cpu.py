@@ -26,6 +26,7 @@ import torch
 
 from . import dropout
 from .block_mask import EMPTY, BlockMask
+from .merge import merge_into
 from .spec import UNBOUNDED, AttentionSpec, alibi_distances, from_bhsd, keep_mask, to_bhsd
 
 KEY_CHUNK = 256  # chunked_forward's key chunk
@@ -416,22 +417,6 @@ def _mask_of(part: Part, seqlen_q: int, seqlen_k: int, spec: AttentionSpec, cach
     return cache[key]
 
 
-def _merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor) -> None:
-    """(acc, acc_lse) <- the merge of two results over disjoint keys of the same rows, in place, by
-    ``merge_attention``'s rule in float32: weights exp(lse_i - lse) from a finite shift; a part that
-    saw no key weighs 0, a row neither saw stays (0, -inf). ``out`` None: a part of output 0 (a sink)."""
-    shift = torch.maximum(acc_lse, lse)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    mine, theirs = torch.exp(acc_lse - shift), torch.exp(lse - shift)
-    total = mine + theirs
-    seen = total > 0
-    safe_total = torch.where(seen, total, torch.ones_like(total))
-    acc.mul_((mine / safe_total).unsqueeze(-1))
-    if out is not None:
-        acc.add_(out * (theirs / safe_total).unsqueeze(-1))
-    acc_lse.copy_(torch.where(seen, shift + torch.log(safe_total), torch.full_like(total, float("-inf"))))
-
-
 def _in_layout(t: torch.Tensor, layout: str, dtype: torch.dtype, width: int) -> torch.Tensor:
     """A (B, H, S, >= width) result as the caller's contiguous (layout, dtype) tensor of ``width``
     head dims; no copy where it already is one."""
@@ -457,7 +442,7 @@ def _fused_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None):
             if out is None and (part.q0, part.q1) == (0, seqlen_q):  # the first result over every row holds the rest
                 out, lse = part_out, part_lse
             elif (part.q0, part.q1) in filled:
-                _merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
+                merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             else:
                 if out is None:
                     out = qh.new_zeros((batch, heads_q, seqlen_q, width), dtype=torch.float32)
@@ -468,7 +453,7 @@ def _fused_forward(q, k, v, spec: AttentionSpec, sinks: torch.Tensor | None):
         out = qh.new_zeros((batch, heads_q, seqlen_q, width), dtype=torch.float32)
         lse = qh.new_full((batch, heads_q, seqlen_q), float("-inf"), dtype=torch.float32)
     if sinks is not None:  # the sink: one more logit, of output 0
-        _merge_into(out, lse, None, sinks.float().view(1, heads_q, 1).expand_as(lse))
+        merge_into(out, lse, None, sinks.float().view(1, heads_q, 1).expand_as(lse))
     return _in_layout(out, spec.layout, q.dtype, head_dim_v), lse.contiguous()
 
 

@@ -81,3 +81,24 @@ def merge_attention(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], 
         weights = weights.transpose(-1, -2)  # (parts, ..., S, H) like the outputs' leading dims
     out = (weights.unsqueeze(-1) * torch.stack([o.to(compute) for o in outs])).sum(0)
     return out.to(outs[0].dtype), lse
+
+
+def merge_into(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor,
+               layout: str = "bhsd") -> None:
+    """(acc, acc_lse) <- the merge of two results over disjoint keys of the same rows, in place, by
+    ``merge_attention``'s rule in float32: weights exp(lse_i - lse) from a finite shift; a part that
+    saw no key weighs 0, a row neither saw stays (0, -inf). ``out`` None: a part of output 0 (a
+    sink). ``acc``: (B, H, S, D), or (B, S, H, D) with ``layout`` "bshd"; the lse (B, H, S)."""
+    shift = torch.maximum(acc_lse, lse)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    mine, theirs = torch.exp(acc_lse - shift), torch.exp(lse - shift)
+    total = mine + theirs
+    seen = total > 0
+    safe_total = torch.where(seen, total, torch.ones_like(total))
+
+    def per_row(weight):
+        return (weight if layout == "bhsd" else weight.transpose(-1, -2)).unsqueeze(-1)
+    acc.mul_(per_row(mine / safe_total))
+    if out is not None:
+        acc.add_(out * per_row(theirs / safe_total))
+    acc_lse.copy_(torch.where(seen, shift + torch.log(safe_total), torch.full_like(total, float("-inf"))))

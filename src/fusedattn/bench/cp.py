@@ -195,10 +195,9 @@ def _torch_context_parallel(row, q, k, v, dout, seqlen, one, world) -> dict:
         buffers = [t.transpose(1, 2).contiguous() for t in (q, k.repeat_interleave(group, 2),
                                                             v.repeat_interleave(group, 2), dout)]
         qt, kt, vt, dt = buffers
+        memory = _Memory(q.device)
         with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            base = memory.start()
             leaves = [t.detach().clone().requires_grad_() for t in (qt, kt, vt)]
 
             def step():
@@ -206,7 +205,7 @@ def _torch_context_parallel(row, q, k, v, dout, seqlen, one, world) -> dict:
                     o = F.scaled_dot_product_attention(*leaves, is_causal=True)
                 o.backward(dt)
             entry["fwdbwd_ms"] = _timed(step)
-            peak = torch.tensor((torch.cuda.max_memory_allocated() - base) / 2**30, device="cuda")
+            peak = torch.tensor(memory.peak_gb(base), device=q.device)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             entry["peak_gb"] = peak.item()
         t1 = torch.tensor(one.get("fwdbwd_ms", float("nan")), device="cuda")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import dispatch
+from ..merge import merge_into
 from ..spec import UNBOUNDED, AttentionSpec
 
 
@@ -128,77 +129,6 @@ def _call(q, k, v, p: Piece, spec: AttentionSpec, backend: str):
                             call_spec, None, None, None, backend)
 
 
-def disjoint(ranges) -> bool:
-    """Whether the (offset, length) ranges overlap nowhere."""
-    ordered = sorted(ranges)
-    return all(a_off + a_len <= b_off for (a_off, a_len), (b_off, _) in zip(ordered, ordered[1:]))
-
-
-def forward_direct(q, k, v, block_pieces, spec: AttentionSpec, backend: str):
-    """(out in q's dtype, lse fp32) where no row is in two calls: each call's result is its rows'
-    whole result, written in place (rows no call has: out 0, lse -inf). No fp32 accumulator."""
-    batch, seqlen, heads_q, _ = q.shape
-    out = q.new_zeros((batch, seqlen, heads_q, v.shape[-1]))
-    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
-    for p in block_pieces:
-        o, l = _call(q, k, v, p, spec, backend)
-        out[:, p.q_off:p.q_off + p.q_len] = o
-        lse[:, :, p.q_off:p.q_off + p.q_len] = l
-    return out, lse
-
-
-def diagonal_tiling(block_pieces, seqlen: int) -> list | None:
-    """The segment offsets where the calls are the diagonal blocks of a self-attention that tile
-    [0, seqlen) with the global window unshifted (Ulysses over documents or chunks): one packed
-    (varlen) call then does them all. None otherwise."""
-    if len(block_pieces) < 2:
-        return None
-    offsets = [0]
-    for p in sorted(block_pieces, key=lambda p: p.q_off):
-        if p.q_off != offsets[-1] or p.k_off != p.q_off or p.k_len != p.q_len:
-            return None
-        offsets.append(p.q_off + p.q_len)
-    return offsets if offsets[-1] == seqlen else None
-
-
-def _packing(offsets: list, batch: int, seqlen: int, q, k):
-    from ..varlen import check_packing
-
-    cu = torch.tensor([b * seqlen + o for b in range(batch) for o in offsets[:-1]] + [batch * seqlen],
-                      dtype=torch.int32)
-    longest = max(b - a for a, b in zip(offsets, offsets[1:]))
-    return check_packing(cu, cu, longest, longest, q, k)
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])
-
-
-def forward_tiled(q, k, v, offsets: list, spec: AttentionSpec, backend: str):
-    """(out, lse) of ``diagonal_tiling``'s calls as one packed call over every batch row's segments."""
-    from ..varlen import _forward
-
-    batch, seqlen = q.shape[:2]
-    qf, kf, vf = _flat(q), _flat(k), _flat(v)
-    out, lse = _forward(qf, kf, vf, None, _packing(offsets, batch, seqlen, qf, kf), spec, backend, True)
-    return out.view(batch, seqlen, *out.shape[1:]), \
-        lse.view(lse.shape[0], batch, seqlen).transpose(0, 1).contiguous()
-
-
-def backward_tiled(dout, dlse, q, k, v, out, lse, offsets: list, spec: AttentionSpec, backend: str):
-    """(dq, dk, dv) of ``forward_tiled``, from the rows' ``out`` and ``lse``."""
-    from ..varlen import _backward
-
-    batch, seqlen = q.shape[:2]
-    qf, kf = _flat(q), _flat(k)
-
-    def packed_lse(t):
-        return None if t is None else t.transpose(0, 1).reshape(t.shape[1], batch * seqlen)
-    dq, dk, dv, _ = _backward(_flat(dout), packed_lse(dlse), qf, kf, _flat(v), _flat(out), packed_lse(lse),
-                              None, False, _packing(offsets, batch, seqlen, qf, kf), spec, backend)
-    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
-
-
 def forward_block(q, k, v, block_pieces, spec: AttentionSpec, acc_out, acc_lse, backend: str,
                   written: list | None = None) -> None:
     """Merge the block's calls into ``acc_out`` (fp32, q's (B, S, Hq, Dv)) and ``acc_lse`` (fp32,
@@ -207,33 +137,19 @@ def forward_block(q, k, v, block_pieces, spec: AttentionSpec, acc_out, acc_lse, 
     for p in block_pieces:
         out, lse = _call(q, k, v, p, spec, backend)
         rows = slice(p.q_off, p.q_off + p.q_len)
-        if written is not None and disjoint([*written, (p.q_off, p.q_len)]):
+        if written is not None and all(p.q_off + p.q_len <= off or off + n <= p.q_off for off, n in written):
             acc_out[:, rows] = out
             acc_lse[:, :, rows] = lse
         else:
-            merge_into(acc_out[:, rows], acc_lse[:, :, rows], out, lse.float())
+            merge_into(acc_out[:, rows], acc_lse[:, :, rows], out.float(), lse.float(), "bshd")
         if written is not None:
             written.append((p.q_off, p.q_len))
-
-
-def merge_into(acc_out, acc_lse, out, lse) -> None:
-    """acc := merge(acc, (out, lse)) by lse, in fp32, in place (``fusedattn.merge``'s rule: a part
-    that saw no key weighs 0, never NaN)."""
-    new_lse = torch.logaddexp(acc_lse, lse)
-    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    acc_out.mul_(w_old).add_(out.float() * w_new)
-    acc_lse.copy_(new_lse)
 
 
 def backward_block(dout, dlse, q, k, v, out, lse, block_pieces, spec: AttentionSpec, dq_acc, dk_acc, dv_acc,
                    backend: str) -> None:
     """Add the block's gradients into ``dq_acc`` (q's rows) and ``dk_acc`` / ``dv_acc`` (the
-    block's keys), fp32, from the merged ``out`` (q's dtype) and ``lse`` (fp32). Where no row and
-    no key is in two calls (``disjoint``), the accumulators may be of q's dtype: each call's
-    gradients are then its rows' and keys' whole gradients, written in place."""
-    direct = dq_acc.dtype != torch.float32
+    block's keys), fp32, from the merged ``out`` (q's dtype) and ``lse`` (fp32)."""
     for p in block_pieces:
         call_spec = replace(spec, window_left=p.left, window_right=p.right)
         rows = slice(p.q_off, p.q_off + p.q_len)
@@ -243,9 +159,6 @@ def backward_block(dout, dlse, q, k, v, out, lse, block_pieces, spec: AttentionS
             _rows(out, p.q_off, p.q_len), lse[:, :, rows].contiguous(), call_spec, None, False, None, None, False,
             backend)
         keys = slice(p.k_off, p.k_off + p.k_len)
-        if direct:
-            dq_acc[:, rows], dk_acc[:, keys], dv_acc[:, keys] = dq, dk, dv
-        else:
-            dq_acc[:, rows] += dq.float()
-            dk_acc[:, keys] += dk.float()
-            dv_acc[:, keys] += dv.float()
+        dq_acc[:, rows] += dq.float()
+        dk_acc[:, keys] += dk.float()
+        dv_acc[:, keys] += dv.float()

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from .. import dispatch
+from ..merge import merge_into
 from ..row_gradients import sink_gradient_from_outputs
 from ..spec import AttentionSpec
-from .pieces import (backward_block, backward_tiled, diagonal_tiling, disjoint, forward_block, forward_direct,
-                     forward_tiled, pieces)
+from .pieces import backward_block, forward_block, pieces
 from .comm import exchange, sparse_exchange, wait_all
 from .plan import ShardPlan
 from .segments import key_sources, reach, segments
@@ -61,12 +61,10 @@ class Problem:
 
 
 def _finish(acc_out, acc_lse, sinks, dtype):
-    """The merged row with the sinks' logits in its denominator: (out in ``dtype``, lse fp32)."""
+    """The merged row with the sinks' logits in its denominator (a part of output 0, merged in
+    place): (out in ``dtype``, lse fp32)."""
     if sinks is not None:
-        lse = torch.logaddexp(acc_lse, sinks.detach().float().view(1, -1, 1))
-        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        acc_out = acc_out * torch.exp(acc_lse - safe).transpose(1, 2).unsqueeze(-1)
-        acc_lse = lse
+        merge_into(acc_out, acc_lse, None, sinks.detach().float().view(1, -1, 1).expand_as(acc_lse), "bshd")
     return acc_out.to(dtype), acc_lse
 
 
@@ -144,6 +142,11 @@ def _varlen_layout(segs, batch: int, seqlen: int, q, k_packed):
     return packing, rows
 
 
+def _whole_rows(segs, seqlen: int) -> bool:
+    """One segment holding every row: one sequence a batch row, against one key range."""
+    return len(segs) == 1 and segs[0].q_off == 0 and segs[0].q_len == seqlen
+
+
 def _rows_of(t: torch.Tensor, rows) -> torch.Tensor:
     """(B, S, ...) -> (B * rows, ...): the group's rows, flattened."""
     picked = t if rows is None else t[:, rows.to(t.device)]
@@ -165,8 +168,11 @@ def allgather_forward(q, k, v, sinks, problem: Problem):
     for (left, right), segs in gathered.groups:
         k_packed, _ = gathered.keys(segs, 0)
         v_packed, _ = gathered.keys(segs, 1)
-        packing, rows = _varlen_layout(segs, batch, seqlen, q, k_packed)
         spec = replace(problem.spec, window_left=left, window_right=right)
+        if _whole_rows(segs, seqlen):  # one sequence a batch row: the dense kernels, the batch as it is
+            out, lse = dispatch.forward(q, k_packed, v_packed, spec, None, None, None, problem.backend)
+            continue
+        packing, rows = _varlen_layout(segs, batch, seqlen, q, k_packed)
         o, l = _forward(_rows_of(q, rows), _rows_of(k_packed, None), _rows_of(v_packed, None), None, packing, spec,
                         problem.backend, True)
         o = o.view(batch, -1, *o.shape[1:])
@@ -206,16 +212,20 @@ def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
     for (left, right), segs in gathered.groups:
         k_packed, sources = gathered.keys(segs, 0)
         v_packed, _ = gathered.keys(segs, 1)
-        packing, rows = _varlen_layout(segs, batch, seqlen, q, k_packed)
         spec = replace(problem.spec, window_left=left, window_right=right)
-        dq_g, dk_g, dv_g, _ = _backward(_rows_of(dout, rows), packed_stats(dlse, rows), _rows_of(q, rows),
-                                        _rows_of(k_packed, None), _rows_of(v_packed, None), _rows_of(out, rows),
-                                        packed_stats(lse, rows), None, False, packing, spec, problem.backend)
-        if rows is None:
-            dq = dq_g.view(q.shape)
+        if _whole_rows(segs, seqlen):
+            dq, dk_g, dv_g, _, _ = dispatch.backward(dout, dlse, q, k_packed, v_packed, out, lse, spec, None, False,
+                                                     None, None, False, problem.backend)
         else:
-            dq[:, rows.to(q.device)] = dq_g.view(batch, -1, *q.shape[2:])
-        dk_g, dv_g = dk_g.view(batch, -1, *dk_g.shape[1:]), dv_g.view(batch, -1, *dv_g.shape[1:])
+            packing, rows = _varlen_layout(segs, batch, seqlen, q, k_packed)
+            dq_g, dk_g, dv_g, _ = _backward(_rows_of(dout, rows), packed_stats(dlse, rows), _rows_of(q, rows),
+                                            _rows_of(k_packed, None), _rows_of(v_packed, None), _rows_of(out, rows),
+                                            packed_stats(lse, rows), None, False, packing, spec, problem.backend)
+            if rows is None:
+                dq = dq_g.view(q.shape)
+            else:
+                dq[:, rows.to(q.device)] = dq_g.view(batch, -1, *q.shape[2:])
+            dk_g, dv_g = dk_g.view(batch, -1, *dk_g.shape[1:]), dv_g.view(batch, -1, *dv_g.shape[1:])
         offset = 0
         for rank, start, length in sources:  # a fixed order: the segments', then their keys'
             sums[rank][0][:, start:start + length] += dk_g[:, offset:offset + length].float()
@@ -334,37 +344,28 @@ def _whole_problem(problem: Problem) -> Problem:
 
 
 def ulysses_forward(q, k, v, sinks, problem: Problem):
+    """All-to-all into head groups over the whole sequence, the gather's calls on it (one process,
+    nothing to fetch: one call, or one packed call over documents or chunks), all-to-all back."""
     plan = problem.plan
     order = torch.cat([plan.global_index(r, device=q.device) for r in range(plan.world_size)])
     reps = _kv_replicas(k.shape[2], plan.world_size)
     qh = _heads_to_sequence(q, plan, order)
     kh = _heads_to_sequence(k.repeat_interleave(reps, dim=2), plan, order)
     vh = _heads_to_sequence(v.repeat_interleave(reps, dim=2), plan, order)
-    whole = _whole_problem(problem)
-    calls = whole.block_pieces(0)
-    heads = q.shape[2] // plan.world_size
-    my_sinks = None if sinks is None else sinks.narrow(0, plan.rank * heads, heads)
-    tiling = diagonal_tiling(calls, qh.shape[1])
-    if tiling is not None:  # documents or chunks: one packed call over all of them
-        out_h, lse_h = forward_tiled(qh, kh, vh, tiling, whole.spec, whole.backend)
-        if my_sinks is not None:
-            out_h, lse_h = _finish(out_h.float(), lse_h, my_sinks, q.dtype)
-    elif disjoint([(p.q_off, p.q_len) for p in calls]):  # every row's keys in one call: its result as is
-        out_h, lse_h = forward_direct(qh, kh, vh, calls, whole.spec, whole.backend)
-        if my_sinks is not None:
-            out_h, lse_h = _finish(out_h.float(), lse_h, my_sinks, q.dtype)
-    else:
-        acc_out, acc_lse = _accumulators(qh, vh)
-        forward_block(qh, kh, vh, calls, whole.spec, acc_out, acc_lse, whole.backend, [])
-        out_h, lse_h = _finish(acc_out, acc_lse, my_sinks, q.dtype)
+    out_h, lse_h, saved = allgather_forward(qh, kh, vh, _my_sinks(sinks, qh, plan), _whole_problem(problem))
     out = _sequence_to_heads(out_h, plan, order)
     lse = _sequence_to_heads(lse_h.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2)
     # the backward reads the head-sharded tensors kept from here: no all-to-all of q, k, v, out again
-    return out, lse.contiguous(), (qh, kh, vh, out_h, lse_h.contiguous())
+    return out, lse.contiguous(), saved
+
+
+def _my_sinks(sinks, qh, plan):
+    heads = qh.shape[2]
+    return None if sinks is None else sinks.narrow(0, plan.rank * heads, heads)
 
 
 def ulysses_backward(dout, dlse, saved, sinks, problem: Problem):
-    qh, kh, vh, out_h, lse_h = saved
+    qh = saved[0]
     plan = problem.plan
     n = plan.world_size
     order = torch.cat([plan.global_index(r, device=qh.device) for r in range(n)])
@@ -372,22 +373,10 @@ def ulysses_backward(dout, dlse, saved, sinks, problem: Problem):
     dout_h = _heads_to_sequence(dout, plan, order)
     dlse_h = None if dlse is None else \
         _heads_to_sequence(dlse.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2).contiguous()
-    whole = _whole_problem(problem)
-    calls = whole.block_pieces(0)
-    # every row's and key's gradient from one call: sent back as is, in q's dtype; else summed in fp32
-    direct = disjoint([(p.q_off, p.q_len) for p in calls]) and disjoint([(p.k_off, p.k_len) for p in calls])
-    tiling = diagonal_tiling(calls, qh.shape[1])
-    if tiling is not None:
-        dq_h, dk_h, dv_h = backward_tiled(dout_h, dlse_h, qh, kh, vh, out_h, lse_h, tiling, whole.spec,
-                                          whole.backend)
-    else:
-        grad_type = qh.dtype if direct else torch.float32
-        dq_h, dk_h, dv_h = (torch.zeros(t.shape, dtype=grad_type, device=qh.device) for t in (qh, kh, vh))
-        backward_block(dout_h, dlse_h, qh, kh, vh, out_h, lse_h.contiguous(), calls, whole.spec, dq_h, dk_h, dv_h,
-                       whole.backend)
-    # dK/dV travel in fp32 (the replicas' partial sums are summed back into their head in a fixed
-    # order); dQ, whole where every row is in one call, in q's dtype
-    dk_h, dv_h = dk_h.float(), dv_h.float()
+    # dQ whole in q's dtype; dK/dV in fp32 (the replicas' partial sums are summed back into their
+    # head in a fixed order)
+    dq_h, dk_h, dv_h, dsinks_h = allgather_backward(dout_h, dlse_h, saved, _my_sinks(sinks, qh, plan),
+                                                    _whole_problem(problem))
     dq = _sequence_to_heads(dq_h, plan, order)
     dk = _sequence_to_heads(dk_h, plan, order)
     dv = _sequence_to_heads(dv_h, plan, order)
@@ -398,8 +387,7 @@ def ulysses_backward(dout, dlse, saved, sinks, problem: Problem):
     if sinks is not None:  # this rank's heads' part (the other heads' entries 0)
         heads = qh.shape[2]
         dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
-        dsinks[plan.rank * heads:(plan.rank + 1) * heads] = _sinks_gradient(
-            sinks.narrow(0, plan.rank * heads, heads), out_h, dout_h, lse_h, dlse_h)
+        dsinks[plan.rank * heads:(plan.rank + 1) * heads] = dsinks_h
     return dq, dk, dv, dsinks
 
 
