@@ -121,8 +121,8 @@ def test_the_gather_strategy_fetches_only_the_keys_a_window_reaches():
         spec = resolve_spec(16, layout="bshd", causal=True, window=window, scale=None, softcap=None,
                             deterministic=False)
         return Problem(plan, spec, "torch", 0, 2).reach()[1]
-    assert needed((5, 0)) == [(7, 12), (0, 24), (19, 24), None]
-    assert needed(None) == [(0, 12), (0, 24), (0, 24), (0, 24)]
+    assert needed((5, 0)) == ((7, 12), (0, 24), (19, 24), None)
+    assert needed(None) == ((0, 12), (0, 24), (0, 24), (0, 24))
 
 
 def test_one_rank_is_attention_on_the_whole_sequence():
@@ -250,6 +250,9 @@ def _cases(world: int) -> list:
         CPCase("packed documents crossing shards, window, chunk", documents=(5, 19, 12), balance="contiguous",
                window=(6, 0), chunk=7),
         CPCase("auto strategy, no lse gradient", heads_kv=2, strategies=("auto",), lse_grad=False),
+        # a rank's heads in two groups, one's all-to-all under the other's attention (2 and 4 ranks)
+        CPCase("Ulysses in two head groups, documents, window, sinks", heads_q=24, heads_kv=8, window=(9, 0),
+               sinks=True, documents=(two_n, 3 * two_n), strategies=("ulysses",)),
     ]
 
 

@@ -51,7 +51,7 @@ class _Memory:
         return (torch.cuda.max_memory_allocated() - base) / 2**30 if self.cuda else 0.0
 
 
-def _timed(fn, iters: int = 3, together: bool = True) -> float:
+def _timed(fn, iters: int = 7, together: bool = True) -> float:
     """ms per call of ``fn`` (forward+backward), the median of ``iters`` after one warm-up;
     ``together``: every rank synchronised around each call (the step ends with its slowest rank)."""
     fn()

@@ -13,6 +13,7 @@ its rows gets the window (left + shift, right - shift), so segments are grouped 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..spec import UNBOUNDED
 from .pieces import segment_extent, located_runs, segment_parts
@@ -31,7 +32,10 @@ class Segment:
     right: int
 
 
-def segments(runs, documents, left: int, right: int, chunk: int) -> list:
+# The layout is a pure function of the plan and the options, the same for every layer's call:
+# computed once (it costs milliseconds of host time for many documents) and kept, as tuples.
+@lru_cache(maxsize=256)
+def segments(runs, documents, left: int, right: int, chunk: int) -> tuple:
     """The query segments of ``runs`` (a rank's), in local order."""
     out = []
     for qs, ql, qo in located_runs(runs):
@@ -42,10 +46,11 @@ def segments(runs, documents, left: int, right: int, chunk: int) -> list:
             shift = kb - qb
             out.append(Segment(qo + qa - qs, qb - qa, ka, kb, UNBOUNDED if left == UNBOUNDED else left + shift,
                                UNBOUNDED if right == UNBOUNDED else right - shift))
-    return out
+    return tuple(out)
 
 
-def key_sources(ka: int, kb: int, plan) -> list:
+@lru_cache(maxsize=4096)
+def key_sources(ka: int, kb: int, plan) -> tuple:
     """Where global keys [ka, kb) live: (rank, local offset, length), in global order."""
     out = []
     for rank, runs in enumerate(plan.runs):
@@ -53,10 +58,11 @@ def key_sources(ka: int, kb: int, plan) -> list:
             a, b = max(ka, start), min(kb, start + length)
             if a < b:
                 out.append((a, rank, offset + a - start, b - a))
-    return [(rank, local, length) for _, rank, local, length in sorted(out)]
+    return tuple((rank, local, length) for _, rank, local, length in sorted(out))
 
 
-def reach(plan, left: int, right: int, chunk: int) -> list:
+@lru_cache(maxsize=64)
+def reach(plan, left: int, right: int, chunk: int) -> tuple:
     """reach[r][s]: the range (lo, hi) of rank s's local keys that rank r's segments need, or None."""
     n = plan.world_size
     table = [[None] * n for _ in range(n)]
@@ -65,4 +71,4 @@ def reach(plan, left: int, right: int, chunk: int) -> list:
             for s, local, length in key_sources(seg.ka, seg.kb, plan):
                 lo, hi = table[r][s] or (local, local + length)
                 table[r][s] = (min(lo, local), max(hi, local + length))
-    return table
+    return tuple(tuple(row) for row in table)

@@ -20,6 +20,7 @@ gradients run to run).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -109,13 +110,17 @@ class _Gathered:
     def keys(self, segs, which: int) -> tuple:
         """The group's keys packed (B, sum of ranges, ...) from tensor ``which`` of each block,
         and each range's pieces as (source rank, offset in its block, length)."""
-        parts, sources = [], []
+        sources = []
         for seg in segs:
             for rank, local, length in key_sources(seg.ka, seg.kb, self.plan):
-                tensors, lo = self.blocks[rank]
-                parts.append(tensors[which][:, local - lo:local - lo + length])
-                sources.append((rank, local - lo, length))
-        return torch.cat(parts, 1), sources
+                start = local - self.blocks[rank][1]
+                if sources and sources[-1][0] == rank and sum(sources[-1][1:]) == start:
+                    sources[-1] = (rank, sources[-1][1], sources[-1][2] + length)  # one slice, one add
+                else:
+                    sources.append((rank, start, length))
+        parts = [self.blocks[rank][0][which][:, start:start + length] for rank, start, length in sources]
+        # one range (one rank holding every key of the group, Ulysses' whole sequence): no copy
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), sources
 
 
 def _varlen_layout(segs, batch: int, seqlen: int, q, k_packed):
@@ -133,9 +138,11 @@ def _varlen_layout(segs, batch: int, seqlen: int, q, k_packed):
             cu_k.append(cu_k[-1] + lk)
     in_order = [(seg.q_off, seg.q_len) for seg in segs]
     whole = sum(q_lens) == seqlen and all(off == sum(q_lens[:i]) for i, (off, _) in enumerate(in_order))
-    rows = None if whole else torch.cat([torch.arange(seg.q_off, seg.q_off + seg.q_len) for seg in segs])
+    # built on q's device: a host index copied there would stall the host on the GPU
+    rows = None if whole else torch.cat([torch.arange(seg.q_off, seg.q_off + seg.q_len, device=q.device)
+                                         for seg in segs])
     flat_q = q.reshape(batch * seqlen, *q.shape[2:]) if rows is None else \
-        q[:, rows.to(q.device)].reshape(batch * len(rows), *q.shape[2:])
+        q[:, rows].reshape(batch * len(rows), *q.shape[2:])
     flat_k = k_packed.reshape(batch * k_total, *k_packed.shape[2:])
     packing = check_packing(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
                             max(q_lens), max(k_lens), flat_q, flat_k)
@@ -147,9 +154,19 @@ def _whole_rows(segs, seqlen: int) -> bool:
     return len(segs) == 1 and segs[0].q_off == 0 and segs[0].q_len == seqlen
 
 
+def _own_keys_in_order(sources, me: int, length: int) -> bool:
+    """Whether packed key pieces ``sources`` are exactly this rank's keys [0, length), in order."""
+    end = 0
+    for rank, start, size in sources:
+        if rank != me or start != end:
+            return False
+        end += size
+    return end == length
+
+
 def _rows_of(t: torch.Tensor, rows) -> torch.Tensor:
     """(B, S, ...) -> (B * rows, ...): the group's rows, flattened."""
-    picked = t if rows is None else t[:, rows.to(t.device)]
+    picked = t if rows is None else t[:, rows]
     return picked.reshape(picked.shape[0] * picked.shape[1], *picked.shape[2:])
 
 
@@ -163,8 +180,7 @@ def allgather_forward(q, k, v, sinks, problem: Problem):
     wait_all(requests)
     gathered = _Gathered(problem, received, [k, v])
     batch, seqlen, heads_q, _ = q.shape
-    out = q.new_zeros((batch, seqlen, heads_q, v.shape[-1]))
-    lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+    out = lse = None  # allocated where a group covers only some rows
     for (left, right), segs in gathered.groups:
         k_packed, _ = gathered.keys(segs, 0)
         v_packed, _ = gathered.keys(segs, 1)
@@ -180,12 +196,29 @@ def allgather_forward(q, k, v, sinks, problem: Problem):
         if rows is None:
             out, lse = o, l.contiguous()
         else:
-            index = rows.to(q.device)
+            if out is None:
+                out = q.new_zeros((batch, seqlen, heads_q, v.shape[-1]))
+                lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+            index = rows
             out[:, index] = o
             lse[:, :, index] = l
+    if out is None:  # no rows at all
+        out = q.new_zeros((batch, seqlen, heads_q, v.shape[-1]))
+        lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
     if sinks is not None:
         out, lse = _finish(out.float(), lse, sinks, q.dtype)
-    return out, lse, (q, k, v, out, lse)
+    kept = [t for source in sorted(received) for t in received[source]] if _keeps_received(problem) else []
+    return out, lse, (q, k, v, out, lse, *kept)
+
+
+def _keeps_received(problem: Problem) -> bool:
+    """Whether the forward's received keys are kept for the backward instead of fetched again:
+    where no rank receives more keys than it holds (a window's halo), not a causal prefix (up to the
+    whole sequence). Decided from the plan, the same on every rank (a fetch needs both sides)."""
+    most = 0
+    for r, row in enumerate(problem.reach()):
+        most = max(most, sum(span[1] - span[0] for s, span in enumerate(row) if s != r and span is not None))
+    return most <= problem.plan.local_len
 
 
 def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
@@ -194,20 +227,22 @@ def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
     which goes back to its owner and is added there in source-rank order."""
     from ..varlen import _backward
 
-    q, k, v, out, lse = saved
+    q, k, v, out, lse, *kept = saved
     plan, me, table = problem.plan, problem.plan.rank, problem.reach()
-    received, requests = _fetch([k, v], problem)
-    wait_all(requests)
+    if _keeps_received(problem):
+        sources = sorted(s for s in range(plan.world_size) if s != me and table[me][s] is not None)
+        received = {s: kept[2 * i:2 * i + 2] for i, s in enumerate(sources)}
+    else:
+        received, requests = _fetch([k, v], problem)
+        wait_all(requests)
     gathered = _Gathered(problem, received, [k, v])
     batch, seqlen = q.shape[:2]
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    sums = {rank: [torch.zeros(t[0].shape, dtype=torch.float32, device=q.device) for _ in range(2)]
-            for rank, (t, _) in gathered.blocks.items()}
+    dq = sums = None  # allocated where needed: dQ where a group covers only some rows
 
     def packed_stats(t, rows):
         if t is None:
             return None
-        picked = t if rows is None else t[:, :, rows.to(t.device)]
+        picked = t if rows is None else t[:, :, rows]
         return picked.transpose(0, 1).reshape(t.shape[1], -1)
     for (left, right), segs in gathered.groups:
         k_packed, sources = gathered.keys(segs, 0)
@@ -224,13 +259,27 @@ def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
             if rows is None:
                 dq = dq_g.view(q.shape)
             else:
-                dq[:, rows.to(q.device)] = dq_g.view(batch, -1, *q.shape[2:])
+                if dq is None:
+                    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+                dq[:, rows] = dq_g.view(batch, -1, *q.shape[2:])
             dk_g, dv_g = dk_g.view(batch, -1, *dk_g.shape[1:]), dv_g.view(batch, -1, *dv_g.shape[1:])
+        if plan.world_size == 1 and len(gathered.groups) == 1 and _own_keys_in_order(sources, me, k.shape[1]):
+            # one rank (Ulysses' whole sequence), every key once and in order: the kernel's dK/dV
+            # are the gradients, nothing to add
+            return dq, dk_g, dv_g, _sinks_gradient(sinks, out, dout, lse, dlse)
+        if sums is None:
+            sums = {rank: [torch.zeros(t[0].shape, dtype=torch.float32, device=q.device) for _ in range(2)]
+                    for rank, (t, _) in gathered.blocks.items()}
         offset = 0
         for rank, start, length in sources:  # a fixed order: the segments', then their keys'
-            sums[rank][0][:, start:start + length] += dk_g[:, offset:offset + length].float()
-            sums[rank][1][:, start:start + length] += dv_g[:, offset:offset + length].float()
+            sums[rank][0][:, start:start + length] += dk_g[:, offset:offset + length]  # added in fp32
+            sums[rank][1][:, start:start + length] += dv_g[:, offset:offset + length]
             offset += length
+    if dq is None:  # no rows at all
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    if sums is None:
+        sums = {rank: [torch.zeros(t[0].shape, dtype=torch.float32, device=q.device) for _ in range(2)]
+                for rank, (t, _) in gathered.blocks.items()}
     dk, dv = sums[me]
     partial = {s: grads for s, grads in sums.items() if s != me}
     receive = {r: [((k.shape[0], table[r][me][1] - table[r][me][0], *t.shape[2:]), torch.float32) for t in (k, v)]
@@ -297,29 +346,60 @@ def ring_backward(dout, dlse, saved, sinks, problem: Problem):
 # ----------------------------------------------------------------------------- Ulysses
 
 
-def _heads_to_sequence(x: torch.Tensor, plan: ShardPlan, order: torch.Tensor) -> torch.Tensor:
-    """(B, S/N, H, D) sharded by sequence -> (B, S, H/N, D) sharded by heads, in global order."""
+def _head_groups(heads_q_per_rank: int, heads_kv_per_rank: int) -> int:
+    """How many head groups a rank's heads run in, one after another, so that each group's
+    all-to-all travels while the previous group's attention runs: 2 where both the query and the
+    K/V heads a rank gets split in two, else 1."""
+    return 2 if heads_q_per_rank % 2 == 0 and heads_kv_per_rank % 2 == 0 else 1
+
+
+def _start_to_sequence(x: torch.Tensor, plan: ShardPlan, groups: int, g: int) -> tuple:
+    """(B, S/N, H, ...) sharded by sequence -> head group ``g`` of this rank's heads over every
+    token: the all-to-all started, (received buffer, request); ``_finish_to_sequence`` completes it.
+    Rank r's heads are [r H/N, (r + 1) H/N), its group g the g-th of ``groups`` equal parts."""
     n = plan.world_size
     batch, local, heads = x.shape[:3]
-    send = x.reshape(batch, local, n, heads // n, *x.shape[3:]).movedim(2, 0).contiguous()
+    part = x.reshape(batch, local, n, groups, heads // (n * groups), *x.shape[3:])[:, :, :, g]
+    send = part.movedim(2, 0).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=plan.group)
-    whole = recv.movedim(0, 1).reshape(batch, n * local, heads // n, *x.shape[3:])  # rank-major
-    out = torch.empty_like(whole)
-    out[:, order] = whole
-    return out
+    return recv, dist.all_to_all_single(recv, send, group=plan.group, async_op=True)
 
 
-def _sequence_to_heads(x: torch.Tensor, plan: ShardPlan, order: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``_heads_to_sequence``: (B, S, H/N, D) -> (B, S/N, H, D)."""
+def _finish_to_sequence(started: tuple, inverse: torch.Tensor) -> torch.Tensor:
+    """The started all-to-all waited for: (B, S, h, ...) in global order."""
+    recv, request = started
+    request.wait()
+    n, batch, local = recv.shape[:3]
+    return recv.movedim(0, 1).reshape(batch, n * local, *recv.shape[3:])[:, inverse]  # from rank-major
+
+
+@lru_cache(maxsize=16)
+def _orders(plan: ShardPlan, device: torch.device) -> tuple:
+    """(order, inverse): order[j] is the global position of the j-th token of the ranks' shards
+    concatenated (rank-major); inverse puts rank-major rows in global order. Both are used as
+    gathers: an indexed read runs several times faster than an indexed write."""
+    order = torch.cat([plan.global_index(r, device=device) for r in range(plan.world_size)])
+    return order, torch.argsort(order)
+
+
+def _start_to_shards(x: torch.Tensor, plan: ShardPlan, order: torch.Tensor) -> tuple:
+    """The way back for one head group: (B, S, h, ...) in global order -> each rank its tokens;
+    the all-to-all started."""
     n = plan.world_size
-    batch, total, heads_part = x.shape[:3]
-    local = total // n
-    rank_major = x[:, order]
-    send = rank_major.reshape(batch, n, local, heads_part, *x.shape[3:]).movedim(1, 0).contiguous()
+    batch, total = x.shape[:2]
+    send = x[:, order].reshape(batch, n, total // n, *x.shape[2:]).movedim(1, 0).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=plan.group)
-    return recv.movedim(0, 2).reshape(batch, local, n * heads_part, *x.shape[3:])
+    return recv, dist.all_to_all_single(recv, send, group=plan.group, async_op=True)
+
+
+def _finish_to_shards(started: list) -> torch.Tensor:
+    """Every head group's rows waited for, in the heads' order: (B, S/N, H, ...)."""
+    parts = []
+    for recv, request in started:
+        request.wait()
+        parts.append(recv.movedim(0, 2))  # (B, S/N, N, h, ...)
+    whole = torch.stack(parts, 3)  # (B, S/N, N, groups, h, ...)
+    return whole.reshape(*whole.shape[:2], -1, *whole.shape[5:])
 
 
 def _kv_replicas(heads_kv: int, n: int) -> int:
@@ -345,49 +425,60 @@ def _whole_problem(problem: Problem) -> Problem:
 
 def ulysses_forward(q, k, v, sinks, problem: Problem):
     """All-to-all into head groups over the whole sequence, the gather's calls on it (one process,
-    nothing to fetch: one call, or one packed call over documents or chunks), all-to-all back."""
+    nothing to fetch: one call, or one packed call over documents or chunks), all-to-all back.
+    A rank's heads run in two groups where they split: the second group's all-to-all travels while
+    the first group's attention runs, and the first group's output travels back under the second's."""
     plan = problem.plan
-    order = torch.cat([plan.global_index(r, device=q.device) for r in range(plan.world_size)])
-    reps = _kv_replicas(k.shape[2], plan.world_size)
-    qh = _heads_to_sequence(q, plan, order)
-    kh = _heads_to_sequence(k.repeat_interleave(reps, dim=2), plan, order)
-    vh = _heads_to_sequence(v.repeat_interleave(reps, dim=2), plan, order)
-    out_h, lse_h, saved = allgather_forward(qh, kh, vh, _my_sinks(sinks, qh, plan), _whole_problem(problem))
-    out = _sequence_to_heads(out_h, plan, order)
-    lse = _sequence_to_heads(lse_h.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2)
-    # the backward reads the head-sharded tensors kept from here: no all-to-all of q, k, v, out again
-    return out, lse.contiguous(), saved
+    n = plan.world_size
+    order, inverse = _orders(plan, q.device)
+    reps = _kv_replicas(k.shape[2], n)
+    if reps > 1:
+        k, v = k.repeat_interleave(reps, dim=2), v.repeat_interleave(reps, dim=2)
+    groups = _head_groups(q.shape[2] // n, k.shape[2] // n)
+    whole = _whole_problem(problem)
+    incoming = [[_start_to_sequence(x, plan, groups, g) for x in (q, k, v)] for g in range(groups)]
+    returning, saved = [], []
+    for g in range(groups):
+        qh, kh, vh = (_finish_to_sequence(started, inverse) for started in incoming[g])
+        out_h, lse_h, kept = allgather_forward(qh, kh, vh, _group_sinks(sinks, plan, groups, g, qh.shape[2]), whole)
+        returning.append((_start_to_shards(out_h, plan, order),
+                          _start_to_shards(lse_h.transpose(1, 2).unsqueeze(-1), plan, order)))
+        saved += kept  # the backward reads these head-sharded tensors: no all-to-all of q, k, v, out again
+    out = _finish_to_shards([r[0] for r in returning])
+    lse = _finish_to_shards([r[1] for r in returning]).squeeze(-1).transpose(1, 2)
+    return out, lse.contiguous(), tuple(saved)
 
 
-def _my_sinks(sinks, qh, plan):
-    heads = qh.shape[2]
-    return None if sinks is None else sinks.narrow(0, plan.rank * heads, heads)
+def _group_sinks(sinks, plan: ShardPlan, groups: int, g: int, heads: int):
+    """The sinks of this rank's head group ``g`` (``heads`` heads)."""
+    return None if sinks is None else sinks.narrow(0, (plan.rank * groups + g) * heads, heads)
 
 
 def ulysses_backward(dout, dlse, saved, sinks, problem: Problem):
-    qh = saved[0]
     plan = problem.plan
     n = plan.world_size
-    order = torch.cat([plan.global_index(r, device=qh.device) for r in range(n)])
+    groups = len(saved) // 5  # (q, k, v, out, lse) of each head group
+    heads = saved[0].shape[2]
+    order, inverse = _orders(plan, dout.device)
     reps = _kv_replicas(problem.heads_kv, n)
-    dout_h = _heads_to_sequence(dout, plan, order)
-    dlse_h = None if dlse is None else \
-        _heads_to_sequence(dlse.transpose(1, 2).unsqueeze(-1), plan, order).squeeze(-1).transpose(1, 2).contiguous()
-    # dQ whole in q's dtype; dK/dV in fp32 (the replicas' partial sums are summed back into their
-    # head in a fixed order)
-    dq_h, dk_h, dv_h, dsinks_h = allgather_backward(dout_h, dlse_h, saved, _my_sinks(sinks, qh, plan),
-                                                    _whole_problem(problem))
-    dq = _sequence_to_heads(dq_h, plan, order)
-    dk = _sequence_to_heads(dk_h, plan, order)
-    dv = _sequence_to_heads(dv_h, plan, order)
-    if reps > 1:
-        dk = dk.unflatten(2, (-1, reps)).sum(3)
-        dv = dv.unflatten(2, (-1, reps)).sum(3)
-    dsinks = None
-    if sinks is not None:  # this rank's heads' part (the other heads' entries 0)
-        heads = qh.shape[2]
-        dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
-        dsinks[plan.rank * heads:(plan.rank + 1) * heads] = dsinks_h
+    rows = [dout] + ([] if dlse is None else [dlse.transpose(1, 2).unsqueeze(-1)])
+    incoming = [[_start_to_sequence(x, plan, groups, g) for x in rows] for g in range(groups)]
+    whole = _whole_problem(problem)
+    returning = []
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
+    for g in range(groups):
+        dout_h, *dlse_h = (_finish_to_sequence(started, inverse) for started in incoming[g])
+        dlse_h = dlse_h[0].squeeze(-1).transpose(1, 2).contiguous() if dlse_h else None
+        # dQ, dK, dV whole (one rank's call over the sequence), in the kernel's dtype
+        dq_h, dk_h, dv_h, dsinks_h = allgather_backward(dout_h, dlse_h, saved[5 * g:5 * g + 5],
+                                                        _group_sinks(sinks, plan, groups, g, heads), whole)
+        returning.append([_start_to_shards(t, plan, order) for t in (dq_h, dk_h, dv_h)])
+        if dsinks is not None:  # this rank's heads' part (the other heads' entries 0)
+            dsinks.narrow(0, (plan.rank * groups + g) * heads, heads).copy_(dsinks_h)
+    dq, dk, dv = (_finish_to_shards([r[i] for r in returning]) for i in range(3))
+    if reps > 1:  # the replicas' dK/dV (the kernel's, in its dtype) summed in fp32
+        dk = dk.float().unflatten(2, (-1, reps)).sum(3)
+        dv = dv.float().unflatten(2, (-1, reps)).sum(3)
     return dq, dk, dv, dsinks
 
 
