@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-import fusedattn
 from fusedattn import distributed as cp
-from fusedattn.bench.cp import HEADS_KV, HEADS_Q, HEAD_DIM, WINDOW, _documents
+from fusedattn.bench.cp import HEADS_KV, HEADS_Q, HEAD_DIM, WINDOW, _documents, whole_sequence_step
 
 ROWS = {"causal": dict(causal=True, window=None, documents=False),
         "window": dict(causal=True, window=(WINDOW, 0), documents=False),
@@ -99,15 +98,8 @@ def main() -> None:
                                                        dtype=torch.int32, device="cuda")
         options = dict(causal=row["causal"], window=row["window"])
         if rank == 0:
-            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-
-            def whole():
-                if cu is None:
-                    o = fusedattn.attention(*leaves, **options)
-                else:
-                    o = fusedattn.varlen_attention(*(t[0] for t in leaves), cu, cu, max(lengths), max(lengths),
-                                                   **options)[None]
-                o.backward(dout)
+            whole = whole_sequence_step([t.detach().clone().requires_grad_() for t in (q, k, v)], dout, options,
+                                        cu, lengths)
             whole()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

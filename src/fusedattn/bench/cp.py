@@ -86,6 +86,20 @@ def _rows(world: int, window: int = WINDOW) -> list:
             dict(name="packed documents, causal", causal=True, window=None, documents=True)]
 
 
+def whole_sequence_step(leaves: list, dout: torch.Tensor, options: dict, cu=None, lengths=None):
+    """One GPU's forward+backward over the whole sequence (T1): ``leaves`` q, k, v (B, S, H, D);
+    with ``cu`` (and the document ``lengths``) packed documents of batch row 0. Returns the output."""
+    def whole():
+        if cu is None:
+            o = fusedattn.attention(*leaves, **options)
+        else:
+            o = fusedattn.varlen_attention(*(t[0] for t in leaves), cu, cu, max(lengths), max(lengths),
+                                           **options)[None]
+        o.backward(dout)
+        return o
+    return whole
+
+
 def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: tuple = (HEADS_Q, HEADS_KV),
         head_dim: int = HEAD_DIM, window: int = WINDOW, granule: int = 64) -> list:
     """Every row, T1 then each strategy (module docstring). On the CPU (gloo, float32) with small
@@ -111,15 +125,7 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: 
         if rank == 0:
             base = memory.start()  # the step's memory: from its own q, k, v on
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-
-            def whole():
-                if cu is None:
-                    o = fusedattn.attention(*leaves, **options)
-                else:
-                    o = fusedattn.varlen_attention(*(t[0] for t in leaves), cu, cu, max(lengths), max(lengths),
-                                                   **options)[None]
-                o.backward(dout)
-                return o
+            whole = whole_sequence_step(leaves, dout, options, cu, lengths)
             one["fwdbwd_ms"] = _timed(whole, together=False)
             one["peak_gb"] = memory.peak_gb(base)
             reference = whole().detach()
