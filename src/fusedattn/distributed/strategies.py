@@ -237,7 +237,8 @@ def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
         wait_all(requests)
     gathered = _Gathered(problem, received, [k, v])
     batch, seqlen = q.shape[:2]
-    dq = sums = None  # allocated where needed: dQ where a group covers only some rows
+    dq = None  # allocated where a group covers only some rows
+    pieces_of_groups = []  # (dK, dV of the packed keys, where each piece belongs) per group
 
     def packed_stats(t, rows):
         if t is None:
@@ -267,24 +268,30 @@ def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
             # one rank (Ulysses' whole sequence), every key once and in order: the kernel's dK/dV
             # are the gradients, nothing to add
             return dq, dk_g, dv_g, _sinks_gradient(sinks, out, dout, lse, dlse)
-        if sums is None:
-            sums = {rank: [torch.zeros(t[0].shape, dtype=torch.float32, device=q.device) for _ in range(2)]
-                    for rank, (t, _) in gathered.blocks.items()}
-        offset = 0
-        for rank, start, length in sources:  # a fixed order: the segments', then their keys'
-            sums[rank][0][:, start:start + length] += dk_g[:, offset:offset + length]  # added in fp32
-            sums[rank][1][:, start:start + length] += dv_g[:, offset:offset + length]
-            offset += length
+        pieces_of_groups.append((dk_g, dv_g, sources))
     if dq is None:  # no rows at all
         dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    if sums is None:
-        sums = {rank: [torch.zeros(t[0].shape, dtype=torch.float32, device=q.device) for _ in range(2)]
-                for rank, (t, _) in gathered.blocks.items()}
-    dk, dv = sums[me]
+    sums = {rank: [torch.zeros(t[0].shape, dtype=torch.float32, device=q.device) for _ in range(2)]
+            for rank, (t, _) in gathered.blocks.items()}
+
+    def add_pieces(owners):
+        """Each packed key's dK/dV added (fp32) into its owner's sum, for ``owners``; a fixed order
+        (the groups', then their segments', then their keys') for each owner."""
+        for dk_g, dv_g, sources in pieces_of_groups:
+            offset = 0
+            for rank, start, length in sources:
+                if rank in owners:
+                    sums[rank][0][:, start:start + length] += dk_g[:, offset:offset + length]
+                    sums[rank][1][:, start:start + length] += dv_g[:, offset:offset + length]
+                offset += length
+    # the other ranks' partial sums first: they travel while this rank's own pieces are added
+    add_pieces(set(sums) - {me})
     partial = {s: grads for s, grads in sums.items() if s != me}
     receive = {r: [((k.shape[0], table[r][me][1] - table[r][me][0], *t.shape[2:]), torch.float32) for t in (k, v)]
                for r in range(plan.world_size) if r != me and table[r][me] is not None}
     returned, requests = sparse_exchange(partial, receive, plan)
+    add_pieces({me})
+    dk, dv = sums[me]
     wait_all(requests)
     for r in sorted(returned):
         lo, hi = table[r][me]
