@@ -33,7 +33,8 @@ class Segment:
 
 
 # The layout is a pure function of the plan and the options, the same for every layer's call:
-# computed once (it costs milliseconds of host time for many documents) and kept, as tuples.
+# computed once (it walks every rank's runs for every segment: host time that grows with documents
+# times ranks, spent before the first kernel of the call) and kept, as tuples.
 @lru_cache(maxsize=256)
 def segments(runs, documents, left: int, right: int, chunk: int) -> tuple:
     """The query segments of ``runs`` (a rank's), in local order."""
