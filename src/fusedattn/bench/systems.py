@@ -263,8 +263,8 @@ def _stand_in_triton_kernels() -> None:
 def fa4_attn_func():
     """FlashAttention-4's ``flash_attn_func`` (``flash_attn.cute``: the CuTe DSL kernels; (B, S, H,
     D) tensors, fewer key/value heads taken as they are; it returns (out, lse)), or Unavailable.
-    Its wheels are not on any index the GPU machine reaches: ../shared/BENCHMARKS.md says how they
-    travel."""
+    Where a machine reaches no package index its wheels travel with the checkout: benchmarks/NOTES.md
+    v62-v63 says how (and in which order they install)."""
     if importlib.util.find_spec("flash_attn") is None:
         raise Unavailable("flash-attn-4 not installed")
     try:

@@ -50,12 +50,10 @@ class Problem:
         return pieces(plan.runs[plan.rank if query_rank is None else query_rank], plan.runs[key_rank],
                       plan.documents, self.spec.window_left, self.spec.window_right, self.chunk)
 
-    def reach(self) -> list:
+    def reach(self) -> tuple:
         """reach[r][s]: the range (lo, hi) of rank s's local keys that rank r's segments need, or
-        None (every rank computes the same table from the plan; ``segments.reach``)."""
-        if not hasattr(self, "_reach"):
-            self._reach = reach(self.plan, self.spec.window_left, self.spec.window_right, self.chunk)
-        return self._reach
+        None (every rank computes the same table from the plan, once: ``segments.reach``)."""
+        return reach(self.plan, self.spec.window_left, self.spec.window_right, self.chunk)
 
 
 # ----------------------------------------------------------------------------- sinks, once per row
@@ -179,7 +177,7 @@ def allgather_forward(q, k, v, sinks, problem: Problem):
     received, requests = _fetch([k, v], problem)
     wait_all(requests)
     gathered = _Gathered(problem, received, [k, v])
-    batch, seqlen, heads_q, _ = q.shape
+    batch, seqlen = q.shape[:2]
     out = lse = None  # allocated where a group covers only some rows
     for (left, right), segs in gathered.groups:
         k_packed, _ = gathered.keys(segs, 0)
@@ -197,18 +195,22 @@ def allgather_forward(q, k, v, sinks, problem: Problem):
             out, lse = o, l.contiguous()
         else:
             if out is None:
-                out = q.new_zeros((batch, seqlen, heads_q, v.shape[-1]))
-                lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
-            index = rows
-            out[:, index] = o
-            lse[:, :, index] = l
+                out, lse = _no_result(q, v)
+            out[:, rows] = o
+            lse[:, :, rows] = l
     if out is None:  # no rows at all
-        out = q.new_zeros((batch, seqlen, heads_q, v.shape[-1]))
-        lse = torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = _no_result(q, v)
     if sinks is not None:
         out, lse = _finish(out.float(), lse, sinks, q.dtype)
     kept = [t for source in sorted(received) for t in received[source]] if _keeps_received(problem) else []
     return out, lse, (q, k, v, out, lse, *kept)
+
+
+def _no_result(q, v) -> tuple:
+    """(out, lse) of rows that see no key: 0 in q's dtype, -inf; what rows no call covers keep."""
+    batch, seqlen, heads_q = q.shape[:3]
+    return q.new_zeros((batch, seqlen, heads_q, v.shape[-1])), \
+        torch.full((batch, heads_q, seqlen), float("-inf"), dtype=torch.float32, device=q.device)
 
 
 def _keeps_received(problem: Problem) -> bool:
