@@ -340,6 +340,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cp-seqlen", type=int, default=None, help="with --cp: tokens (default 32k per GPU)")
     parser.add_argument("--cp-strategies", default="ulysses,ring,allgather",
                         help="with --cp: comma-separated strategies to time")
+    parser.add_argument("--cp-rows", default=None,
+                        help="with --cp: comma-separated rows among causal, window, documents (default: all)")
     args = parser.parse_args(argv)
     # Thread-local: the whole run happens on this thread. A graph's replay runs no Python, so only the
     # eager times can change.

@@ -81,9 +81,9 @@ def _documents(total: int, world: int, granule: int = 64) -> list:
 
 
 def _rows(world: int, window: int = WINDOW) -> list:
-    return [dict(name="causal", causal=True, window=None, documents=False),
-            dict(name=f"causal, window {window}", causal=True, window=(window, 0), documents=False),
-            dict(name="packed documents, causal", causal=True, window=None, documents=True)]
+    return [dict(key="causal", name="causal", causal=True, window=None, documents=False),
+            dict(key="window", name=f"causal, window {window}", causal=True, window=(window, 0), documents=False),
+            dict(key="documents", name="packed documents, causal", causal=True, window=None, documents=True)]
 
 
 def whole_sequence_step(leaves: list, dout: torch.Tensor, options: dict, cu=None, lengths=None):
@@ -101,9 +101,10 @@ def whole_sequence_step(leaves: list, dout: torch.Tensor, options: dict, cu=None
 
 
 def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: tuple = (HEADS_Q, HEADS_KV),
-        head_dim: int = HEAD_DIM, window: int = WINDOW, granule: int = 64) -> list:
-    """Every row, T1 then each strategy (module docstring). On the CPU (gloo, float32) with small
-    ``heads``, ``head_dim``, ``window`` and document ``granule``: a smoke test of this code."""
+        head_dim: int = HEAD_DIM, window: int = WINDOW, granule: int = 64, rows: tuple | None = None) -> list:
+    """Every row (or those named in ``rows``: "causal", "window", "documents"), T1 then each
+    strategy (module docstring). On the CPU (gloo, float32) with small ``heads``, ``head_dim``,
+    ``window`` and document ``granule``: a smoke test of this code."""
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
@@ -115,6 +116,8 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: 
     k, v = (torch.randn(shape_kv, device=device, dtype=dtype, generator=gen) for _ in range(2))
     results = []
     for row in _rows(world, window):
+        if rows is not None and row["key"] not in rows:
+            continue
         lengths = _documents(seqlen, world, granule) if row["documents"] else None
         cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
                                                        dtype=torch.int32, device=device)
@@ -282,7 +285,8 @@ def main(args, env: dict, stem: str) -> None:
     strategies = args.cp_strategies.split(",")
     out_path = None if args.no_save else Path(args.out) / f"{stem}-{world}gpu.json"
     try:
-        results = run(seqlen, strategies, out_path, env)
+        rows = None if args.cp_rows is None else tuple(args.cp_rows.split(","))
+        results = run(seqlen, strategies, out_path, env, rows=rows)
         if dist.get_rank() == 0:
             print(table(results))
             if out_path is not None:
