@@ -80,7 +80,9 @@ def main() -> None:
     args = p.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    # NCCL at high priority (cp.cp_group's reason), for every system here: torch's context_parallel too
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank),
+                            pg_options=dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
     rank, world = dist.get_rank(), dist.get_world_size()
     seqlen = args.seqlen or 32768 * world
     out = Path(args.out)
@@ -110,7 +112,7 @@ def main() -> None:
             (out / f"{name}-1gpu.txt").write_text(_report(prof, wall, f"{name}, one GPU, {seqlen} tokens"))
         dist.barrier()
         plan = cp.shard_plan(seqlen, balance="zigzag") if cu is None else \
-            cp.shard_plan(cu_seqlens=cu.cpu(), balance="zigzag")
+            cp.shard_plan(cu_seqlens=cu.cpu(), balance="documents")
         local = [plan.shard(t[0] if cu is not None else t).detach().clone() for t in (q, k, v, dout)]
         for strategy in args.strategies.split(","):
             leaves = [t.clone().requires_grad_() for t in local[:3]]

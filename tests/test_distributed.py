@@ -44,8 +44,41 @@ def test_packed_plans_cut_each_document_and_give_positions_inside_it():
     assert cont.positions().tolist() == [2, 3, 4, 5, 6, 7, 8]
 
 
+def _causal_work(plan) -> list:
+    """Each rank's causal query-key pairs."""
+    out = []
+    for runs in plan.runs:
+        pairs = 0
+        for start, length in runs:
+            for a, b in plan.documents:
+                lo, hi = max(start, a), min(start + length, b)
+                pairs += sum(q - a + 1 for q in range(lo, hi))
+        out.append(pairs)
+    return out
+
+
+def test_documents_balance_keeps_documents_whole_where_the_work_stays_even():
+    # 2 ranks, 64 tokens each: placed all whole, the longest document (32) leaves one rank 5% more
+    # work than the mean (more than DOCUMENT_IMBALANCE); zigzagged, the rest balance exactly whole
+    cu = [0, 32, 44, 64, 68, 76, 100, 116, 128]
+    plans = [shard_plan(cu_seqlens=cu, world_size=2, rank=r, balance="documents") for r in range(2)]
+    runs = plans[0].runs
+    assert plans[0].balance == "documents" and runs == plans[1].runs
+    # rank 0: chunks 0 and 3 of the first document, documents 1, 3, 4, 5; rank 1: chunks 1, 2, documents 2, 6, 7
+    assert runs == (((0, 8), (24, 20), (64, 36)), ((8, 16), (44, 20), (100, 28)))
+    every = torch.cat([p.global_index() for p in plans]).sort().values
+    assert torch.equal(every, torch.arange(128))
+    work = _causal_work(plans[0])
+    assert max(work) <= 1.03 * sum(work) / 2
+    # no room for a whole document (20 and 12 tokens, 16 a rank): both zigzagged, as "zigzag" cuts them
+    even = [0, 20, 32]
+    assert shard_plan(cu_seqlens=even, world_size=2, rank=0, balance="documents").runs == \
+        shard_plan(cu_seqlens=even, world_size=2, rank=0, balance="zigzag").runs
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(seqlen=20, balance="zigzag"), ValueError, "divisible by 2 x 3"),
+    (dict(cu_seqlens=[0, 10, 15, 21], balance="documents"), ValueError, "documents balance found no placement"),
     (dict(seqlen=20, balance="contiguous"), ValueError, "do not divide over 3"),
     (dict(seqlen=24, balance="head-tail"), ValueError, "`balance` must be one of"),
     (dict(seqlen=None), ValueError, "exactly one of"),
@@ -146,20 +179,34 @@ def test_one_rank_is_attention_on_the_whole_sequence():
         torch.testing.assert_close(a, b, msg=name)
 
 
-@pytest.mark.parametrize("world,heads,window,chunk,expected", [
-    (4, (32, 8), (5, 0), None, "allgather"),  # a window narrower than a shard: only its reach moves
-    (4, (32, 8), None, 8, "allgather"),
-    (4, (32, 8), (50, 0), None, "ulysses"),  # wider than a shard: one call a rank over the sequence
-    (4, (32, 8), None, None, "ulysses"),
-    (4, (32, 2), None, None, "ulysses"),  # K/V heads replicated
-    (4, (6, 3), None, None, "ring"),  # the heads do not split over 4
-    (1, (6, 3), None, None, "allgather"),
+@pytest.mark.parametrize("world,heads,window,chunk,causal,expected", [
+    (4, (32, 8), (5, 0), None, False, "allgather"),  # a window narrower than a shard: only its reach moves
+    (4, (32, 8), None, 8, False, "allgather"),
+    (4, (32, 8), (50, 0), None, False, "ulysses"),  # wider than a shard: K/V of most of the sequence
+    (4, (32, 8), None, None, False, "ulysses"),
+    (4, (32, 8), None, None, True, "ulysses"),  # the last chunk's prefix is 3 shards of K/V
+    (2, (32, 8), None, None, True, "allgather"),  # over 2 ranks the prefix is one shard
+    (4, (32, 2), None, None, False, "allgather"),  # 2 K/V heads gathered: fewer words than q over all-to-all
+    (4, (6, 3), None, None, False, "ring"),  # the heads do not split over 4, the gather moves more
+    (1, (6, 3), None, None, False, "allgather"),
 ])
-def test_auto_picks_the_strategy_the_problem_suits(world, heads, window, chunk, expected):
+def test_auto_picks_the_strategy_the_problem_suits(world, heads, window, chunk, causal, expected):
     from fusedattn.distributed import choose_strategy
 
     plan = shard_plan(96, world_size=world, rank=0)
-    assert choose_strategy(plan, *heads, window, chunk) == expected
+    assert choose_strategy(plan, *heads, window, chunk, causal=causal) == expected
+
+
+def test_auto_gathers_whole_documents_and_all_to_alls_zigzagged_ones():
+    """Whole documents on their rank leave little to fetch; every document zigzagged over 4 ranks
+    needs most of every document's keys on every rank."""
+    from fusedattn.distributed import choose_strategy
+
+    cu = [16 * i for i in range(13)] + [256]  # twelve short documents, one long
+    whole = shard_plan(cu_seqlens=cu, world_size=4, rank=0, balance="documents")
+    zigzag = shard_plan(cu_seqlens=cu, world_size=4, rank=0, balance="zigzag")
+    assert choose_strategy(whole, 32, 8, causal=True) == "allgather"
+    assert choose_strategy(zigzag, 32, 8, causal=True) == "ulysses"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels on a GPU (the CPU path: the gloo tests)")
@@ -247,6 +294,9 @@ def _cases(world: int) -> list:
         CPCase("two-sided window, MQA (cp > Hkv)", causal=False, window=(4, 2), heads_kv=1),
         CPCase("causal chunks of 5", chunk=5, heads_kv=1),
         CPCase("packed documents, zigzag per document, sinks", documents=(two_n, 3 * two_n, 2 * two_n), sinks=True),
+        # one document zigzagged, one whole on each rank (length 3: not divisible by 2N, never split)
+        CPCase("documents whole on a rank beside a zigzagged one", documents=(4 * two_n, *(3,) * world),
+               balance="documents", window=(two_n + 1, 0)),
         CPCase("packed documents crossing shards, window, chunk", documents=(5, 19, 12), balance="contiguous",
                window=(6, 0), chunk=7),
         CPCase("auto strategy, no lse gradient", heads_kv=2, strategies=("auto",), lse_grad=False),
@@ -366,6 +416,12 @@ def _worker(rank: int, world: int, port: int) -> None:
         plan = shard_plan(24)
         whole = torch.arange(2 * 24 * 3, dtype=torch.float32).view(2, 24, 3, 1)
         assert torch.equal(plan.unshard(plan.shard(whole)), whole), "unshard(shard(x)) != x"
+        if rank < 2:  # a group of the first two ranks, which only they create
+            from fusedattn.distributed import cp_group
+
+            pair = shard_plan(24, group=cp_group([0, 1]))
+            assert pair.world_size == 2 and pair.rank == rank
+            assert torch.equal(pair.unshard(pair.shard(whole)), whole), "unshard(shard(x)) != x over a subgroup"
     finally:
         dist.destroy_process_group()
     assert not failures, f"rank {rank} of {world}:\n" + "\n".join(failures)

@@ -4,11 +4,13 @@
     torchrun --nproc-per-node 4 -m fusedattn.bench --cp --cp-seqlen 131072
 
 bf16, D=128, Hq=32, Hkv=8, B=1, forward+backward. Rows: causal; causal with a 4096-key window;
-packed documents (causal). Each row times one GPU running the whole sequence (T1, rank 0 while
+packed documents (causal; ``balance="documents"``: short documents whole on a rank, the longest
+zigzagged). Each row times one GPU running the whole sequence (T1, rank 0 while
 the others wait) and every strategy on all N GPUs (T_N: the slowest rank's time), checked first
 against the one-GPU output on each rank's rows; efficiency = T1 / (N x T_N). Beside them torch's
 ``context_parallel`` (SDPA, cuDNN backend, causal; its own round-robin sharding), where it runs.
-Per-GPU peak memory of each run is reported: the step's own, from its q, k, v on (inputs, outputs,
+The process group's NCCL streams run at high priority (``cp.cp_group``'s reason), for torch's
+``context_parallel`` too. Per-GPU peak memory of each run is reported: the step's own, from its q, k, v on (inputs, outputs,
 gradients, activations, communication buffers), the largest rank's.
 """
 
@@ -139,7 +141,7 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: 
         dist.broadcast(ref, 0)
         results.append(one)
         plan = cp.shard_plan(seqlen, balance="zigzag") if cu is None else \
-            cp.shard_plan(cu_seqlens=cu.cpu(), balance="zigzag")
+            cp.shard_plan(cu_seqlens=cu.cpu(), balance="documents")
 
         def local(t):
             return plan.shard(t[0] if cu is not None else t)
@@ -149,7 +151,7 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: 
             try:
                 base = memory.start()
                 leaves = [t.clone().requires_grad_() for t in (ql, kl, vl)]
-                used = cp.choose_strategy(plan, *heads, options["window"]) if strategy == "auto" \
+                used = cp.choose_strategy(plan, *heads, options["window"], causal=options["causal"]) if strategy == "auto" \
                     else strategy
 
                 def step():
@@ -169,7 +171,7 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: 
                     entry["peak_gb"] = peak.item()
                     if "fwdbwd_ms" in one:
                         entry["efficiency"] = one["fwdbwd_ms"] / (world * entry["fwdbwd_ms"])
-                entry["strategy"] = used
+                entry["strategy"], entry["balance"] = used, plan.balance
             except Exception as e:  # a strategy that cannot run this row is a result
                 entry["note"] = f"{type(e).__name__}: {str(e)[:200]}"
             _share_t1(entry, device)
@@ -279,7 +281,9 @@ def main(args, env: dict, stem: str) -> None:
         return
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    # NCCL at high priority (cp.cp_group's reason), for every system here: torch's context_parallel too
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank),
+                            pg_options=dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))
     world = dist.get_world_size()
     seqlen = args.cp_seqlen or 32768 * world
     strategies = args.cp_strategies.split(",")

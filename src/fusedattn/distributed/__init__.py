@@ -2,6 +2,7 @@
 
     import fusedattn.distributed as cp
 
+    group = cp.cp_group()                                # NCCL at high priority: transfers under the kernels
     plan = cp.shard_plan(seqlen, group=group)            # or cu_seqlens=... for packed documents
     q, k, v = (plan.shard(t) for t in (q_full, k_full, v_full))   # or build the shards directly
     positions = plan.positions(device)                   # this rank's positions, for RoPE
@@ -19,26 +20,37 @@ import torch
 
 from ..checks import check_chunk, check_options, check_qkv, check_sinks
 from ..spec import UNBOUNDED, resolve_spec
+from .comm import cp_group
 from .plan import BALANCES, ShardPlan, shard_plan
 from .strategies import STRATEGIES, ContextParallelAttention, Problem, resolve_backend, ulysses_layout
 
-__all__ = ["shard_plan", "ShardPlan", "cp_attention", "choose_strategy", "STRATEGIES", "BALANCES"]
+__all__ = ["shard_plan", "ShardPlan", "cp_group", "cp_attention", "choose_strategy", "STRATEGIES", "BALANCES"]
 
 _CALLER = "fusedattn.distributed.cp_attention"
 
 
 def choose_strategy(plan: ShardPlan, heads_q: int, heads_kv: int, window: tuple[int, int] | None = None,
-                    chunk: int | None = None) -> str:
-    """``strategy="auto"``: with a window or chunks narrower than a shard, the gather (each rank
-    receives only the keys its queries reach: a halo, not the sequence); else Ulysses where the
-    heads divide over the group (one kernel call over the whole sequence per rank -- one packed call
-    over documents -- and all-to-alls of N x smaller tensors); else the ring."""
+                    chunk: int | None = None, causal: bool = False) -> str:
+    """``strategy="auto"``: the strategy that moves fewer words, the gather or Ulysses. The gather
+    moves, per key a rank receives, K and V in and their gradients' fp32 partial sums back (6 Hkv
+    words; 8 where the keys are fetched again for the backward); Ulysses moves (N - 1) / N of every
+    token's q, out, dout, dq (4 Hq) and k, v, dk, dv (4 Hkv, Hkv replicated up to N). The gather wins
+    where ranks receive few keys: a window's halo, whole documents on a rank, a causal prefix over
+    few ranks; Ulysses over many ranks and long prefixes. Where Ulysses cannot split the heads and
+    the gather would move more, the ring (O(S/N) memory)."""
     if plan.world_size == 1:
         return "allgather"
-    shard = plan.local_len
-    narrow = (window is not None and window[0] not in (None, UNBOUNDED) and window[0] < shard) or \
-        (chunk is not None and chunk < shard)
-    if narrow:
+    from .segments import reach
+
+    n, shard = plan.world_size, plan.local_len
+    left = UNBOUNDED if window is None or window[0] is None or window[0] < 0 else window[0]
+    right = 0 if causal else (UNBOUNDED if window is None or window[1] is None or window[1] < 0 else window[1])
+    table = reach(plan, left, right, int(chunk or 0))
+    received = max(sum(span[1] - span[0] for s, span in enumerate(row) if s != r and span is not None)
+                   for r, row in enumerate(table))
+    gather_words = (6 if received <= shard else 8) * heads_kv * received
+    ulysses_words = (n - 1) * shard * 4 * (heads_q + max(heads_kv, n)) / n
+    if gather_words <= ulysses_words:
         return "allgather"
     return "ulysses" if ulysses_layout(plan, heads_q, heads_kv) is None else "ring"
 
@@ -86,7 +98,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: ShardP
                          f"{shapes.seqlen_q} and k with {shapes.seqlen_k}")
     check_sinks(sinks, q, shapes.heads_q)
     if strategy == "auto":
-        strategy = choose_strategy(plan, shapes.heads_q, shapes.heads_kv, window, chunk)
+        strategy = choose_strategy(plan, shapes.heads_q, shapes.heads_kv, window, chunk, causal)
     if strategy == "ulysses":
         why = ulysses_layout(plan, shapes.heads_q, shapes.heads_kv)
         if why:

@@ -7,6 +7,21 @@ import torch
 import torch.distributed as dist
 
 
+def cp_group(ranks=None):
+    """A process group for ``shard_plan(..., group=)`` over ``ranks`` (default: every rank; with a
+    list, only those ranks call it) whose NCCL streams run at high priority. The strategies'
+    transfers are meant to travel under the attention kernels; an NCCL kernel launched on a stream of
+    normal priority waits until every queued block of the running attention kernel has been placed
+    on an SM, so the transfer starts only as the kernel ends. At high priority its blocks take the
+    next SM a finished attention block frees. (``TORCH_NCCL_HIGH_PRIORITY=1`` does the same for every
+    group of the process.) Other backends: a plain group."""
+    local = ranks is not None  # only the members synchronise: other ranks need not call it
+    if dist.get_backend() == "nccl":
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        return dist.new_group(ranks, pg_options=options, use_local_synchronization=local)
+    return dist.new_group(ranks, use_local_synchronization=local)
+
+
 def all_gather_concat(out: torch.Tensor, x: torch.Tensor, group) -> None:
     """Every rank's ``x`` concatenated along dim 0 into ``out`` (torch's name for it changed)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

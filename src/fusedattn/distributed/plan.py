@@ -10,6 +10,13 @@ concatenated in order. Balances:
 - ``"contiguous"``: rank r holds tokens [r T / N, (r + 1) T / N) of the T tokens (packed documents
   may cross rank boundaries). Needs T divisible by N. Causal work is unbalanced: the last rank's
   queries see the most keys.
+- ``"documents"`` (packed batches): whole documents on one rank where the causal work stays
+  balanced, zigzag for the documents that must be split. A whole document's keys are all on its
+  rank: its queries need no communication. The largest documents are zigzagged first (their
+  work, L^2, is the hardest to balance whole); the rest are placed longest first on the rank with
+  the least work that still has room, and the first choice that fills every rank exactly with
+  work within ``DOCUMENT_IMBALANCE`` of the mean is taken (zigzagging every document, which is
+  always balanced, is the last choice). Documents that are zigzagged need lengths divisible by 2N.
 - ``"auto"``: zigzag where its divisibility holds, contiguous otherwise.
 
 The plan is a pure function of (lengths, N, balance): every rank knows every rank's runs, which the
@@ -25,7 +32,11 @@ import torch
 
 from .comm import all_gather_concat
 
-BALANCES = ("auto", "zigzag", "contiguous")
+BALANCES = ("auto", "zigzag", "contiguous", "documents")
+
+# A rank with more causal work than the mean holds the whole group back by that fraction; one more
+# zigzagged document costs the transfer of its keys, less than a few percent of the step.
+DOCUMENT_IMBALANCE = 0.03
 
 
 @dataclass(frozen=True)
@@ -132,8 +143,15 @@ def shard_plan(seqlen: int | None = None, *, cu_seqlens: torch.Tensor | Sequence
         what = "the sequence length" if cu_seqlens is None else "every document's length"
         raise ValueError(f"shard_plan: the zigzag balance needs {what} divisible by 2 x {world} ranks, got "
                          f"{lengths}; pad the documents or use balance='contiguous'")
-    if balance == "contiguous" and total % world:
+    if balance in ("contiguous", "documents") and total % world:
         raise ValueError(f"shard_plan: {total} tokens do not divide over {world} ranks; pad the batch")
+    if balance == "documents":
+        runs = _whole_documents(documents, world)
+        if runs is None:
+            raise ValueError(f"shard_plan: the documents balance found no placement of {lengths} over {world} "
+                             f"ranks (documents it must split need lengths divisible by 2 x {world}); use "
+                             f"balance='contiguous'")
+        return ShardPlan(world, me, total, balance, runs, documents, cu_seqlens is not None, group)
     runs = []
     for r in range(world):
         if balance == "contiguous":
@@ -141,10 +159,57 @@ def shard_plan(seqlen: int | None = None, *, cu_seqlens: torch.Tensor | Sequence
         else:
             mine = []
             for start, end in documents:
-                chunk = (end - start) // (2 * world)
-                mine += [(start + r * chunk, chunk), (start + (2 * world - 1 - r) * chunk, chunk)]
+                mine += _zigzag_chunks(start, end, world, r)
         runs.append(_joined(mine))
     return ShardPlan(world, me, total, balance, tuple(runs), documents, cu_seqlens is not None, group)
+
+
+def _zigzag_chunks(start: int, end: int, world: int, rank: int) -> list:
+    """Rank ``rank``'s two chunks of [start, end) cut into 2N: chunk r and chunk 2N - 1 - r."""
+    chunk = (end - start) // (2 * world)
+    return [(start + rank * chunk, chunk), (start + (2 * world - 1 - rank) * chunk, chunk)]
+
+
+def _whole_documents(documents: tuple, world: int) -> tuple | None:
+    """The ``"documents"`` balance (module docstring): every rank's runs, or None where no choice
+    fills the ranks (a document too long for a rank that cannot be zigzagged)."""
+    capacity = sum(end - start for start, end in documents) // world
+    # longest first; ties in document order, so every rank computes the same plan
+    by_length = sorted(range(len(documents)), key=lambda i: (documents[i][0] - documents[i][1], i))
+    splittable = [i for i in by_length if (documents[i][1] - documents[i][0]) % (2 * world) == 0]
+    for zigzagged in range(len(splittable) + 1):
+        split = set(splittable[:zigzagged])
+        placed = _placed_whole([i for i in by_length if i not in split], documents, world, capacity -
+                               sum(documents[i][1] - documents[i][0] for i in split) // world)
+        if placed is None:
+            continue
+        shared = sum((documents[i][1] - documents[i][0]) ** 2 for i in split) / world  # zigzag: equal shares
+        work = [shared + sum((documents[i][1] - documents[i][0]) ** 2 for i in mine) for mine in placed]
+        mean = sum(work) / world
+        if zigzagged == len(splittable) or max(work) <= (1 + DOCUMENT_IMBALANCE) * mean:
+            runs = []
+            for r in range(world):
+                mine = [documents[i] for i in placed[r]]
+                mine = [(a, b - a) for a, b in mine] + [c for i in split for c in _zigzag_chunks(*documents[i], world, r)]
+                runs.append(_joined(sorted(mine)))
+            return tuple(runs)
+    return None
+
+
+def _placed_whole(order: list, documents: tuple, world: int, capacity: int) -> list | None:
+    """Documents ``order`` (longest first) placed whole, each on the rank with the least work that
+    has room for it; every rank then exactly full, or None."""
+    placed, room, work = [[] for _ in range(world)], [capacity] * world, [0] * world
+    for i in order:
+        length = documents[i][1] - documents[i][0]
+        fits = [r for r in range(world) if room[r] >= length]
+        if not fits:
+            return None
+        r = min(fits, key=lambda r: (work[r], r))
+        placed[r].append(i)
+        room[r] -= length
+        work[r] += length * length
+    return placed if not any(room) else None
 
 
 def _joined(runs: list) -> tuple:
