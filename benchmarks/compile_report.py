@@ -125,7 +125,9 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
     # the forward and the dK/dV pass, dropout in the dK/dV pass: dispatch.gluon_support)
     triton_only = flags["HAS_ALIBI"] or flags["HAS_CHUNK"] or flags["HAS_DROPOUT"]
     gluon_runs = not flags["HAS_SINKS"] and not flags["HAS_BIAS"] and not triton_only
-    gluon_forward_runs = not flags["HAS_SINKS"] and not triton_only and (not flags["HAS_BIAS"] or flags["BIAS_TMA"])
+    # sinks: the warp-specialised Gluon forward takes them (the 8-warp one does not: dispatch.plan_forward)
+    gluon_forward_runs = not triton_only and (not flags["HAS_BIAS"] or flags["BIAS_TMA"]) and \
+        (not flags["HAS_SINKS"] or bool(configs.forward.hopper_split))
     # ALiBi's causal (key-term) form: the warp-specialised Gluon forward takes it (dispatch.gluon_forward_takes_alibi)
     gluon_alibi = flags["HAS_ALIBI"] == 2 and not flags["HAS_MASK"] and not flags["HAS_BIAS"] \
         and not flags["HAS_LEFT"] and bool(gluon_forward.hopper_split)
@@ -182,7 +184,8 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
                                                 even_lists=flags["HAS_MASK"] and not flags["HAS_BIAS"])
         problems += _report_hopper_forward(head_dim, dtype, gluon_forward, flags["HAS_RIGHT"], flags["HAS_SOFTCAP"],
                                            flags["HAS_LEFT"], flags["HAS_MASK"], flags["HAS_BIAS"],
-                                           persistent and not flags["VARLEN"], flags["VARLEN"])
+                                           persistent and not flags["VARLEN"], flags["VARLEN"],
+                                           sinks=flags["HAS_SINKS"])
     if gluon_forward.hopper_overlap is not None and tma_loads and gluon_alibi:
         alibi_forward = dispatch.gluon_alibi_forward(gluon_forward, head_dim)
         persistent = hopper_fwd.runs_persistent(alibi_forward, flags["HAS_RIGHT"], True)
@@ -253,7 +256,7 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
 
 def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
                            lists: bool = False, bias: bool = False, persistent: bool = False, varlen: bool = False,
-                           grad_q: bool = False, alibi: bool = False, dropout: bool = False):
+                           grad_q: bool = False, alibi: bool = False, dropout: bool = False, sinks: bool = False):
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
     ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype,
     ``persistent``: the tile loop of a launch of fewer programs than tiles, ``varlen``: packed
@@ -270,14 +273,14 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         constexprs = dict(BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
                           PERSISTENT=persistent, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                          CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, ALIBI=alibi, DROPOUT=dropout,
+                          CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, ALIBI=alibi, DROPOUT=dropout, SINKS=sinks,
                           num_warps=num_warps)
         list_args = dict(head_rows="i32", tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
                          list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),
                          bias_batches="i32", bias_head_div="i32", lse_head_stride="i32",
                          Out="*fp32" if grad_q else f"*{dtype}", stride_out_row="i32", stride_out_head="i32",
                          do_desc=desc(rows), Alibi="*fp32", DropoutSeed="*i64", dropout_threshold="i32",
-                         dropout_scale="fp32")
+                         dropout_scale="fp32", Sinks="*fp32")
         options = dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg)
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
@@ -299,7 +302,7 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap: bool = False, left: bool = False,
                            lists: bool = False, bias: bool = False, persistent: bool = False,
                            varlen: bool = False, grad_q: bool = False, alibi: bool = False,
-                           dropout: bool = False) -> int:
+                           dropout: bool = False, sinks: bool = False) -> int:
     if cfg.hopper_split:
         kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
@@ -307,12 +310,12 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
     shown = (f"{'dQ pass' if grad_q else 'forward'} (Gluon, {kind}{', tile lists' if lists else ''}{', bias' if bias else ''}"
              f"{', persistent' if persistent else ''}{', packed' if varlen else ''}{', ALiBi' if alibi else ''}"
-             f"{', dropout' if dropout else ''}) "
+             f"{', dropout' if dropout else ''}{', sinks' if sinks else ''}) "
              f"{rows}x{cfg.block_n} "
              f"s{cfg.num_stages}")
     try:
         r = compile_hopper_forward(head_dim, dtype, cfg, causal, softcap, left, lists, bias, persistent, varlen, grad_q,
-                                   alibi, dropout)
+                                   alibi, dropout, sinks)
     except Exception as e:
         print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
         return 1
@@ -446,7 +449,7 @@ def main() -> None:
     p.add_argument("--tma-loads", choices=("on", "off", "both"), default="both")
     p.add_argument("--variants", default=None,
                    help="subset of plain,causal,window+softcap,softcap,causal+softcap,window,mask,causal+mask,"
-                        "causal+mask+sinks,bias,causal+bias,causal+bias-atomic,causal+mask+bias,"
+                        "causal+sinks,causal+mask+sinks,bias,causal+bias,causal+bias-atomic,causal+mask+bias,"
                         "causal+mask+bias-pointers,varlen+causal,causal+alibi,window+softcap+alibi,kvcache")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
@@ -463,7 +466,8 @@ def main() -> None:
         # a mask whose tiles are whole (block-sparse): the Gluon kernels walk its tile lists
         "mask": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_MASK=True),
         "causal+mask": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True),
-        # a user mask and sinks: the Triton kernels (the Gluon ones decline sinks)
+        # a user mask and sinks: the Gluon forward walks the lists with the sink term (whole tiles)
+        "causal+sinks": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_SINKS=True),
         "causal+mask+sinks": dict(HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_MASK=True, HAS_SINKS=True),
         # a trainable bias: full shape (its gradient stored; through TMA, as on the GPU where the bias is aligned), and shared by the batch (added by atomics)
         "bias": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_BIAS=True, BIAS_TMA=True,

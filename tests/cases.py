@@ -263,7 +263,7 @@ FULL: list[Case] = [
     Case(batch=1, heads_q=16, heads_kv=1, seqlen_q=777, seqlen_k=2048, head_dim=64, window=(100, 100),
          softcap=15.0, scale=0.2, deterministic=True, dtype=torch.bfloat16, layout="bhsd"),
     Case(batch=2, heads_q=4, heads_kv=4, seqlen_q=300, seqlen_k=300, head_dim=96, scale=0.05, dtype=torch.float16),
-    # sinks: on the Gluon shapes (the forward falls back to Triton, the Gluon dK/dV pass runs),
+    # sinks: on the Gluon shapes (the warp-specialised forward's sink term, the Gluon dK/dV pass),
     # with GQA, causal Sq > Sk, softcap + window, and D=128 dQ by reduce-adds
     Case(batch=2, heads_q=8, heads_kv=2, seqlen_q=1000, seqlen_k=1000, head_dim=128, causal=True, sinks=True,
          lse_grad=True, dtype=torch.bfloat16),

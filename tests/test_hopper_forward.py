@@ -1,7 +1,7 @@
 """The Gluon forwards of kernels/hopper_fwd.py (sm_90 only): every schedule and key-tile width they
 may be launched with (8-warp kernel; warp-specialised kernel, 2 or 3 warpgroups, ping-pong), on odd lengths, causal with Sq > Sk (rows with no key) and Sq < Sk, GQA,
 decoding, both layouts, a strided view, a custom scale, softcap, sliding windows, masks of whole tiles
-(block-sparse, key padding), a 16-bit bias by elements, causal ALiBi, dropout, every program order -- output, lse and the gradients of the
+(block-sparse, key padding), a 16-bit bias by elements, causal ALiBi, dropout, sinks, every program order -- output, lse and the gradients of the
 backward that consumes its lse, against the float64 reference (SPEC 4). A spy proves each
 launch really ran the Gluon kernel; unsupported problems must fall back to the Triton kernel."""
 
@@ -15,7 +15,7 @@ from fusedattn import dispatch
 from fusedattn.spec import resolve_spec
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-from attention_runner import check_case, make_bias, make_inputs, make_mask, record_launches, set_knobs
+from attention_runner import check_case, make_bias, make_inputs, make_mask, make_sinks, record_launches, set_knobs
 from cases import WHOLE_TILE_MASK_CASES, Case
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -100,7 +100,11 @@ def test_every_program_order_gives_the_same_bits(case, forward, gluon_launches, 
 # (case, schedule): the order cases on ws2 and ws3 ping-pong; a bias and a BlockMask take ws3 ping-pong.
 PERSISTENT_CASES = [(case, schedule) for case in ORDER_CASES for schedule in (SCHEDULES[6], SCHEDULES[-1])] + [
     (Case(2, 4, 2, 200, 512, 128, causal=True, bias="full", dtype=torch.bfloat16), SCHEDULES[-1]),
-    (Case(2, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128), dtype=torch.bfloat16), SCHEDULES[-1])]
+    (Case(2, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128), dtype=torch.bfloat16), SCHEDULES[-1]),
+    # sinks with an lse gradient: without one, this case's sinks gradient from a bf16 output is held to
+    # a bound (2 x the bf16 eager reference's error) that even the exact output rounded to bf16 misses
+    # (1.2e-2 against 6.5e-3, emulated on the CPU; benchmarks/NOTES.md v65)
+    (Case(2, 4, 2, 700, 700, 64, causal=True, sinks=True, lse_grad=True, dtype=torch.bfloat16), SCHEDULES[6])]
 
 
 @pytest.mark.parametrize("case, forward", PERSISTENT_CASES,
@@ -109,7 +113,7 @@ def test_persistent_launches_give_the_same_bits(case, forward, gluon_launches, m
     """5 and 13 programs over every tile: the same output and lse bits as one program per tile, and
     the reference's values."""
     q, k, v, _, _ = make_inputs(case, "cuda")
-    extras = dict(bias=make_bias(case, "cuda"), mask=make_mask(case, "cuda"))
+    extras = dict(bias=make_bias(case, "cuda"), mask=make_mask(case, "cuda"), sinks=make_sinks(case, "cuda"))
     results = {}
     with pinned_forward(case, forward):
         for programs in (0, 5, 13):
@@ -301,6 +305,33 @@ def test_gluon_forward_takes_strided_views(forward, gluon_launches):
     with pinned_forward(case, forward):
         check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
     assert gluon_launches and all(gluon_launches)
+
+
+# Sinks: the warp-specialised forward adds each head's sink logit to its rows' denominators at the
+# end (rows that see no key: output 0, lse = the sink); Sq > Sk causal, GQA, a window with softcap,
+# a mask's tile lists, decoding, an lse gradient, fp16 sinks.
+SINK_CASES = [
+    Case(1, 4, 2, 517, 333, 128, causal=True, sinks=True, lse_grad=True, dtype=torch.bfloat16),
+    Case(2, 2, 1, 300, 300, 64, causal=True, window=(90, 0), softcap=20.0, sinks=True, layout="bhsd"),
+    Case(2, 4, 2, 1, 700, 128, sinks=True, dtype=torch.bfloat16),
+    Case(2, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128), sinks=True, dtype=torch.bfloat16),
+]
+
+
+# two warpgroups without turns (the persistent launches' schedule) and three taking turns (the default)
+@pytest.mark.parametrize("forward", [SCHEDULES[6], SCHEDULES[-1]], ids=schedule_id)
+@pytest.mark.parametrize("case", SINK_CASES, ids=[c.id for c in SINK_CASES])
+def test_gluon_forward_takes_sinks(case, forward, gluon_launches):
+    with pinned_forward(case, forward):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+
+
+def test_sinks_on_the_eight_warp_schedule_run_the_triton_kernel(gluon_launches):
+    case = SINK_CASES[0]
+    with pinned_forward(case, SCHEDULES[0]):
+        check_case(case, "triton", "cuda")
+    assert not gluon_launches
 
 
 @pytest.mark.parametrize("forward", [SCHEDULES[3], SCHEDULES[-1]], ids=schedule_id)

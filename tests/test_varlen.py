@@ -117,7 +117,7 @@ CHUNK = [
 ]
 TRITON_CASES = FULL if ON_GPU else QUICK  # QUICK has no bf16: the interpreter's bf16 dot is unusable
 TRITON_ALIBI = ALIBI_FULL if ON_GPU else ALIBI
-# What the Gluon kernels take (Hopper, 16-bit, D = Dv in {64, 128}, no sinks): each path of the packed
+# What the Gluon kernels take (Hopper, 16-bit, D = Dv in {64, 128}; sinks in the forward): each path of the packed
 # forward and dK/dV pass -- dQ summed in the pass (D=128) or by the Triton dQ pass (D=64,
 # deterministic), dK/dV stored by pointers or summed over a GQA group (causal GQA), causal, none,
 # a left window -- with sequences of 0 and 1 tokens, Sq != Sk both ways, lengths off every tile.
@@ -134,6 +134,8 @@ GLUON = [
                softcap=30.0, lse_grad=True, dtype=torch.bfloat16),
     VarlenCase((65, 300, 1), (300, 1, 77), heads_q=6, heads_kv=2, head_dim=64, dtype=torch.float16),
     VarlenCase((191, 193, 385), heads_q=4, heads_kv=2, head_dim=128, dtype=torch.bfloat16),
+    VarlenCase((300, 0, 1, 517), (200, 5, 0, 600), heads_q=4, heads_kv=2, head_dim=128, causal=True, sinks=True,
+               lse_grad=True, dtype=torch.bfloat16),
 ]
 
 

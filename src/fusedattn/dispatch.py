@@ -118,7 +118,8 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
 
 def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False,
                   alibi_form=False, dropout_form=False) -> Support:
-    """Whether the Gluon kernels take the problem: no ALiBi, no chunk, no dropout, no sinks; a bias only in a kernel that reads one
+    """Whether the Gluon kernels take the problem: no ALiBi, no chunk, no dropout, sinks only without
+    ALiBi or dropout (the warp-specialised forward's sink term: ``plan_forward``); a bias only in a kernel that reads one
     (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
     (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
     q, k, v addressable by TMA (16-byte aligned). ``alibi_form``: the pass asked about has ALiBi's
@@ -135,8 +136,8 @@ def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None
     if spec.has_dropout and not dropout_form:
         return refused("dropout_p: the Gluon kernels have dropout without a mask, bias or packing (the forward "
                        "on its warp-specialised kernel)")
-    if sinks is not None:
-        return refused("sinks: the Gluon kernels have no sink term")
+    if sinks is not None and (spec.alibi or spec.has_dropout):
+        return refused("sinks with ALiBi or dropout: the Gluon forward's sink term has neither")
     if bias is not None:
         if not reads_bias:
             return refused("a bias, which this pass's Gluon form does not read")
@@ -242,6 +243,9 @@ def plan_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks=None,
         support = gluon_forward_takes_dropout(config, mask, bias)
     if support and (spec.alibi or spec.has_dropout):
         config = gluon_alibi_forward(config, q.shape[-1])
+    if support and sinks is not None and not config.hopper_split:
+        support = refused("sinks: the sink term is in the warp-specialised Gluon forward; the config names the "
+                          "8-warp one")
     if not support:
         return ForwardPlan("triton", fallback, support.reason, fallback)
     gluon_config = gluon_mask_forward(config) if mask is not None or bias is not None else config
@@ -270,7 +274,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, config: KernelConfig, sinks:
             else lse.fill_(float("-inf"))
     plan = plan_forward(q, k, v, spec, config, sinks, mask, bias, packing)
     if plan.kernel == "gluon" and _gluon_forward(q, k, v, out, lse, spec, plan.config, mask, bias, packing, alibi,
-                                                 dropout_seed):
+                                                 dropout_seed, sinks):
         return out, lse
     triton_fwd.forward(q, k, v, out, lse, spec, plan.fallback, sinks, mask, bias, packing, alibi, dropout_seed)
     return out, lse
@@ -308,13 +312,13 @@ def gluon_alibi_forward(config: KernelConfig, head_dim: int) -> KernelConfig:
 
 
 def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, mask, bias, packing,
-                   alibi=None, dropout_seed=None) -> bool:
+                   alibi=None, dropout_seed=None, sinks=None) -> bool:
     """The Gluon forward into ``out``, ``lse``; False, nothing launched, where TMA cannot address a
     tensor after all (the Triton kernel then runs)."""
     from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs (not under the interpreter)
 
     if packing is not None:
-        return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, packing=packing)
+        return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, packing=packing, sinks=sinks)
     lists, even = None, False
     if mask is not None:  # the lists at the Gluon tiles; the mask itself is never read
         batch, heads_q, seqlen_q, _ = bhsd_shape(q, spec.layout)
@@ -325,7 +329,7 @@ def _gluon_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
         even = rows_even(mask, spec, seqlen_q, seqlen_k, *tiles)
     dropout = (dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None
     return gluon_fwd.attention_forward(q, k, v, out, lse, spec, config, lists, bias, even_lists=even, alibi=alibi,
-                                       dropout=dropout)
+                                       dropout=dropout, sinks=sinks)
 
 
 # ----------------------------------------------------------------------------- backward

@@ -158,6 +158,20 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _with_sink(acc, m_i, l_i, sink, row_o: gl.constexpr):
+    """The row state with one more logit, ``sink`` (natural log units; no value: it adds to the
+    denominator only): the running maximum m_i and sum l_i are in log2 units, so the sink enters as
+    sink * log2 e; acc is rescaled to the new maximum. A row that saw no key (m_i = -inf, l_i = 0)
+    gets l = 1 at m = the sink: output 0, lse = the sink."""
+    sink2 = sink * 1.4426950408889634
+    m_new = gl.maximum(m_i, sink2)
+    alpha = gl.exp2(m_i - m_new)
+    l_new = l_i * alpha + gl.exp2(sink2 - m_new)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    return acc, m_new, l_new
+
+
+@gluon.jit
 def _epilogue(acc, m_i, l_i, rows, Lse, lse_base, seq_q, q, q_buf, o_desc, batch, head, m0, row_o: gl.constexpr,
               packed_out, o_layout: gl.constexpr, VARLEN: gl.constexpr):
     """Normalise, lse (natural log; -inf and out 0 for a row with no visible key; row r at ``Lse +
@@ -688,7 +702,8 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                  ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                  SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-                 VARLEN: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr):
+                 VARLEN: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+                 SINKS: gl.constexpr):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
     if PERSISTENT:  # rounds in pairs, as the producer: Q buffer 0 for even rounds, 1 for odd ones
         total_tiles = sched[0] * sched[1]
@@ -702,12 +717,12 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                                             k_empty, v_empty, turn_bars, bias_state, grad_in, Lse, sched, qk_scale,
                                             softcap_log2, tile, r + qbuf, done, WG, ROWS, NQ, BLOCK_N, HEAD_D,
                                             NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                                            VARLEN, qbuf, GRAD_Q, ALIBI, DROPOUT)
+                                            VARLEN, qbuf, GRAD_Q, ALIBI, DROPOUT, SINKS)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, grad_in, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ,
                          BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                         VARLEN, 0, GRAD_Q, ALIBI, DROPOUT)
+                         VARLEN, 0, GRAD_Q, ALIBI, DROPOUT, SINKS)
 
 
 @gluon.jit
@@ -717,7 +732,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                      VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr,
-                     DROPOUT: gl.constexpr):
+                     DROPOUT: gl.constexpr, SINKS: gl.constexpr):
     """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th, its Q in
     buffer QBUF where there are two), on one warpgroup: the tile's key blocks (the producer loads each
     once for all) that this warpgroup's rows see, with the mask on those not interior to them; the
@@ -728,7 +743,8 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     buffer goes back to the producer once the tile's output, staged in it, is stored.
     GRAD_Q (the dQ pass): ``grad_in`` = (dO's descriptor, its buffers); the row state is the
     pre-pass's (lse2, delta) rows (``Lse``, and ``sched``'s O pointer and lse head stride: the
-    statistics' row stride), and the output dQ (``o_desc``)."""
+    statistics' row stride), and the output dQ (``o_desc``). SINKS: the head's sink logit
+    (``sched``'s Sinks pointer) joins each row's denominator at the end (``_with_sink``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -828,6 +844,8 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
         m_i = m_i - slope * (rows - mw).to(gl.float32)
     if DROPOUT and not GRAD_Q:  # the kept probabilities' scale, once (the dQ pass's dS has it)
         acc = acc * sched[20]
+    if SINKS:
+        acc, m_i, l_i = _with_sink(acc, m_i, l_i, gl.load(sched[21] + head), row_o)
     if GRAD_Q:
         _dq_epilogue(acc, qk_scale, softcap_log2, q, q_buf, o_desc, batch, head, mw, SOFTCAP)
     else:
@@ -846,11 +864,12 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
                         softcap_log2, query_blocks, chunk_heads, head_rows, tile_lists, list_stride_b, list_stride_h,
                         list_stride_r, list_head_div, bias_desc, bias_batches, bias_head_div, lse_head_stride, Out,
                         stride_out_row, stride_out_head, do_desc, Alibi, DropoutSeed, dropout_threshold,
-                        dropout_scale, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                        dropout_scale, Sinks, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                         SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr,
                         LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
                         GRAD_Q: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False):
+                        num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
+                        SINKS: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
@@ -878,6 +897,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     gl.static_assert(not (GRAD_Q and (VARLEN or LISTS or BIAS or PERSISTENT)),
                      "the dQ pass: no packed sequences, mask, bias or persistence")
     gl.static_assert(not (DROPOUT and (VARLEN or LISTS or BIAS)), "dropout: no packed sequences, mask or bias")
+    gl.static_assert(not (SINKS and (GRAD_Q or ALIBI or DROPOUT)), "sinks: the forward, without ALiBi or dropout")
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
@@ -886,7 +906,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
     sched = (head_rows, query_blocks, chunk_heads, num_heads, group, seq_q, seq_k, window_left, tile_lists,
              list_stride_b, list_stride_h, list_stride_r, list_head_div, lse_head_stride, Out, stride_out_row,
-             stride_out_head, Alibi, DropoutSeed, dropout_threshold, dropout_scale)
+             stride_out_head, Alibi, DropoutSeed, dropout_threshold, dropout_scale, Sinks)
     bias_slices = (bias_batches, bias_head_div)
     # one program per tile: its tile, found here (as the partitions' argument it costs the 3-warpgroup
     # consumers fewer registers than found in each partition)
@@ -949,11 +969,11 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -963,15 +983,15 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -1017,7 +1037,8 @@ def runs_persistent(config: KernelConfig, causal: bool, plain: bool, even_lists:
 
 def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig,
                       tile_lists: tuple | None = None, bias: torch.Tensor | None = None, packing=None,
-                      even_lists: bool = False, alibi: torch.Tensor | None = None, dropout: tuple | None = None) -> bool:
+                      even_lists: bool = False, alibi: torch.Tensor | None = None, dropout: tuple | None = None,
+                      sinks: torch.Tensor | None = None) -> bool:
     """Attention into ``out`` (the user layout) and ``lse`` ((B, Hq, Sq) float32); False, launching
     nothing, when a tensor cannot go through TMA (the caller then runs the Triton kernel).
     ``config.hopper_split`` 2 or 3: the warp-specialised kernel with that many consumer warpgroups
@@ -1032,15 +1053,21 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     ``alibi`` (with ``spec.alibi``): the contiguous float32 (B, Hq) slopes, for causal calls on the
     warp-specialised kernel without lists, bias or packing (``dispatch.gluon_forward_takes_alibi``).
     ``dropout`` (with ``spec.dropout_p``): (the call's (1,) int64 seed, threshold, scale), for the
-    warp-specialised kernel without lists, bias or packing (``dispatch.gluon_forward_takes_dropout``)."""
+    warp-specialised kernel without lists, bias or packing (``dispatch.gluon_forward_takes_dropout``).
+    ``sinks``: (Hq,) float32, one more logit per head in every row's denominator (the
+    warp-specialised kernel, without ALiBi or dropout)."""
     assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
+    assert sinks is None or (config.hopper_split and alibi is None and dropout is None), \
+        "sinks: the warp-specialised forward without ALiBi or dropout"
+    if sinks is not None:  # the kernel reads one float32 logit per head, at its head index
+        sinks = sinks.to(torch.float32).contiguous()
     assert spec.has_dropout == (dropout is not None), "spec.dropout_p and (seed, threshold, scale) go together"
     assert dropout is None or (config.hopper_split and tile_lists is None and bias is None and packing is None), \
         "dropout: the warp-specialised forward without lists, bias or packing"
     assert alibi is None or (config.hopper_split and spec.window_right == 0 and tile_lists is None and bias is None
                              and packing is None), "ALiBi: the causal warp-specialised forward only"
     if packing is not None:
-        return _packed_forward(q, k, v, out, lse, spec, config, packing)
+        return _packed_forward(q, k, v, out, lse, spec, config, packing, sinks)
     layout = spec.layout
     q_rows = WG_ROWS if config.hopper_split else BLOCK_M
     descs = [descriptor(q, q_rows, layout), descriptor(k, config.block_n, layout),
@@ -1057,10 +1084,11 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     launcher = _forward_launcher(tuple(q_shape), k_shape[1], k_shape[2], spec, config, tuple(lists[1:]),
                                  tile_lists is not None, bias_slices, q.device.index,
                                  even_lists=even_lists and tile_lists is not None and bias is None,
-                                 dropout_args=(0, 1.0) if dropout is None else tuple(dropout[1:]))
+                                 dropout_args=(0, 1.0) if dropout is None else tuple(dropout[1:]),
+                                 sinks=sinks is not None)
     # then the packed forward's O pointer and the dQ pass's dO descriptor (unused here)
     per_call = (*descs, lse, lists[0], bias_desc, lse, descs[0], alibi if alibi is not None else lse,
-                lse if dropout is None else dropout[0])
+                lse if dropout is None else dropout[0], lse if sinks is None else sinks)
     launcher(*per_call[:len(launcher.slots)])  # the 8-warp kernel takes no lists or bias
     return True
 
@@ -1069,7 +1097,7 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
 def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
                       list_strides: tuple, has_lists: bool, bias_slices: tuple | None, device_index: int,
                       stats_stride: int | None = None, even_lists: bool = False,
-                      dropout_args: tuple = (0, 1.0)) -> Launcher:
+                      dropout_args: tuple = (0, 1.0), sinks: bool = False) -> Launcher:
     """The forward's launch for one problem (decided once: grid, launch order, persistence,
     registers); each call passes Q, K, V, O descriptors, lse, the tile lists and the bias
     descriptor.
@@ -1077,7 +1105,8 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     ``dq_pass``), one program per tile; each call then passes Q, K, V, dQ descriptors, lse2, a
     placeholder for the tile lists, one for the bias descriptor, delta and the dO descriptor.
     ``even_lists``: see ``persistent_programs``. ``dropout_args``: (threshold, scale) with dropout
-    (then each call passes the seed last)."""
+    (then each call passes the seed, then the sinks or a placeholder). ``sinks``: the call passes
+    them."""
     grad_q = stats_stride is not None
     batch, heads_q, seqlen_q, head_dim = q_shape
     device = torch.device("cuda", device_index)
@@ -1101,15 +1130,15 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     return Launcher(
         _attn_fwd_ws_kernel, grid, (*args, batch * heads_q, SLOT, *list_strides, SLOT, *(bias_slices or (0, 1)),
-                                    stats_stride or 0, SLOT, 0, 0, SLOT, SLOT, SLOT, *dropout_args),
+                                    stats_stride or 0, SLOT, 0, 0, SLOT, SLOT, SLOT, *dropout_args, SLOT),
         BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
         NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
         BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=grad_q, PRODUCER_REGS=producer_regs,
-        CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, DROPOUT=spec.has_dropout, num_warps=4,
-        maxnreg=maxnreg)
+        CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, DROPOUT=spec.has_dropout, SINKS=sinks,
+        num_warps=4, maxnreg=maxnreg)
 
 
-def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, packing) -> bool:
+def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig, packing, sinks=None) -> bool:
     """The warp-specialised forward over packed sequences: one program per (entry of the host's map
     of the query blocks that exist, head), heaviest entries first (packed_tiles.py); a new set of
     lengths changes the map and the grid, never the compiled kernel. False (nothing launched) for
@@ -1127,16 +1156,16 @@ def _packed_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConfig
         return True
     out_rows = to_bhsd(out, spec.layout)  # (1, Hq, total_q, D): rows and heads by their strides
     launcher = _packed_forward_launcher(q4.shape, k4.shape[1], out_rows.stride()[1:3], spec, config,
-                                        q.device.index)
+                                        q.device.index, sinks is not None)
     # Q's descriptor stands in the O and bias descriptor slots (never read with VARLEN)
     launcher(*descs, descs[0], lse, entries, tile_map, descs[0], out, descs[0], lse, lse,
-             grid=(entries * q4.shape[1],))
+             lse if sinks is None else sinks, grid=(entries * q4.shape[1],))
     return True
 
 
 @per_problem
 def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, spec: AttentionSpec,
-                             config: KernelConfig, device_index: int) -> Launcher:
+                             config: KernelConfig, device_index: int, sinks: bool = False) -> Launcher:
     """The packed forward's launch for one problem (shapes, not lengths); each call passes the Q, K,
     V, O descriptors, lse, the map's entry count, the map, the bias descriptor and O, with its grid
     (entries x heads) and a placeholder for the dQ pass's dO descriptor."""
@@ -1144,12 +1173,13 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = (SLOT, SLOT, SLOT, SLOT, SLOT, 0, 0, heads_q, heads_q // heads_kv, spec.window_left,
             *score_constants(spec), SLOT, hopper.packed_chunk_heads(heads_q), heads_q, SLOT, 0, 0, 0, 1, SLOT, 0, 1,
-            total_q, SLOT, out_strides[1], out_strides[0], SLOT, SLOT, SLOT, 0, 1.0)
+            total_q, SLOT, out_strides[1], out_strides[0], SLOT, SLOT, SLOT, 0, 1.0, SLOT)
     return Launcher(_attn_fwd_ws_kernel, None, args, BLOCK_N=config.block_n, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True, GRAD_Q=False, PRODUCER_REGS=producer_regs,
-                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg, ALIBI=False, DROPOUT=False)
+                    CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg, ALIBI=False, DROPOUT=False,
+                    SINKS=sinks)
 
 
 def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelConfig,
@@ -1174,5 +1204,5 @@ def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelC
     q_desc, k_desc, v_desc, dq_desc, do_desc = descs
     # no lists, bias or slopes
     launcher(q_desc, k_desc, v_desc, dq_desc, lse2, lse2, q_desc, delta, do_desc, lse2,
-             lse2 if dropout is None else dropout[0])
+             lse2 if dropout is None else dropout[0], lse2)
     return True
