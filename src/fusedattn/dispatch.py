@@ -119,9 +119,9 @@ def gluon_reads_bias(bias: torch.Tensor | None) -> Support:
 def gluon_support(q, k, v, spec: AttentionSpec, sinks=None, mask=None, bias=None, reads_bias=False,
                   alibi_form=False, dropout_form=False) -> Support:
     """Whether the Gluon kernels take the problem: no ALiBi, no chunk, no dropout, sinks only without
-    ALiBi or dropout (the warp-specialised forward's sink term: ``plan_forward``); a bias only in a kernel that reads one
-    (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and where it can
-    (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
+    ALiBi or dropout (the warp-specialised forward's sink term: ``plan_forward``); a bias only in a
+    kernel that reads one (``reads_bias``: the forward, and the dK/dV pass in its 5-matmul form) and
+    where it can (``gluon_reads_bias``); a mask only where none of its own tiles is partial (``GLUON_MASK_TILE``);
     q, k, v addressable by TMA (16-byte aligned). ``alibi_form``: the pass asked about has ALiBi's
     causal form for this call (``gluon_forward_takes_alibi``, ``gluon_dkdv_takes_alibi``);
     ``dropout_form``: it has dropout for this call (``gluon_forward_takes_dropout``,

@@ -189,8 +189,8 @@ def _whole_documents(documents: tuple, world: int) -> tuple | None:
         if zigzagged == len(splittable) or max(work) <= (1 + DOCUMENT_IMBALANCE) * mean:
             runs = []
             for r in range(world):
-                mine = [documents[i] for i in placed[r]]
-                mine = [(a, b - a) for a, b in mine] + [c for i in split for c in _zigzag_chunks(*documents[i], world, r)]
+                mine = [(a, b - a) for a, b in (documents[i] for i in placed[r])]
+                mine += [c for i in split for c in _zigzag_chunks(*documents[i], world, r)]
                 runs.append(_joined(sorted(mine)))
             return tuple(runs)
     return None
