@@ -151,8 +151,8 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: 
             try:
                 base = memory.start()
                 leaves = [t.clone().requires_grad_() for t in (ql, kl, vl)]
-                used = cp.choose_strategy(plan, *heads, options["window"], causal=options["causal"]) if strategy == "auto" \
-                    else strategy
+                used = strategy if strategy != "auto" else \
+                    cp.choose_strategy(plan, *heads, options["window"], causal=options["causal"])
 
                 def step():
                     o = cp.cp_attention(*leaves, plan, strategy=used, **options)

@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_chunk, check_options, check_qkv, check_sinks
-from ..spec import UNBOUNDED, resolve_spec
+from ..spec import fold_window, resolve_spec
 from .comm import cp_group
 from .plan import BALANCES, ShardPlan, shard_plan
+from .segments import most_received
 from .strategies import STRATEGIES, ContextParallelAttention, Problem, resolve_backend, ulysses_layout
 
 __all__ = ["shard_plan", "ShardPlan", "cp_group", "cp_attention", "choose_strategy", "STRATEGIES", "BALANCES"]
@@ -40,14 +41,8 @@ def choose_strategy(plan: ShardPlan, heads_q: int, heads_kv: int, window: tuple[
     the gather would move more, the ring (O(S/N) memory)."""
     if plan.world_size == 1:
         return "allgather"
-    from .segments import reach
-
     n, shard = plan.world_size, plan.local_len
-    left = UNBOUNDED if window is None or window[0] is None or window[0] < 0 else window[0]
-    right = 0 if causal else (UNBOUNDED if window is None or window[1] is None or window[1] < 0 else window[1])
-    table = reach(plan, left, right, int(chunk or 0))
-    received = max(sum(span[1] - span[0] for s, span in enumerate(row) if s != r and span is not None)
-                   for r, row in enumerate(table))
+    received = most_received(plan, *fold_window(causal, window), int(chunk or 0))
     gather_words = (6 if received <= shard else 8) * heads_kv * received
     ulysses_words = (n - 1) * shard * 4 * (heads_q + max(heads_kv, n)) / n
     if gather_words <= ulysses_words:

@@ -73,3 +73,10 @@ def reach(plan, left: int, right: int, chunk: int) -> tuple:
                 lo, hi = table[r][s] or (local, local + length)
                 table[r][s] = (min(lo, local), max(hi, local + length))
     return tuple(tuple(row) for row in table)
+
+
+@lru_cache(maxsize=64)
+def most_received(plan, left: int, right: int, chunk: int) -> int:
+    """The most keys any rank receives from the others for its segments (``reach``'s spans)."""
+    return max(sum(span[1] - span[0] for s, span in enumerate(row) if s != r and span is not None)
+               for r, row in enumerate(reach(plan, left, right, chunk)))

@@ -32,7 +32,7 @@ from ..spec import AttentionSpec
 from .pieces import backward_block, forward_block, pieces
 from .comm import exchange, sparse_exchange, wait_all
 from .plan import ShardPlan
-from .segments import key_sources, reach, segments
+from .segments import key_sources, most_received, reach, segments
 
 STRATEGIES = ("auto", "allgather", "ring", "ulysses")
 
@@ -217,10 +217,8 @@ def _keeps_received(problem: Problem) -> bool:
     """Whether the forward's received keys are kept for the backward instead of fetched again:
     where no rank receives more keys than it holds (a window's halo), not a causal prefix (up to the
     whole sequence). Decided from the plan, the same on every rank (a fetch needs both sides)."""
-    most = 0
-    for r, row in enumerate(problem.reach()):
-        most = max(most, sum(span[1] - span[0] for s, span in enumerate(row) if s != r and span is not None))
-    return most <= problem.plan.local_len
+    spec = problem.spec
+    return most_received(problem.plan, spec.window_left, spec.window_right, problem.chunk) <= problem.plan.local_len
 
 
 def allgather_backward(dout, dlse, saved, sinks, problem: Problem):
