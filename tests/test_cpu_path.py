@@ -200,6 +200,10 @@ class FusedCalls:
     may still be running on an autograd device thread through the patched functions."""
 
     def __init__(self, monkeypatch):
+        # The probe of whether the kernel pairs grouped heads itself calls the kernel once per
+        # process, on first use: run it before spying, so a test's count does not depend on
+        # whether an earlier test in the process already took a grouped-head case.
+        cpu.fused_kernel_takes_gqa()
         self.forward, self.backward = [], []
         real_forward, real_backward = cpu._flash_forward, cpu._flash_backward
         own_thread = threading.get_ident()
