@@ -108,7 +108,8 @@ def run(seqlen: int, strategies: list, out_path: Path | None, env: dict, heads: 
     strategy (module docstring). On the CPU (gloo, float32) with small ``heads``, ``head_dim``,
     ``window`` and document ``granule``: a smoke test of this code."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    on_gpu = torch.cuda.is_available()
+    # gloo moves CPU tensors: a gloo group runs the CPU smoke test even where a GPU is present
+    on_gpu = torch.cuda.is_available() and dist.get_backend() != "gloo"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     memory = _Memory(device)
