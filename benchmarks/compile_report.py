@@ -350,7 +350,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
         constexprs.update(DK=None, DV=None)
-    dq_block = [1, 1, cfg.block_m, hopper_bwd.DQ_COLS]
+    dq_block = [1, 1, min(cfg.block_m, 64), hopper_bwd.DQ_COLS]  # a warpgroup's tile (dq_accumulator_descriptor)
     dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
     score_block = [1, 1, cfg.block_m, 64 * cfg.hopper_split]
@@ -454,7 +454,7 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
-                        "dK/dV dkdv2,dkdv2pp1,dkdv3pp2 (+dq: with dQ, e.g. dkdv2pp1dq)")
+                        "dK/dV dkdv2,dkdv2pp1,dkdv3pp2 (+m128: 128-row steps; +dq: with dQ, e.g. dkdv2pp1m128dq)")
     args = p.parse_args()
     variants = {
         "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
@@ -513,11 +513,11 @@ def main() -> None:
         # forward: 0, 1, 2 the 8-warp kernel's schedules; ws2, ws3 (+pp) the warp-specialised kernel.
         # dK/dV: dkdv2, dkdv3 (+pp1, +pp2) the warp-specialised pass.
         if schedule.startswith("dkdv"):
-            dq = schedule.endswith("dq")  # the 5-matmul form (dQ by TMA reduce-adds): D=128, 2 warpgroups
-            name = schedule.removesuffix("dq")
+            dq = schedule.endswith("dq")  # the 5-matmul form (dQ by TMA reduce-adds)
+            name, _, rows = schedule.removesuffix("dq").partition("m")  # m128: 128-row steps
             split, pingpong = int(name[4]), int(name[7:] or 0)
             for d in map(int, args.head_dims.split(",")):
-                cfg = KernelConfig(64, 64 * split, 4, 2, True, 0, split, pingpong)
+                cfg = KernelConfig(int(rows or 64), 64 * split, 4, 2, True, 0, split, pingpong)
                 if d == 128 and split == 3 or dq and not hopper_bwd.computes_dq(d, cfg):
                     continue  # three warpgroups cannot hold D=128's dK, dV accumulators
                 for causal in (False, True):

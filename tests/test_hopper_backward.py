@@ -226,9 +226,12 @@ DQ_CASES = CASES + [
     Case(1, 2, 2, 200, 70, 64, layout="bhsd", dtype=torch.bfloat16),  # D=64: ragged keys, warpgroups past Sk
     Case(1, 3, 3, 129, 129, 64, causal=True, lse_grad=True, dtype=torch.float16),
 ]
-# dQ split by columns at D=128 (two warpgroups), by keys at D=64 (two or three)
+# dQ split by columns at D=128 (two warpgroups), by keys at D=64 with 64-row steps (two or three
+# warpgroups), by rows at D=64 with 128-row steps (two warpgroups, each 64 of a step's rows)
 DQ_CASE_SCHEDULES = [(case, dkdv(split, pingpong)) for case in DQ_CASES for split in (2, 3) for pingpong in (0, 1)
                      if fits(case, dkdv(split, pingpong))]
+DQ_CASE_SCHEDULES += [(case, dkdv(2, pingpong, 128)) for case in DQ_CASES if case.head_dim == 64
+                      for pingpong in (1, 2)]
 
 
 @pytest.mark.parametrize("case,config", DQ_CASE_SCHEDULES,
@@ -241,14 +244,17 @@ def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, config, gluon
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_by_atomics_the_gluon_pass_cannot_sum_runs_the_dq_pass(head_dim, gluon_launches):
-    """The Gluon pass sums dQ only with 64-row steps (shared memory): with 128-row steps atomic_dq
-    gives way, the Gluon pass computes dK, dV and the dQ pass dQ."""
+def test_dq_by_atomics_with_128_row_steps(head_dim, gluon_launches, monkeypatch):
+    """With 128-row steps the Gluon pass sums dQ at D=64 only (split by rows; at D=128 its tiles
+    would not fit shared memory): there atomic_dq gives way, the Gluon pass computes dK, dV and the
+    dQ pass dQ."""
+    triton_dq = launcher_constexprs(monkeypatch, bwd._backward_kernel, lambda constexprs: constexprs["RUN_DQ"])
     config = dkdv(2, 2, 128)
     case = Case(1, 2, 2, 300, 300, head_dim, causal=True, dtype=torch.bfloat16, layout="bhsd")
     with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")
     assert gluon_launches == [True]
+    assert triton_dq == ([] if head_dim == 64 else [True])
 
 
 # Masks none of whose 128x128 tiles is partial: the pass walks their column lists (full tiles

@@ -19,13 +19,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+VARIANTS = "plain,causal,softcap,window+softcap,mask,causal+mask,causal+mask+sinks,bias,varlen+causal"
+# the Gluon forward's schedules, then the dK/dV pass's (m128: 128-row steps; dq: with dQ)
+SCHEDULES = ("0,1,2,ws2,ws2pp,ws3,ws3pp,"
+             "dkdv2,dkdv2pp1,dkdv2pp2,dkdv3,dkdv3pp1,dkdv3pp2,dkdv2pp1dq,dkdv2pp1m128dq,dkdv2pp2m128dq")
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_kernels_compile_with_pipelined_wgmma(head_dim):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile for real, not interpret
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "compile_report.py"), "--check", "--head-dims", str(head_dim),
-         "--tma-loads", "on", "--variants", "plain,causal,softcap,window+softcap,mask,causal+mask,causal+mask+sinks,bias,varlen+causal", "--hopper-schedules", "0,1,2,ws2,ws2pp,ws3,ws3pp,dkdv2,dkdv2pp1,dkdv2pp2,dkdv3,dkdv3pp1,dkdv3pp2,dkdv2pp1dq"],
+         "--tma-loads", "on", "--variants", VARIANTS, "--hopper-schedules", SCHEDULES],
         capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "regs=" in result.stdout  # the kernels were compiled and reported

@@ -47,8 +47,10 @@ The dQ pass is another kernel's (``kernels/triton/bwd.py``, or the Gluon forward
 ``gluon/fwd.py``) -- except with DQ (dQ by atomics, i.e. not deterministic; ``computes_dq``),
 FA3's 5-matmul form: every warpgroup runs every step and writes its dS^T to shared memory; at
 D=128 (two warpgroups), once both halves are there, each computes 64 columns of dQ = scale * dS K
-over the program's 128 keys, at D=64 each computes all columns over its own 64 keys
-(``_dq_tile``); a 1-warp drain partition (``_drain``) sums those into an fp32 accumulator by TMA
+over the program's 128 keys; at D=64 with 128-row steps (two warpgroups) each computes 64 of the
+step's rows over the 128 keys (FA4's split: one fp32 tile of 2 bytes per query-key pair a step
+for the drain); at D=64 with 64-row steps each computes all columns over its own 64 keys, twice
+the reduce-add bytes (``_dq_tile``); a 1-warp drain partition (``_drain``) sums those into an fp32 accumulator by TMA
 reduce-adds while the consumers go on. dQ is then not bitwise reproducible (the order of the adds).
 """
 
@@ -251,8 +253,8 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
            VARLEN: gl.constexpr):
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
-    (D=128), or all columns over its own keys (D=64, ``_dq_tile``). DBIAS: also the step's dS
-    (queries x the program's keys, staged query-major by ``_stage_ds``) stored as the bias gradient,
+    (D=128), its rows (D=64, 128-row steps) or all columns over its own keys (D=64, ``_dq_tile``).
+    DBIAS: also the step's dS (queries x the program's keys, staged query-major by ``_stage_ds``) stored as the bias gradient,
     one program per entry (a bias of the full (B, Hq, Sq, Sk) shape), rows past Sq and keys past Sk
     clipped. Without DQ: nothing. With VARLEN the rows past Sq are the next sequence's: their dS is
     0 (lse2 = +inf in the statistics' padding), so their reduce-adds add zeros."""
@@ -260,13 +262,14 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ or VARLEN, LISTS)
+        ROWS: gl.constexpr = dq_desc.block_type.shape[2]
         COLS: gl.constexpr = dq_desc.block_type.shape[3]
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS)
             for w in gl.static_range(SPLIT):
                 mbarrier.wait(dq_full.index(w), t & 1)
-                tma_reduce_add(dq_desc, [batch, first_head + member, q_start + blk * BLOCK_M, (w * COLS) % HEAD_D],
-                               dq_s.index(w))
+                tma_reduce_add(dq_desc, [batch, first_head + member, q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M,
+                                         (w * COLS) % HEAD_D], dq_s.index(w))
             if DBIAS:  # every warpgroup's dQ wgmma came after its dS store: the whole tile is there
                 tma.async_copy_shared_to_global(dbias_desc, [bias_at[0], (first_head + member) // bias_at[1],
                                                              blk * BLOCK_M, n0], ds_s.index(t % 2))
@@ -299,6 +302,13 @@ def _ds_buffer(ds_s, t, BIAS: gl.constexpr):
     return buf
 
 
+@gluon.constexpr_function
+def _dq_by_keys(dq_rows, dq_cols, block_m, head_d):
+    """Whether dQ is split by keys (each warpgroup's tile is all of the step's rows and columns, over
+    its own keys): else by columns or rows, over every warpgroup's keys of a shared dS buffer."""
+    return dq_rows == block_m and dq_cols == head_d
+
+
 @gluon.jit
 def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
     """DQ: this warpgroup's dS^T of step t into shared memory for the dQ wgmmas of ``_dq_tile``,
@@ -309,17 +319,18 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
     buffer per warpgroup, then an arrive on ds_bar. dS is double-buffered by step parity: a
     warpgroup rewrites buffer t % 2 at step t + 2 only after passing ds_bar at t + 1, which the
     others arrive on only after their dQ wgmmas of step t.
-    Split by keys (``dq_cols`` = D: D=64, whose 128-byte K rows are one swizzle atom and cannot be
-    split by columns): this warpgroup's own dS^T buffer (rewritten a step later, after this step's
-    dQ wgmma has finished); no barrier between warpgroups.
+    Split by rows (D=64 with 128-row steps: each warpgroup's dQ tile is 64 of the step's rows) the
+    same way: each warpgroup reads every warpgroup's keys of dS.
+    Split by keys (``dq_cols`` = D with 64-row steps: D=64, whose 128-byte K rows are one swizzle
+    atom and cannot be split by columns): this warpgroup's own dS^T buffer (rewritten a step later,
+    after this step's dQ wgmma has finished); no barrier between warpgroups.
     BIAS (columns split only): dS is staged query-major instead -- a (queries x keys) tile, this
     warpgroup's keys a column slice, written transposed -- so that the drain can store it as the
     bias gradient (TMA cannot transpose); dQ's wgmma then reads it K-major."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
-    HEAD_D: gl.constexpr = k_smem.shape[4]
-    COLS: gl.constexpr = dq_s.shape[4]
-    if COLS == HEAD_D:
+    BY_KEYS: gl.constexpr = _dq_by_keys(dq_s.shape[3], dq_s.shape[4], ds16.shape[1], k_smem.shape[4])
+    if BY_KEYS:
         ds_s.index(WG).store(ds16)
     elif BIAS:
         _ds_buffer(ds_s, t, BIAS).slice(WG * KEYS, KEYS, dim=1).store(ds16.permute((1, 0)))
@@ -327,7 +338,7 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
         _ds_buffer(ds_s, t, BIAS).slice(WG * KEYS, KEYS, dim=0).store(ds16)
     fence_async_shared()
     gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
-    if COLS != HEAD_D:
+    if not BY_KEYS:
         mbarrier.arrive(ds_bar.index(t % 2), count=1)
 
 
@@ -336,14 +347,15 @@ def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.co
              BIAS: gl.constexpr):
     """DQ: this warpgroup's share of the step's dQ = scale * dS K from the dS^T ``_stage_ds`` staged,
     staged in turn for the drain: with dQ split by columns, once every warpgroup's dS^T is there
-    (ds_bar), dQ[:, 64 WG : 64 WG + 64] over all the program's keys; split by keys, all columns over
-    this warpgroup's own 64 keys (the drain adds every warpgroup's tile). The chained wgmmas are
-    retired by one wait."""
+    (ds_bar), dQ[:, 64 WG : 64 WG + 64] over all the program's keys; split by rows, likewise
+    dQ[64 WG : 64 WG + 64, :]; split by keys, all columns over this warpgroup's own 64 keys (the
+    drain adds every warpgroup's tile). The chained wgmmas are retired by one wait."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
+    ROWS: gl.constexpr = dq_s.shape[3]
     COLS: gl.constexpr = dq_s.shape[4]
-    if COLS == HEAD_D:
+    if _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D):
         ds_own = ds_s.index(WG)
         dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
                            use_acc=False)
@@ -352,15 +364,20 @@ def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.co
         ds_buf = _ds_buffer(ds_s, t, BIAS)
         dq = dq_zero
         for c in gl.static_range(SPLIT):
-            k_cols = k_smem.index(c).reshape([KEYS, HEAD_D]).slice(WG * COLS, COLS, dim=1)
+            k_cols = k_smem.index(c).reshape([KEYS, HEAD_D])
+            if COLS != HEAD_D:
+                k_cols = k_cols.slice(WG * COLS, COLS, dim=1)
             if BIAS:
                 ds_keys = ds_buf.slice(c * KEYS, KEYS, dim=1)
             else:
-                ds_keys = ds_buf.slice(c * KEYS, KEYS, dim=0).permute((1, 0))
+                ds_keys = ds_buf.slice(c * KEYS, KEYS, dim=0)
+                if ROWS != BLOCK_M:  # this warpgroup's rows: one 128-byte swizzle atom of dS^T's rows
+                    ds_keys = ds_keys.slice(WG * ROWS, ROWS, dim=1)
+                ds_keys = ds_keys.permute((1, 0))
             dq = warpgroup_mma(ds_keys, k_cols, dq, use_acc=c > 0, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)  # the drain has reduced the previous step's
-    dq_s.index(WG).reshape([BLOCK_M, COLS]).store(dq * scale)
+    dq_s.index(WG).reshape([ROWS, COLS]).store(dq * scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(WG), count=1)
@@ -543,10 +560,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     dv = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     if DQ:  # this warpgroup's dQ tile (``_dq_tile``)
+        DQ_ROWS: gl.constexpr = dq_state[1].shape[3]
         DQ_COLS: gl.constexpr = dq_state[1].shape[4]
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
-        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+        dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     else:
         dq_zero = s_zero  # never read
     if DQ:
@@ -570,7 +588,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                            dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
                            BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
                            SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
-        if DQ_COLS != HEAD_D:
+        if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
             ds_bar = dq_state[2]
@@ -758,10 +776,13 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     mbarrier.init(walked, count=SPLIT)
     if DQ:
         # dS (keys x queries, every warpgroup's part, double-buffered) and each warpgroup's dQ tile:
-        # its columns, or with dq_cols = D all of them over its own keys (``_dq_tile``).
+        # its columns or rows, or all of them over its own keys (``_dq_tile``).
+        DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
         DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
-        gl.static_assert(DQ_COLS == HEAD_D or DQ_COLS * SPLIT == HEAD_D, "dQ tiles: split by keys or columns")
-        if DQ_COLS == HEAD_D:  # each warpgroup's own dS^T (its wgmmas finish before it writes again)
+        gl.static_assert((DQ_ROWS == BLOCK_M and (DQ_COLS == HEAD_D or DQ_COLS * SPLIT == HEAD_D))
+                         or (DQ_COLS == HEAD_D and DQ_ROWS * SPLIT == BLOCK_M and not BIAS),
+                         "dQ tiles: split by keys, columns or rows")
+        if DQ_ROWS == BLOCK_M and DQ_COLS == HEAD_D:  # each warpgroup's own dS^T (its wgmmas finish first)
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [SPLIT, KEYS, BLOCK_M], ds_layout)
         elif BIAS:  # query-major, laid out as the bias gradient's TMA tiles (``_stage_ds``)
@@ -769,7 +790,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         else:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, BLOCK_M, DQ_COLS], dq_desc.layout)
+        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, DQ_ROWS, DQ_COLS], dq_desc.layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
@@ -857,21 +878,23 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
 
 
 def computes_dq(head_dim: int, config: KernelConfig) -> bool:
-    """Whether the pass can also sum dQ (the 5-matmul form), with 64-row query steps (with 128 the
-    dS^T and fp32 dQ staging tiles need 330 KB of shared memory at D=128, the SM has 227 KB): at
-    D=128 two warpgroups each take a 64-column half (one 128-byte swizzle atom of the K tile), at
-    D=64 each warpgroup (two or three) takes all 64 columns over its own keys (``_dq_tile``)."""
-    if config.block_m != 64:
-        return False
-    return head_dim == 128 and config.hopper_split == 2 or head_dim == 64
+    """Whether the pass can also sum dQ (the 5-matmul form). With 64-row query steps: at D=128 two
+    warpgroups each take a 64-column half (one 128-byte swizzle atom of the K tile; 128-row steps
+    would need 330 KB of shared memory for the dS^T and fp32 dQ staging tiles, the SM has 227 KB), at
+    D=64 each warpgroup (two or three) takes all 64 columns over its own keys. With 128-row steps at
+    D=64 (two warpgroups): each takes 64 of the step's rows over all 128 keys (``_dq_tile``)."""
+    if config.block_m == 64:
+        return head_dim == 128 and config.hopper_split == 2 or head_dim == 64
+    return config.block_m == 128 and head_dim == 64 and config.hopper_split == 2
 
 
 DQ_COLS = 64  # columns of a warpgroup's dQ tile: half of D=128, all of D=64 (``computes_dq``)
 
 
 def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
-    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, block_m, 64): one warpgroup's tile."""
-    return Descriptor(dq_accum, (1, 1, block_m, DQ_COLS))
+    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, rows, 64): one warpgroup's tile, its rows
+    a step's (``block_m`` = 64) or half of them (128-row steps, dQ split by rows)."""
+    return Descriptor(dq_accum, (1, 1, min(block_m, 64), DQ_COLS))
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
