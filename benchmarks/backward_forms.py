@@ -1,0 +1,108 @@
+"""The D=64 backward's forms side by side, in one process, rounds alternating (CUDA events,
+``triton.testing.do_bench``): fwd+bwd and the backward alone, each form's gradients compared with
+the first form's before it is timed.
+
+    python benchmarks/backward_forms.py --out DIR                       # the forms below, 4 shapes
+    python benchmarks/backward_forms.py --forms shipped,rows-pp2 --shapes 4096:causal:32:32
+
+Forms (pinned configs; the forward is the heuristic's in every form):
+- ``shipped``: the heuristic's configs (Gluon dK/dV pass, 3 warpgroups x 64 keys, 64-row steps,
+  then the Triton dQ pass: 7 matmuls);
+- ``rows-pp1``, ``rows-pp2``: the Gluon pass with 128-row steps, 2 warpgroups, ping-pong 1 or 2,
+  summing dQ itself split by rows (5 matmuls, TMA reduce-adds);
+- ``det-shipped``, ``det-m128-pp2``: ``deterministic=True`` (the dQ pass runs) with the
+  heuristic's dK/dV pass or the 128-row, 2-warpgroup one.
+Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, D=64, bf16, bhsd). Writes
+``<out>/backward-forms-<gpu>.json`` and prints the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+import fusedattn
+from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
+
+HEAD_DIM = 64
+
+
+def _rows_config(pingpong: int) -> KernelConfig:
+    return KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=pingpong)
+
+
+def forms_for(base) -> dict:
+    """name -> (configs, deterministic)."""
+    return {
+        "shipped": (base, False),
+        "rows-pp1": (replace(base, dkdv=_rows_config(1), atomic_dq=True, dq_tma=True), False),
+        "rows-pp2": (replace(base, dkdv=_rows_config(2), atomic_dq=True, dq_tma=True), False),
+        "det-shipped": (base, True),
+        "det-m128-pp2": (replace(base, dkdv=_rows_config(2)), True),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--forms", default="shipped,rows-pp1,rows-pp2,det-shipped,det-m128-pp2")
+    parser.add_argument("--shapes", default="4096:causal:32:32,4096:full:32:32,1024:causal:32:32,16384:causal:32:32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for shape in args.shapes.split(","):
+        seqlen, kind, heads_q, heads_kv = shape.split(":")
+        seqlen, heads_q, heads_kv, causal = int(seqlen), int(heads_q), int(heads_kv), kind == "causal"
+        batch = max(16384 // seqlen, 1)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, dout = (torch.randn(batch, heads_q, seqlen, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+                   for _ in range(2))
+        k, v = (torch.randn(batch, heads_kv, seqlen, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+                for _ in range(2))
+        base = select_configs(device, torch.bfloat16, HEAD_DIM, HEAD_DIM, seqlen_k=seqlen, has_right=causal)
+        forms = {name: form for name, form in forms_for(base).items() if name in args.forms.split(",")}
+        first = None
+        for rnd in range(args.rounds):
+            for name, (configs, deterministic) in forms.items():
+                with pinned_configs(configs):
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+                    def step():
+                        out = fusedattn.attention(*leaves, causal=causal, layout="bhsd", deterministic=deterministic)
+                        out.backward(dout)
+                    step()
+                    grads = [t.grad.float() for t in leaves]
+                    first = grads if first is None else first
+                    diff = max((a - b).abs().max().item() for a, b in zip(grads, first))
+                    for t in leaves:
+                        t.grad = None
+                    fwdbwd = triton.testing.do_bench(step, warmup=50, rep=300)
+                    out = fusedattn.attention(*leaves, causal=causal, layout="bhsd", deterministic=deterministic)
+                    bwd = triton.testing.do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+                                                  warmup=50, rep=300)
+                rows.append(dict(S=seqlen, B=batch, Hq=heads_q, Hkv=heads_kv, causal=causal, form=name, round=rnd,
+                                 fwdbwd_ms=fwdbwd, bwd_ms=bwd, max_grad_diff_vs_first_form=diff))
+        first = None
+    gpu = torch.cuda.get_device_name().replace(" ", "-")
+    out = Path(args.out) / f"backward-forms-{gpu}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
+    medians = collections.defaultdict(list)
+    for r in rows:
+        medians[(r["S"], r["causal"], r["Hq"], r["Hkv"], r["form"])].append(r)
+    for key, runs in medians.items():
+        mid = sorted(runs, key=lambda r: r["fwdbwd_ms"])[len(runs) // 2]
+        print(*key, f"f+b {mid['fwdbwd_ms']:.3f} ms  bwd {sorted(r['bwd_ms'] for r in runs)[len(runs) // 2]:.3f} ms"
+              f"  max |grad - first form's| {max(r['max_grad_diff_vs_first_form'] for r in runs):.3g}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
