@@ -272,6 +272,19 @@ def test_gluon_pass_walks_the_tile_lists_of_whole_tile_masks(case, atomic_dq, gl
     assert gluon_launches and all(gluon_launches), "the Gluon dK/dV pass did not run"
 
 
+# dQ split by rows (128-row steps at D=64) on the other paths that take the dK/dV config: group sums
+# over a GQA group (causal), a mask's tile lists (at the config's 128-row steps)
+ROW_SPLIT_PATH_CASES = [c for c in GROUP_SUM_CASES + MASK_CASES if c.head_dim == 64]
+
+
+@pytest.mark.parametrize("case", ROW_SPLIT_PATH_CASES, ids=[c.id for c in ROW_SPLIT_PATH_CASES])
+def test_dq_split_by_rows_with_group_sums_and_tile_lists(case, gluon_launches, monkeypatch):
+    triton_dq = launcher_constexprs(monkeypatch, bwd._backward_kernel, lambda constexprs: constexprs["RUN_DQ"])
+    with pinned_dkdv(case, dkdv(2, 2, 128), atomic_dq=True, dq_tma=True):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches) and not triton_dq  # dQ summed by the pass
+
+
 def test_masks_with_partial_tiles_run_the_triton_pass(gluon_launches):
     case = Case(1, 2, 2, 300, 300, 128, mask="full", mask_blocks=(64, 64), dtype=torch.bfloat16)
     with pinned_dkdv(case, dkdv(2, 1)):

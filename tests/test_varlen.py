@@ -240,6 +240,25 @@ def test_varlen_gluon_kernels_match_per_sequence_reference(case, monkeypatch):
     assert forwards and all(forwards) and passes and all(passes)
 
 
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="Gluon kernels: Hopper only")
+@pytest.mark.parametrize("case", [c for c in GLUON if c.head_dim == 64 and not c.deterministic], ids=lambda c: c.id)
+def test_varlen_gluon_dq_split_by_rows_matches_per_sequence_reference(case, monkeypatch):
+    """The D=64 dK/dV pass with 128-row steps, summing dQ split by rows, over packed sequences."""
+    from dataclasses import replace
+
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
+    from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
+
+    from attention_runner import record_launches
+
+    passes = record_launches(monkeypatch, hopper_bwd, "_packed_dkdv")
+    base = select_configs(torch.device("cuda"), case.dtype, case.head_dim, case.head_dim)
+    rows = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=2)
+    with pinned_configs(replace(base, dkdv=rows, atomic_dq=True, dq_tma=True)):
+        check_varlen_case(case, "triton", "cuda")
+    assert passes and all(passes)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="offsets on the CPU with q on a GPU")
 @pytest.mark.parametrize("case", [GLUON[0], GLUON[1], FULL[-1]], ids=lambda c: c.id)
 def test_varlen_offsets_on_the_host_match_per_sequence_reference(case):
