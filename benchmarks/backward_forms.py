@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("backward_forms.py times the Hopper kernels: it needs a CUDA GPU")
     device = torch.device("cuda")
     rows = []
     for shape in args.shapes.split(","):
