@@ -891,10 +891,15 @@ def computes_dq(head_dim: int, config: KernelConfig) -> bool:
 DQ_COLS = 64  # columns of a warpgroup's dQ tile: half of D=128, all of D=64 (``computes_dq``)
 
 
+def dq_tile_shape(block_m: int) -> tuple[int, int]:
+    """(rows, columns) of one warpgroup's dQ tile: its rows a step's (``block_m`` = 64) or half of
+    them (128-row steps, dQ split by rows)."""
+    return min(block_m, 64), DQ_COLS
+
+
 def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
-    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, rows, 64): one warpgroup's tile, its rows
-    a step's (``block_m`` = 64) or half of them (128-row steps, dQ split by rows)."""
-    return Descriptor(dq_accum, (1, 1, min(block_m, 64), DQ_COLS))
+    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, ``dq_tile_shape``): one warpgroup's tile."""
+    return Descriptor(dq_accum, (1, 1, *dq_tile_shape(block_m)))
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,

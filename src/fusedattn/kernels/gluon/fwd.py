@@ -163,7 +163,7 @@ def _with_sink(acc, m_i, l_i, sink, row_o: gl.constexpr):
     denominator only): the running maximum m_i and sum l_i are in log2 units, so the sink enters as
     sink * log2 e; acc is rescaled to the new maximum. A row that saw no key (m_i = -inf, l_i = 0)
     gets l = 1 at m = the sink: output 0, lse = the sink."""
-    sink2 = sink * 1.4426950408889634
+    sink2 = sink * LOG2E
     m_new = gl.maximum(m_i, sink2)
     alpha = gl.exp2(m_i - m_new)
     l_new = l_i * alpha + gl.exp2(sink2 - m_new)
@@ -1059,8 +1059,8 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
     assert sinks is None or (config.hopper_split and alibi is None and dropout is None), \
         "sinks: the warp-specialised forward without ALiBi or dropout"
-    if sinks is not None:  # the kernel reads one float32 logit per head, at its head index
-        sinks = sinks.to(torch.float32).contiguous()
+    assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()), \
+        "sinks: float32, contiguous (as the interface passes them to every kernel)"
     assert spec.has_dropout == (dropout is not None), "spec.dropout_p and (seed, threshold, scale) go together"
     assert dropout is None or (config.hopper_split and tile_lists is None and bias is None and packing is None), \
         "dropout: the warp-specialised forward without lists, bias or packing"
