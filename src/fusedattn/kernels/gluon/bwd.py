@@ -432,14 +432,22 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
     q = q_ring.index(slot).reshape([BLOCK_M, HEAD_D])
     do = do_ring.index(slot).reshape([BLOCK_M, HEAD_D])
+    # With dQ and ping-pong 2: S^T and dP^T issued back to back under one turn, dP^T's accumulator
+    # not initialised (no register written before its issue), the exponentials under it.
+    BACK_TO_BACK: gl.constexpr = PINGPONG == 2 and DQ
     turn_wait(turn_bars, t, WG, PINGPONG)
     if PINGPONG == 1:
         s_tok = warpgroup_mma(k_s, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         turn_pass(turn_bars, WG, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+    elif BACK_TO_BACK:
+        s_tok = warpgroup_mma(k_s, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v_s, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        turn_pass(turn_bars, WG, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     else:
         s = warpgroup_mma(k_s, q.permute((1, 0)), s_zero, use_acc=False)
-    if PINGPONG == 2:
+    if PINGPONG == 2 and not BACK_TO_BACK:
         # dP^T's accumulator (-delta) is materialised only now: fewer registers live across S^T.
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
         if DROPOUT:  # dP^T itself: the dropped entries go before delta is taken off
@@ -490,6 +498,11 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero)
         else:
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
+    if BACK_TO_BACK:
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
+        delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
+        if not DROPOUT:  # dP^T - delta (with dropout, delta is taken off after the keep, below)
+            dp = dp - gl.expand_dims(delta, 0)
     if DROPOUT:
         # A dropped probability's value never reached the output: its dP is 0. With the keep scale
         # taken out (dK, dQ, dV take it at the end) and delta divided by it, dS^T = P_kept dP^T -
