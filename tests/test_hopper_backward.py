@@ -330,7 +330,7 @@ def test_gluon_pass_reads_a_bias_and_stores_its_gradient(case, bias_launches, mo
     Case(2, 2, 2, 200, 256, 128, bias="heads", causal=True, dtype=torch.bfloat16),  # a gradient summed over B
     Case(1, 2, 2, 200, 256, 128, bias="full", softcap=20.0, dtype=torch.bfloat16),  # dS^T carries 1 - tanh^2
     Case(1, 2, 2, 200, 256, 128, bias="full", deterministic=True, dtype=torch.bfloat16),  # no 5-matmul form
-    Case(1, 2, 2, 200, 256, 64, bias="full", dtype=torch.bfloat16),  # D=64: dQ split by keys
+    Case(1, 2, 2, 200, 256, 64, bias="full", dtype=torch.bfloat16),  # D=64: the pass reads a bias at D=128 only
     Case(1, 2, 2, 200, 256, 128, bias="full", bias_dtype=torch.float32, dtype=torch.bfloat16),
 ], ids=["broadcast", "softcap", "deterministic", "d64", "fp32-bias"])
 def test_biases_the_gluon_pass_does_not_take_run_the_triton_passes(case, bias_launches):
@@ -339,20 +339,24 @@ def test_biases_the_gluon_pass_does_not_take_run_the_triton_passes(case, bias_la
 
 
 def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
-    """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not); at
-    D=128 outside deterministic mode it sums dQ too (no Triton launch); in deterministic mode the
-    Gluon dQ pass (hopper_fwd.dq_pass) runs; at D=64 the Triton dQ pass."""
+    """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not).
+    Outside deterministic mode it sums dQ too (no Triton launch), except at D=64 with short causal
+    keys, where the Triton dQ pass runs; in deterministic mode the Gluon dQ pass
+    (hopper_fwd.dq_pass) runs at D=128 and the Triton dQ pass at D=64."""
     from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     triton_launches = launcher_constexprs(monkeypatch, bwd._backward_kernel,
                                           lambda constexprs: (constexprs["RUN_DKDV"], constexprs["RUN_DQ"]))
     gluon_dq_launches = record_launches(monkeypatch, hopper_fwd, "dq_pass")
-    for head_dim, causal, deterministic in [(64, False, False), (128, True, False), (128, False, True)]:
-        configs = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim)
+    seqlen = 250  # the short length class
+    for head_dim, causal, deterministic in [(64, False, False), (64, True, False), (64, False, True),
+                                            (128, True, False), (128, False, True)]:
+        configs = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim, seqlen_k=seqlen,
+                                 has_right=causal)
         assert configs.dkdv.hopper_overlap is not None and configs.dkdv.hopper_split in (2, 3)
-        assert configs.atomic_dq == configs.dq_tma == (head_dim == 128)
-        check_case(Case(1, 2, 2, 250, 250, head_dim, causal=causal, deterministic=deterministic,
+        assert configs.atomic_dq == configs.dq_tma == (head_dim == 128 or not causal)
+        check_case(Case(1, 2, 2, seqlen, seqlen, head_dim, causal=causal, deterministic=deterministic,
                         dtype=torch.bfloat16), "triton", "cuda")
-    assert gluon_launches == [True, True, True]
-    assert triton_launches == [(False, True)]  # the dQ pass alone, at D=64
+    assert gluon_launches == [True] * 5
+    assert triton_launches == [(False, True)] * 2  # the dQ pass alone: D=64 short causal, D=64 deterministic
     assert gluon_dq_launches == [True]  # deterministic mode at D=128

@@ -190,8 +190,9 @@ def gluon_mask_dkdv(config: KernelConfig) -> KernelConfig:
 
 def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
     """The Triton dK/dV programs' tiles where a Gluon dK/dV config cannot run (problem, tensors or
-    dQ by atomics): its query step and depth, 64-key tiles on 4 warps (the Triton default)."""
-    return KernelConfig(config.block_m, 64, 4, config.num_stages, config.tma_loads)
+    dQ by atomics): its depth, 64-row query steps and 64-key tiles on 4 warps (the Triton default;
+    a Gluon pass's 128-row steps would spill the Triton program's registers)."""
+    return KernelConfig(64, 64, 4, config.num_stages, config.tma_loads)
 
 
 def _config_names(config: KernelConfig, q, k, v, spec: AttentionSpec) -> Support:
