@@ -418,7 +418,8 @@ def test_varlen_maps_kept_across_calls_are_not_used_under_graph_capture(monkeypa
 
 @pytest.mark.skipif(not ON_GPU, reason="compiles only on a GPU")
 def test_varlen_new_lengths_compile_nothing_new():
-    """A new set of lengths (and a new longest one) reuses the compiled kernels."""
+    """A new set of lengths (and a new longest one, in the same length class: configs.SHORT_KEYS)
+    reuses the compiled kernels."""
     from fusedattn.kernels.triton import bwd
     from fusedattn.kernels.triton import fwd
 
@@ -442,7 +443,7 @@ def test_varlen_new_lengths_compile_nothing_new():
 
     step([300, 17, 1000])
     before = compiled()
-    step([5, 2049, 0, 77, 640])
+    step([5, 2000, 0, 77, 640])
     step([33])
     assert compiled() == before
 
