@@ -3,15 +3,16 @@
 the first form's before it is timed.
 
     python benchmarks/backward_forms.py --out DIR                       # the forms below, 4 shapes
-    python benchmarks/backward_forms.py --forms shipped,rows-pp2 --shapes 4096:causal:32:32
+    python benchmarks/backward_forms.py --forms wg3,rows-pp2 --shapes 4096:causal:32:32
 
 Forms (pinned configs; the forward is the heuristic's in every form):
-- ``shipped``: the heuristic's configs (Gluon dK/dV pass, 3 warpgroups x 64 keys, 64-row steps,
-  then the Triton dQ pass: 7 matmuls);
-- ``rows-pp1``, ``rows-pp2``: the Gluon pass with 128-row steps, 2 warpgroups, ping-pong 1 or 2,
-  summing dQ itself split by rows (5 matmuls, TMA reduce-adds);
-- ``det-shipped``, ``det-m128-pp2``: ``deterministic=True`` (the dQ pass runs) with the
-  heuristic's dK/dV pass or the 128-row, 2-warpgroup one.
+- ``heuristic``: the heuristic's configs (at D=64 outside short causal keys and softcap: the Gluon
+  dK/dV pass with 128-row steps over 2 warpgroups, ping-pong 2, summing dQ itself split by rows);
+- ``wg3``: the Gluon dK/dV pass on 3 warpgroups x 64 keys, 64-row steps, then the Triton dQ pass
+  (7 matmuls: the D=64 default before the row split, and still at short causal keys);
+- ``rows-pp1``, ``rows-pp2``: the row split pinned, ping-pong 1 or 2 (5 matmuls, TMA reduce-adds);
+- ``det-heuristic``, ``det-wg3``: ``deterministic=True`` (the dQ pass runs) with the heuristic's
+  dK/dV pass or the 3-warpgroup one.
 Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, D=64, bf16, bhsd). Writes
 ``<out>/backward-forms-<gpu>.json`` and prints the medians.
 """
@@ -37,20 +38,26 @@ def _rows_config(pingpong: int) -> KernelConfig:
     return KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=pingpong)
 
 
+def _wg3_config() -> KernelConfig:
+    return KernelConfig(64, 192, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=3, hopper_pingpong=1)
+
+
 def forms_for(base) -> dict:
     """name -> (configs, deterministic)."""
+    wg3 = replace(base, dkdv=_wg3_config(), atomic_dq=False, dq_tma=False)
     return {
-        "shipped": (base, False),
+        "heuristic": (base, False),
+        "wg3": (wg3, False),
         "rows-pp1": (replace(base, dkdv=_rows_config(1), atomic_dq=True, dq_tma=True), False),
         "rows-pp2": (replace(base, dkdv=_rows_config(2), atomic_dq=True, dq_tma=True), False),
-        "det-shipped": (base, True),
-        "det-m128-pp2": (replace(base, dkdv=_rows_config(2)), True),
+        "det-heuristic": (base, True),
+        "det-wg3": (wg3, True),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--forms", default="shipped,rows-pp1,rows-pp2,det-shipped,det-m128-pp2")
+    parser.add_argument("--forms", default="heuristic,wg3,rows-pp1,rows-pp2,det-heuristic,det-wg3")
     parser.add_argument("--shapes", default="4096:causal:32:32,4096:full:32:32,1024:causal:32:32,16384:causal:32:32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results")
