@@ -795,7 +795,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         gl.static_assert((DQ_ROWS == BLOCK_M and (DQ_COLS == HEAD_D or DQ_COLS * SPLIT == HEAD_D))
                          or (DQ_COLS == HEAD_D and DQ_ROWS * SPLIT == BLOCK_M and not BIAS),
                          "dQ tiles: split by keys, columns or rows")
-        if DQ_ROWS == BLOCK_M and DQ_COLS == HEAD_D:  # each warpgroup's own dS^T (its wgmmas finish first)
+        if _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):  # each warpgroup's own dS^T (its wgmmas finish first)
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([KEYS, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [SPLIT, KEYS, BLOCK_M], ds_layout)
         elif BIAS:  # query-major, laid out as the bias gradient's TMA tiles (``_stage_ds``)
