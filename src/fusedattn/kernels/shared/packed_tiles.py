@@ -45,6 +45,7 @@ def key_block_map(packing: Packing, block_n: int, spec: AttentionSpec, device: t
 # stream too: a map is copied to the device on the stream current when
 # it is made, and a kernel on another stream could read it before that copy lands.
 _shared: OrderedDict = OrderedDict()
+MAP_ALIGN = 4  # int32 entries: 16 bytes
 SHARED_MAPS = 64  # maps kept (each a few KB: 6 x (tokens / block + sequences) int32)
 
 
@@ -71,13 +72,17 @@ def prepare(packing: Packing, spec: AttentionSpec, device: torch.device, query_b
         missing = [key for key in missing if key not in packing.tile_maps]
     if missing:
         built = [_block_map(packing, key[1], spec, by_queries=key[0] == "query") for key in missing]
-        flat = torch.from_numpy(np.concatenate([m.ravel() for m in built])).to(device, non_blocking=True)
-        start = 0
-        for key, m in zip(missing, built):
+        # Each map starts on a 16-byte boundary: kernels are compiled for their pointers' alignment,
+        # and a map placed after another of any size would otherwise compile them again.
+        starts = np.cumsum([0] + [-(-m.size // MAP_ALIGN) * MAP_ALIGN for m in built])
+        host = np.zeros(starts[-1], dtype=np.int32)
+        for start, m in zip(starts, built):
+            host[start:start + m.size] = m.ravel()
+        flat = torch.from_numpy(host).to(device, non_blocking=True)
+        for key, m, start in zip(missing, built, starts):
             packing.tile_maps[key] = flat[start:start + m.size].view(m.shape)
             if shared:
                 _shared[(*lengths, *key)] = packing.tile_maps[key]
-            start += m.size
         while len(_shared) > SHARED_MAPS:
             _shared.popitem(last=False)
     return [packing.tile_maps[key] for key in wanted]
