@@ -10,7 +10,8 @@ Forms (pinned configs; the forward is the heuristic's in every form):
   dK/dV pass with 128-row steps over 2 warpgroups, ping-pong 2, summing dQ itself split by rows);
 - ``wg3``: the Gluon dK/dV pass on 3 warpgroups x 64 keys, 64-row steps, then the Triton dQ pass
   (7 matmuls: the D=64 default before the row split, and still at short causal keys);
-- ``rows-pp1``, ``rows-pp2``: the row split pinned, ping-pong 1 or 2 (5 matmuls, TMA reduce-adds);
+- ``rows-pp0``, ``rows-pp1``, ``rows-pp2``: the row split pinned, no turns (S^T and dP^T back to
+  back, as with 2) or ping-pong 1 or 2 (5 matmuls, TMA reduce-adds);
 - ``det-heuristic``, ``det-wg3``: ``deterministic=True`` (the dQ pass runs) with the heuristic's
   dK/dV pass or the 3-warpgroup one.
 Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, D=64, bf16, bhsd). Writes
@@ -48,6 +49,7 @@ def forms_for(base) -> dict:
     return {
         "heuristic": (base, False),
         "wg3": (wg3, False),
+        "rows-pp0": (replace(base, dkdv=_rows_config(0), atomic_dq=True, dq_tma=True), False),
         "rows-pp1": (replace(base, dkdv=_rows_config(1), atomic_dq=True, dq_tma=True), False),
         "rows-pp2": (replace(base, dkdv=_rows_config(2), atomic_dq=True, dq_tma=True), False),
         "det-heuristic": (base, True),

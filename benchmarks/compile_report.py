@@ -379,6 +379,8 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
                         left: bool = False, lists: bool = False, bias: bool = False, varlen: bool = False,
                         alibi: bool = False, dropout: bool = False) -> int:
+    if not dq:  # as the planner runs it without dQ
+        cfg = dispatch.dkdv_without_dq(cfg)
     kind = (f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
             f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}{', packed' if varlen else ''}"
             f"{', ALiBi' if alibi else ''}{', dropout' if dropout else ''}")

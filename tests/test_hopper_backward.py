@@ -231,7 +231,7 @@ DQ_CASES = CASES + [
 DQ_CASE_SCHEDULES = [(case, dkdv(split, pingpong)) for case in DQ_CASES for split in (2, 3) for pingpong in (0, 1)
                      if fits(case, dkdv(split, pingpong))]
 DQ_CASE_SCHEDULES += [(case, dkdv(2, pingpong, 128)) for case in DQ_CASES if case.head_dim == 64
-                      for pingpong in (1, 2)]
+                      for pingpong in (0, 1, 2)]
 
 
 @pytest.mark.parametrize("case,config", DQ_CASE_SCHEDULES,
@@ -277,10 +277,11 @@ def test_gluon_pass_walks_the_tile_lists_of_whole_tile_masks(case, atomic_dq, gl
 ROW_SPLIT_PATH_CASES = [c for c in GROUP_SUM_CASES + MASK_CASES if c.head_dim == 64]
 
 
+@pytest.mark.parametrize("pingpong", [0, 2], ids=["no-turns", "pingpong2"])
 @pytest.mark.parametrize("case", ROW_SPLIT_PATH_CASES, ids=[c.id for c in ROW_SPLIT_PATH_CASES])
-def test_dq_split_by_rows_with_group_sums_and_tile_lists(case, gluon_launches, monkeypatch):
+def test_dq_split_by_rows_with_group_sums_and_tile_lists(case, pingpong, gluon_launches, monkeypatch):
     triton_dq = launcher_constexprs(monkeypatch, bwd._backward_kernel, lambda constexprs: constexprs["RUN_DQ"])
-    with pinned_dkdv(case, dkdv(2, 2, 128), atomic_dq=True, dq_tma=True):
+    with pinned_dkdv(case, dkdv(2, pingpong, 128), atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches) and not triton_dq  # dQ summed by the pass
 
@@ -340,23 +341,24 @@ def test_biases_the_gluon_pass_does_not_take_run_the_triton_passes(case, bias_la
 
 def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
     """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not).
-    Outside deterministic mode it sums dQ too (no Triton launch), except at D=64 with short causal
-    keys, where the Triton dQ pass runs; in deterministic mode the Gluon dQ pass
-    (hopper_fwd.dq_pass) runs at D=128 and the Triton dQ pass at D=64."""
+    Outside deterministic mode it sums dQ too (no Triton launch), except at D=64 with softcap,
+    where the Triton dQ pass runs; in deterministic mode the Gluon dQ pass (hopper_fwd.dq_pass)
+    runs at D=128 and the Triton dQ pass at D=64."""
     from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     triton_launches = launcher_constexprs(monkeypatch, bwd._backward_kernel,
                                           lambda constexprs: (constexprs["RUN_DKDV"], constexprs["RUN_DQ"]))
     gluon_dq_launches = record_launches(monkeypatch, hopper_fwd, "dq_pass")
     seqlen = 250  # the short length class
-    for head_dim, causal, deterministic in [(64, False, False), (64, True, False), (64, False, True),
-                                            (128, True, False), (128, False, True)]:
+    for head_dim, causal, softcap, deterministic in [(64, False, None, False), (64, True, None, False),
+                                                     (64, True, 30.0, False), (64, False, None, True),
+                                                     (128, True, None, False), (128, False, None, True)]:
         configs = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim, seqlen_k=seqlen,
-                                 has_right=causal)
+                                 has_right=causal, has_softcap=softcap is not None)
         assert configs.dkdv.hopper_overlap is not None and configs.dkdv.hopper_split in (2, 3)
-        assert configs.atomic_dq == configs.dq_tma == (head_dim == 128 or not causal)
-        check_case(Case(1, 2, 2, seqlen, seqlen, head_dim, causal=causal, deterministic=deterministic,
-                        dtype=torch.bfloat16), "triton", "cuda")
-    assert gluon_launches == [True] * 5
-    assert triton_launches == [(False, True)] * 2  # the dQ pass alone: D=64 short causal, D=64 deterministic
+        assert configs.atomic_dq == configs.dq_tma == (softcap is None)
+        check_case(Case(1, 2, 2, seqlen, seqlen, head_dim, causal=causal, softcap=softcap,
+                        deterministic=deterministic, dtype=torch.bfloat16), "triton", "cuda")
+    assert gluon_launches == [True] * 6
+    assert triton_launches == [(False, True)] * 2  # the dQ pass alone: D=64 softcap, D=64 deterministic
     assert gluon_dq_launches == [True]  # deterministic mode at D=128

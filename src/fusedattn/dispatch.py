@@ -188,6 +188,17 @@ def gluon_mask_dkdv(config: KernelConfig) -> KernelConfig:
     return replace(config, block_n=GLUON_MASK_TILE, hopper_split=2)
 
 
+def dkdv_without_dq(config: KernelConfig) -> KernelConfig:
+    """The Gluon dK/dV config where the pass does not sum dQ (deterministic mode, or a problem it
+    cannot sum dQ for). The row split without turns (128-row steps, ping-pong 0) runs in lockstep
+    because its warpgroups meet at dQ's barrier anyway; without dQ its warpgroups take turns over
+    S^T and dP^T instead (ping-pong 2, the form measured as the deterministic dK/dV pass), which
+    also keeps the dropout, ALiBi and tile-list forms from spilling registers."""
+    if config.family == "gluon" and config.block_m == 128 and config.hopper_pingpong == 0:
+        return replace(config, hopper_pingpong=2)
+    return config
+
+
 def triton_dkdv_fallback(config: KernelConfig) -> KernelConfig:
     """The Triton dK/dV programs' tiles where a Gluon dK/dV config cannot run (problem, tensors or
     dQ by atomics): its depth, 64-row query steps and 64-key tiles on 4 warps (the Triton default;
@@ -409,6 +420,8 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     if named and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias, bias_in_gluon):
         atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     bias_in_gluon = bias_in_gluon and atomic_dq
+    if named and not atomic_dq:
+        dkdv_cfg = dkdv_without_dq(dkdv_cfg)
     support = named and gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=bias_in_gluon,
                                       alibi_form=gluon_dkdv_takes_alibi(spec, mask, bias, packing),
                                       dropout_form=gluon_dkdv_takes_dropout(spec, mask, bias, packing))

@@ -116,26 +116,26 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
             # the whole backward measured faster than with the dQ pass.
             dkdv = KernelConfig(64, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=1)
             dq_by_atomics = True
-        elif (short and has_right) or has_softcap:
-            # D=64, short causal keys: half of a key block's 128-row steps would sit on the diagonal;
-            # 3 warpgroups over 64-row steps and the dQ pass measured faster than the row split below.
+        elif has_softcap:
             # Softcap: its derivative's registers spill the row split's 128-row steps (with or
-            # without dQ); the 64-row steps keep every value in registers.
+            # without dQ); 3 warpgroups over 64-row steps keep every value in registers.
             dkdv = KernelConfig(64, 192, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=3, hopper_pingpong=1)
             dq_by_atomics = False
         else:
             # D=64: FlashAttention-4's split. 128-row steps over 2 warpgroups of 64 keys; each warpgroup
             # sums dQ for 64 of the step's rows over both warpgroups' keys (2 bytes reduce-added per
-            # query-key pair); ping-pong 2 builds dP^T's accumulator after the turn, which keeps the
-            # registers from spilling. Measured faster than 3 warpgroups plus the dQ pass, and, as the
-            # dK/dV pass of deterministic calls (which keep the dQ pass), level with 3 warpgroups or faster.
-            dkdv = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=2)
+            # query-key pair). No turns: the warpgroups run in lockstep, S^T and dP^T issued back to
+            # back, dQ issued before dK (kernels/gluon/bwd.py). Measured faster than 3 warpgroups plus
+            # the dQ pass at every length (short causal keys included), and than turns over S^T and
+            # dP^T; as the dK/dV pass of deterministic calls (which keep the dQ pass) level with 3
+            # warpgroups or faster.
+            dkdv = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=0)
             dq_by_atomics = True
         # Deterministic calls keep the dQ pass whatever dq_by_atomics says (the planner, dispatch.py).
         # Where dQ has a pass of its own at D=128 (deterministic mode): the forward's warp-specialised
         # kernel as the dQ pass, 2 warpgroups of 64 rows taking turns over S and dP, 64-key steps:
         # measured faster than the Triton dQ pass. At D=64 (the dQ pass of deterministic calls and
-        # short causal keys) the Triton pass stays: the Gluon one was slower a step in every schedule.
+        # softcap) the Triton pass stays: the Gluon one was slower a step in every schedule.
         gluon_dq = (KernelConfig(128, 64, 4, 3, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=1)
                     if head_dim == 128 else None)
         return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64,

@@ -24,7 +24,9 @@ and has no warp specialisation on sm_90, so the exponentials never run under a m
   exponentials run while another's matmuls do.
 
 PINGPONG (``KernelConfig.hopper_pingpong``) makes the warpgroups take turns, round robin:
-  0  none: they run freely.
+  0  none: they run freely -- with dQ and 128-row steps in lockstep (FA4's schedule), since they
+     meet once a step where dQ needs both halves of dS^T; there each step issues S^T and dP^T
+     back to back, then dV, dQ, dK, each wait leaving one of its own matmuls queued (``_step``).
   1  the turn covers issuing S^T (the forward's scheme).
   2  the turn covers S^T and dP^T: one warpgroup's exponentials and dS run under the next one's
      score matmuls, its dV/dK under the next one's elementwise work.
@@ -343,13 +345,14 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
 
 
 @gluon.jit
-def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-             BIAS: gl.constexpr):
-    """DQ: this warpgroup's share of the step's dQ = scale * dS K from the dS^T ``_stage_ds`` staged,
-    staged in turn for the drain: with dQ split by columns, once every warpgroup's dS^T is there
-    (ds_bar), dQ[:, 64 WG : 64 WG + 64] over all the program's keys; split by rows, likewise
+def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+              BIAS: gl.constexpr):
+    """DQ: issues this warpgroup's share of the step's dQ = dS K (unscaled) from the dS^T ``_stage_ds``
+    staged: with dQ split by columns, once every warpgroup's dS^T is there (ds_bar),
+    dQ[:, 64 WG : 64 WG + 64] over all the program's keys; split by rows, likewise
     dQ[64 WG : 64 WG + 64, :]; split by keys, all columns over this warpgroup's own 64 keys (the
-    drain adds every warpgroup's tile). The chained wgmmas are retired by one wait."""
+    drain adds every warpgroup's tile). Returns the last wgmma's token (SPLIT chained wgmmas, or one
+    split by keys)."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
@@ -358,7 +361,7 @@ def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.co
     if _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D):
         ds_own = ds_s.index(WG)
         dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
-                           use_acc=False)
+                           use_acc=False, is_async=True)
     else:
         mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
         ds_buf = _ds_buffer(ds_s, t, BIAS)
@@ -375,12 +378,29 @@ def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.co
                     ds_keys = ds_keys.slice(WG * ROWS, ROWS, dim=1)
                 ds_keys = ds_keys.permute((1, 0))
             dq = warpgroup_mma(ds_keys, k_cols, dq, use_acc=c > 0, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)  # the drain has reduced the previous step's
-    dq_s.index(WG).reshape([ROWS, COLS]).store(dq * scale)
+    return dq
+
+
+@gluon.jit
+def _dq_hand_off(t, dq, dq_state, scale, WG: gl.constexpr):
+    """DQ: this warpgroup's finished dQ tile, scaled, into its staging tile for the drain's reduce-add,
+    once the drain has reduced the previous step's."""
+    dq_s, dq_full, dq_empty = dq_state[1], dq_state[3], dq_state[4]
+    mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
+    dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq * scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(WG), count=1)
+
+
+@gluon.jit
+def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+             BIAS: gl.constexpr):
+    """DQ: this warpgroup's share of the step's dQ (``_dq_issue``), its wgmmas retired by one wait, then
+    handed to the drain (``_dq_hand_off``)."""
+    dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+    _dq_hand_off(t, dq, dq_state, scale, WG)
 
 
 @gluon.jit
@@ -432,9 +452,16 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     mbarrier.wait(ready.index(slot), (t // NUM_STAGES) & 1)
     q = q_ring.index(slot).reshape([BLOCK_M, HEAD_D])
     do = do_ring.index(slot).reshape([BLOCK_M, HEAD_D])
-    # With dQ and ping-pong 2: S^T and dP^T issued back to back under one turn, dP^T's accumulator
-    # not initialised (no register written before its issue), the exponentials under it.
-    BACK_TO_BACK: gl.constexpr = PINGPONG == 2 and DQ
+    # With dQ: S^T and dP^T issued back to back (with ping-pong 2 under one turn), dP^T's accumulator
+    # not initialised (no register written before its issue), the exponentials under it -- with
+    # ping-pong 2, and with 128-row steps and no turns (FA4's schedule: the warpgroups meet only
+    # where dQ needs both halves of dS^T). Without dQ the planner gives the 128-row steps turns
+    # (dispatch.dkdv_without_dq).
+    BACK_TO_BACK: gl.constexpr = DQ and (PINGPONG == 2 or (PINGPONG == 0 and BLOCK_M == 128))
+    # Then, with dQ and no turns, FA4's order for the rest of the step (``DQ_FIRST`` below): with
+    # the warpgroups in lockstep no other warpgroup's matmuls fill the tensor cores while one waits,
+    # so each wait leaves a matmul of its own queued.
+    DQ_FIRST: gl.constexpr = BACK_TO_BACK and PINGPONG == 0 and not SOFTCAP
     turn_wait(turn_bars, t, WG, PINGPONG)
     if PINGPONG == 1:
         s_tok = warpgroup_mma(k_s, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -492,7 +519,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         else:
             dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
         p = p * (1.0 - tanh_s * tanh_s)
-    if PINGPONG != 2:
+    if PINGPONG != 2 and not BACK_TO_BACK:
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
         if DROPOUT:
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero)
@@ -516,6 +543,25 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     # off the critical path (the D=128 dK/dV+dQ pass measured faster). Without DQ the pair saves
     # the round trip only: at D=128 level or a little faster, but D=64 causal slower, and a mask's
     # tile-list walk at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
+    if DQ_FIRST:
+        # dV issued, dS^T staged under it, dQ issued once every warpgroup's dS^T is there, then dK:
+        # dV retired with dQ queued, dQ retired with dK queued, and dQ's hand-off to the drain
+        # under dK.
+        if DROPOUT:
+            p_a = gl.convert_layout(gl.maximum(p, 0.0).to(k_s.dtype), a_layout)
+        else:
+            p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
+        dv = warpgroup_mma(p_a, do, dv, is_async=True)
+        _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
+        dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
+        dv, _ = warpgroup_mma_wait(num_outstanding=SPLIT, deps=[dv, p_a])
+        ds_a = gl.convert_layout(ds16, a_layout)
+        dk = warpgroup_mma(ds_a, q, dk, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
+        _dq_hand_off(t, dq, dq_state, scale, WG)
+        dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
+        mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
+        return dk, dv
     ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
         if DROPOUT:
