@@ -91,6 +91,16 @@ def test_maps_made_together_are_the_maps_made_alone():
     assert packed_tiles.key_block_map(together, 128, spec, torch.device("cpu")) is key_map
 
 
+@pytest.mark.parametrize("lengths", [(1000, 1, 0, 255, 129, 2048, 113), (5, 2000, 0, 77, 640), (33,), (300, 17, 1000)])
+def test_maps_made_together_each_start_on_16_bytes(lengths):
+    """Kernels are compiled for their pointers' alignment: a map that starts mid-word after another
+    map of the same copy would compile them again for it."""
+    spec = resolve_spec(64, layout="bshd", causal=True, window=None, scale=None, softcap=None, deterministic=False)
+    maps = packed_tiles.prepare(_packing(lengths, lengths), spec, torch.device("cpu"), query_block=192, key_block=128)
+    packed_tiles._shared.clear()
+    assert len(maps) == 2 and all(m.data_ptr() % 16 == 0 for m in maps), [m.data_ptr() % 16 for m in maps]
+
+
 def test_maps_of_earlier_calls_are_found_by_everything_they_are_made_from():
     """Every layer of a step passes the same lengths: a later call's packing (a new object) finds
     the maps made for the first; lengths that differ in the queries only, in the keys only, or a
