@@ -127,8 +127,8 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
             # query-key pair). No turns: the warpgroups run in lockstep, S^T and dP^T issued back to
             # back, dQ issued before dK (kernels/gluon/bwd.py). Measured faster than 3 warpgroups plus
             # the dQ pass at every length (short causal keys included), and than turns over S^T and
-            # dP^T; as the dK/dV pass of deterministic calls (which keep the dQ pass) level with 3
-            # warpgroups or faster.
+            # dP^T. Deterministic calls (which keep the dQ pass) run these steps with turns
+            # (dispatch.dkdv_without_dq): level with 3 warpgroups or faster.
             dkdv = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=0)
             dq_by_atomics = True
         # Deterministic calls keep the dQ pass whatever dq_by_atomics says (the planner, dispatch.py).

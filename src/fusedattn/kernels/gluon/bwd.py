@@ -538,11 +538,6 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         ds16 = gl.fma(gl.maximum(p, 0.0), dp, -(gl.abs(p) * kept_delta)).to(k_s.dtype)
     else:
         ds16 = (p * dp).to(k_s.dtype)
-    # With DQ, dV and dK are issued together and retired by one wait, this step's dS^T staged for
-    # dQ under them: one wgmma round trip a step less, and the hand-off's store, fence and barrier
-    # off the critical path (the D=128 dK/dV+dQ pass measured faster). Without DQ the pair saves
-    # the round trip only: at D=128 level or a little faster, but D=64 causal slower, and a mask's
-    # tile-list walk at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
     if DQ_FIRST:
         # dV issued, dS^T staged under it, dQ issued once every warpgroup's dS^T is there, then dK:
         # dV retired with dQ queued, dQ retired with dK queued, and dQ's hand-off to the drain
@@ -554,6 +549,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         dv = warpgroup_mma(p_a, do, dv, is_async=True)
         _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
         dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
+        # dQ's SPLIT chained wgmmas (one per warpgroup's keys) stay queued: dV alone is retired
         dv, _ = warpgroup_mma_wait(num_outstanding=SPLIT, deps=[dv, p_a])
         ds_a = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
@@ -562,6 +558,11 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
         mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
         return dk, dv
+    # Otherwise with DQ, dV and dK are issued together and retired by one wait, this step's dS^T
+    # staged for dQ under them: one wgmma round trip a step less, and the hand-off's store, fence
+    # and barrier off the critical path (the D=128 dK/dV+dQ pass measured faster). Without DQ the
+    # pair saves the round trip only: at D=128 level or a little faster, but D=64 causal slower, and
+    # a mask's tile-list walk at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
     ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
         if DROPOUT:
