@@ -345,6 +345,22 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
 
 
 @gluon.jit
+def _dv_operand(p, a_layout: gl.constexpr, dtype: gl.constexpr, DROPOUT: gl.constexpr):
+    """P^T as dV's register A operand: what multiplied V in the forward -- with DROPOUT the kept
+    probabilities (a dropped one carries its sign bit, ``dropout_mark_t``; the keep scale comes at
+    the end)."""
+    if DROPOUT:
+        p = gl.maximum(p, 0.0)
+    return gl.convert_layout(p.to(dtype), a_layout)
+
+
+@gluon.constexpr_function
+def _dq_wgmmas(dq_rows, dq_cols, block_m, head_d, split):
+    """How many wgmmas ``_dq_issue`` chains: one split by keys, else one per warpgroup's keys."""
+    return 1 if _dq_by_keys(dq_rows, dq_cols, block_m, head_d) else split
+
+
+@gluon.jit
 def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
               BIAS: gl.constexpr):
     """DQ: issues this warpgroup's share of the step's dQ = dS K (unscaled) from the dS^T ``_stage_ds``
@@ -514,10 +530,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     if SOFTCAP:
         # dV first: then only P^T times the cap's derivative stays live across dP^T, not P^T and
         # tanh both (D=128 causal: 48 -> 24 B of stack, with dQ 104 -> 64 B).
-        if DROPOUT:  # what multiplied V in the forward: the kept probabilities (scaled at the end)
-            dv = warpgroup_mma(gl.convert_layout(gl.maximum(p, 0.0).to(k_s.dtype), a_layout), do, dv)
-        else:
-            dv = warpgroup_mma(gl.convert_layout(p.to(k_s.dtype), a_layout), do, dv)
+        dv = warpgroup_mma(_dv_operand(p, a_layout, k_s.dtype, DROPOUT), do, dv)
         p = p * (1.0 - tanh_s * tanh_s)
     if PINGPONG != 2 and not BACK_TO_BACK:
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
@@ -542,15 +555,13 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         # dV issued, dS^T staged under it, dQ issued once every warpgroup's dS^T is there, then dK:
         # dV retired with dQ queued, dQ retired with dK queued, and dQ's hand-off to the drain
         # under dK.
-        if DROPOUT:
-            p_a = gl.convert_layout(gl.maximum(p, 0.0).to(k_s.dtype), a_layout)
-        else:
-            p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
+        p_a = _dv_operand(p, a_layout, k_s.dtype, DROPOUT)
         dv = warpgroup_mma(p_a, do, dv, is_async=True)
         _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
         dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
-        # dQ's SPLIT chained wgmmas (one per warpgroup's keys) stay queued: dV alone is retired
-        dv, _ = warpgroup_mma_wait(num_outstanding=SPLIT, deps=[dv, p_a])
+        # dQ's chained wgmmas stay queued: dV alone is retired
+        DQ_WGMMAS: gl.constexpr = _dq_wgmmas(dq_state[1].shape[3], dq_state[1].shape[4], BLOCK_M, HEAD_D, SPLIT)
+        dv, _ = warpgroup_mma_wait(num_outstanding=DQ_WGMMAS, deps=[dv, p_a])
         ds_a = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
@@ -565,10 +576,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     # a mask's tile-list walk at D=128 spills with it (16 B) -- so there each wgmma keeps its own wait.
     ds_a = gl.convert_layout(ds16, a_layout)
     if not SOFTCAP:
-        if DROPOUT:
-            p_a = gl.convert_layout(gl.maximum(p, 0.0).to(k_s.dtype), a_layout)
-        else:
-            p_a = gl.convert_layout(p.to(k_s.dtype), a_layout)
+        p_a = _dv_operand(p, a_layout, k_s.dtype, DROPOUT)
         dv = warpgroup_mma(p_a, do, dv, is_async=DQ)
     dk = warpgroup_mma(ds_a, q, dk, is_async=DQ)
     if DQ:
