@@ -1,9 +1,10 @@
-"""The D=64 backward's forms side by side, in one process, rounds alternating (CUDA events,
+"""The Hopper backward's forms side by side, in one process, rounds alternating (CUDA events,
 ``triton.testing.do_bench``): fwd+bwd and the backward alone, each form's gradients compared with
 the first form's before it is timed.
 
     python benchmarks/backward_forms.py --out DIR                       # the forms below, 4 shapes
     python benchmarks/backward_forms.py --forms wg3,rows-pp2 --shapes 4096:causal:32:32
+    python benchmarks/backward_forms.py --head-dim 128 --forms heuristic,cols-pp0,cols-pp1 --shapes 4096:causal:16:16
 
 Forms (pinned configs; the forward is the heuristic's in every form):
 - ``heuristic``: the heuristic's configs (at D=64 outside short causal keys and softcap: the Gluon
@@ -14,7 +15,12 @@ Forms (pinned configs; the forward is the heuristic's in every form):
   back, as with 2) or ping-pong 1 or 2 (5 matmuls, TMA reduce-adds);
 - ``det-heuristic``, ``det-wg3``: ``deterministic=True`` (the dQ pass runs) with the heuristic's
   dK/dV pass or the 3-warpgroup one.
-Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, D=64, bf16, bhsd). Writes
+- D=128 (``--head-dim 128``): ``cols-pp0``, ``cols-pp1``, ``cols-pp2``: the D=128 dK/dV+dQ pass
+  (64-row steps over 2 warpgroups of 64 keys, dQ split by columns) with no turns (lockstep, S^T and
+  dP^T back to back, dQ issued before dK) or ping-pong 1 or 2; ``dq-pass``: the heuristic's configs
+  with dQ in a pass of its own (the Gluon dQ pass), as deterministic mode runs them;
+  ``heuristic`` and ``det-heuristic``.
+Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd). Writes
 ``<out>/backward-forms-<gpu>.json`` and prints the medians.
 """
 
@@ -32,9 +38,6 @@ import triton
 import fusedattn
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-HEAD_DIM = 64
-
-
 def _rows_config(pingpong: int) -> KernelConfig:
     return KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=pingpong)
 
@@ -43,8 +46,20 @@ def _wg3_config() -> KernelConfig:
     return KernelConfig(64, 192, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=3, hopper_pingpong=1)
 
 
-def forms_for(base) -> dict:
+def _cols_config(pingpong: int) -> KernelConfig:
+    return KernelConfig(64, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=pingpong)
+
+
+def forms_for(base, head_dim: int) -> dict:
     """name -> (configs, deterministic)."""
+    if head_dim == 128:
+        return {
+            "heuristic": (base, False),
+            **{f"cols-pp{n}": (replace(base, dkdv=_cols_config(n), atomic_dq=True, dq_tma=True), False)
+               for n in (0, 1, 2)},
+            "dq-pass": (replace(base, atomic_dq=False, dq_tma=False), False),
+            "det-heuristic": (base, True),
+        }
     wg3 = replace(base, dkdv=_wg3_config(), atomic_dq=False, dq_tma=False)
     return {
         "heuristic": (base, False),
@@ -61,24 +76,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forms", default="heuristic,wg3,rows-pp1,rows-pp2,det-heuristic,det-wg3")
     parser.add_argument("--shapes", default="4096:causal:32:32,4096:full:32:32,1024:causal:32:32,16384:causal:32:32")
+    parser.add_argument("--head-dim", type=int, choices=(64, 128), default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("backward_forms.py times the Hopper kernels: it needs a CUDA GPU")
     device = torch.device("cuda")
+    head_dim = args.head_dim
     rows = []
     for shape in args.shapes.split(","):
         seqlen, kind, heads_q, heads_kv = shape.split(":")
         seqlen, heads_q, heads_kv, causal = int(seqlen), int(heads_q), int(heads_kv), kind == "causal"
         batch = max(16384 // seqlen, 1)
         gen = torch.Generator(device=device).manual_seed(0)
-        q, dout = (torch.randn(batch, heads_q, seqlen, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+        q, dout = (torch.randn(batch, heads_q, seqlen, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                    for _ in range(2))
-        k, v = (torch.randn(batch, heads_kv, seqlen, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                 for _ in range(2))
-        base = select_configs(device, torch.bfloat16, HEAD_DIM, HEAD_DIM, seqlen_k=seqlen, has_right=causal)
-        forms = {name: form for name, form in forms_for(base).items() if name in args.forms.split(",")}
+        base = select_configs(device, torch.bfloat16, head_dim, head_dim, seqlen_k=seqlen, has_right=causal)
+        forms = {name: form for name, form in forms_for(base, head_dim).items() if name in args.forms.split(",")}
         first = None
         for rnd in range(args.rounds):
             for name, (configs, deterministic) in forms.items():
@@ -98,11 +115,11 @@ def main() -> None:
                     out = fusedattn.attention(*leaves, causal=causal, layout="bhsd", deterministic=deterministic)
                     bwd = triton.testing.do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
                                                   warmup=50, rep=300)
-                rows.append(dict(S=seqlen, B=batch, Hq=heads_q, Hkv=heads_kv, causal=causal, form=name, round=rnd,
+                rows.append(dict(D=head_dim, S=seqlen, B=batch, Hq=heads_q, Hkv=heads_kv, causal=causal, form=name, round=rnd,
                                  fwdbwd_ms=fwdbwd, bwd_ms=bwd, max_grad_diff_vs_first_form=diff))
         first = None
     gpu = torch.cuda.get_device_name().replace(" ", "-")
-    out = Path(args.out) / f"backward-forms-{gpu}.json"
+    out = Path(args.out) / f"backward-forms-D{head_dim}-{gpu}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
     medians = collections.defaultdict(list)

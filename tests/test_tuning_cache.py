@@ -106,3 +106,33 @@ def test_wide_left_windows_take_the_configs_of_problems_without_one(head_dim, le
     if head_dim in (64, 128):  # the Gluon forwards: the band's 2 warpgroups, else 3 taking turns at long keys
         chosen = configs._cuda_configs(torch.bfloat16, head_dim, head_dim, 8192, (9, 0), has_left=band, has_right=True)
         assert chosen.forward.hopper_split == (2 if band else 3)
+
+
+# (dK/dV config, the config the pass runs where it does not sum dQ): ping-pong 0 is the lockstep
+# form, whose warpgroups meet at dQ's barrier; without dQ they take turns (dispatch.dkdv_without_dq)
+NO_DQ_CASES = [
+    (KernelConfig(128, 128, 4, 2, True, 0, 2, 0), KernelConfig(128, 128, 4, 2, True, 0, 2, 2)),
+    (KernelConfig(64, 128, 4, 2, True, 0, 2, 0), KernelConfig(64, 128, 4, 2, True, 0, 2, 1)),
+    (KernelConfig(64, 192, 4, 2, True, 0, 3, 0), KernelConfig(64, 192, 4, 2, True, 0, 3, 1)),
+    (KernelConfig(64, 128, 4, 2, True, 0, 2, 1), KernelConfig(64, 128, 4, 2, True, 0, 2, 1)),
+    (KernelConfig(128, 128, 4, 2, True, 0, 2, 2), KernelConfig(128, 128, 4, 2, True, 0, 2, 2)),
+    (KernelConfig(64, 64, 4, 2, True), KernelConfig(64, 64, 4, 2, True)),  # the Triton pass: no schedule
+]
+
+
+@pytest.mark.parametrize("config,without_dq", NO_DQ_CASES)
+def test_lockstep_dkdv_configs_take_turns_without_dq(config, without_dq):
+    from fusedattn import dispatch
+
+    assert dispatch.dkdv_without_dq(config) == without_dq
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_heuristic_dkdv_runs_in_lockstep_except_with_softcap(head_dim):
+    """The Hopper dK/dV+dQ pass: no turns (lockstep) at both head dims; softcap takes turns."""
+    for softcap in (False, True):
+        for causal in (False, True):
+            chosen = configs._cuda_configs(torch.bfloat16, head_dim, head_dim, 8192, (9, 0), has_right=causal,
+                                           has_softcap=softcap)
+            assert (chosen.dkdv.hopper_pingpong == 0) == (not softcap)
+            assert chosen.atomic_dq == (head_dim == 128 or not softcap)

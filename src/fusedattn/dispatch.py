@@ -190,12 +190,13 @@ def gluon_mask_dkdv(config: KernelConfig) -> KernelConfig:
 
 def dkdv_without_dq(config: KernelConfig) -> KernelConfig:
     """The Gluon dK/dV config where the pass does not sum dQ (deterministic mode, or a problem it
-    cannot sum dQ for). The row split without turns (128-row steps, ping-pong 0) runs in lockstep
-    because its warpgroups meet at dQ's barrier anyway; without dQ its warpgroups take turns over
-    S^T and dP^T instead (ping-pong 2, the form measured as the deterministic dK/dV pass), which
-    also keeps the dropout, ALiBi and tile-list forms from spilling registers."""
-    if config.family == "gluon" and config.block_m == 128 and config.hopper_pingpong == 0:
-        return replace(config, hopper_pingpong=2)
+    cannot sum dQ for). Without turns (ping-pong 0) the warpgroups run in lockstep because they
+    meet at dQ's barrier anyway; without dQ they take turns instead: over S^T and dP^T with
+    128-row steps (ping-pong 2, the form measured as the D=64 deterministic dK/dV pass; the
+    lockstep form without dQ spilled registers in its dropout, ALiBi and tile-list variants), over
+    S^T with 64-row steps (ping-pong 1, the D=128 deterministic dK/dV pass)."""
+    if config.family == "gluon" and config.hopper_pingpong == 0:
+        return replace(config, hopper_pingpong=2 if config.block_m == 128 else 1)
     return config
 
 

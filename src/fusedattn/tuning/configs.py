@@ -113,8 +113,12 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
         if head_dim == 128:
             # 2 warpgroups (3 cannot hold D=128's accumulators), 64-row steps; the pass also
             # computes dQ (5 matmuls), split by keys, and a drain warp sums it with TMA reduce-adds:
-            # the whole backward measured faster than with the dQ pass.
-            dkdv = KernelConfig(64, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=1)
+            # the whole backward measured faster than with the dQ pass. No turns: the warpgroups
+            # run in lockstep as at D=64 (S^T and dP^T back to back, dQ issued before dK); softcap
+            # keeps turns over S^T. Deterministic calls (the dQ pass) take turns over S^T
+            # (dispatch.dkdv_without_dq).
+            dkdv = KernelConfig(64, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2,
+                                hopper_pingpong=1 if has_softcap else 0)
             dq_by_atomics = True
         elif has_softcap:
             # Softcap: its derivative's registers spill the row split's 128-row steps (with or

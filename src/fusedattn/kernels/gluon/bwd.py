@@ -24,9 +24,10 @@ and has no warp specialisation on sm_90, so the exponentials never run under a m
   exponentials run while another's matmuls do.
 
 PINGPONG (``KernelConfig.hopper_pingpong``) makes the warpgroups take turns, round robin:
-  0  none: they run freely -- with dQ and 128-row steps in lockstep (FA4's schedule), since they
-     meet once a step where dQ needs both halves of dS^T; there each step issues S^T and dP^T
-     back to back, then dV, dQ, dK, each wait leaving one of its own matmuls queued (``_step``).
+  0  none: with dQ they run in lockstep (FA4's schedule), since they meet once a step where dQ
+     needs both halves of dS^T; each step issues S^T and dP^T back to back, then dV, dQ, dK,
+     each wait leaving one of its own matmuls queued (``_step``). Without dQ the planner gives
+     such a config turns (``dispatch.dkdv_without_dq``).
   1  the turn covers issuing S^T (the forward's scheme).
   2  the turn covers S^T and dP^T: one warpgroup's exponentials and dS run under the next one's
      score matmuls, its dV/dK under the next one's elementwise work.
@@ -470,10 +471,10 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     do = do_ring.index(slot).reshape([BLOCK_M, HEAD_D])
     # With dQ: S^T and dP^T issued back to back (with ping-pong 2 under one turn), dP^T's accumulator
     # not initialised (no register written before its issue), the exponentials under it -- with
-    # ping-pong 2, and with 128-row steps and no turns (FA4's schedule: the warpgroups meet only
-    # where dQ needs both halves of dS^T). Without dQ the planner gives the 128-row steps turns
+    # ping-pong 2, and with no turns (FA4's schedule: the warpgroups meet only where dQ needs both
+    # halves of dS^T). Without dQ the planner gives a config without turns turns
     # (dispatch.dkdv_without_dq).
-    BACK_TO_BACK: gl.constexpr = DQ and (PINGPONG == 2 or (PINGPONG == 0 and BLOCK_M == 128))
+    BACK_TO_BACK: gl.constexpr = DQ and PINGPONG != 1
     # Then, with dQ and no turns, FA4's order for the rest of the step (``DQ_FIRST`` below): with
     # the warpgroups in lockstep no other warpgroup's matmuls fill the tensor cores while one waits,
     # so each wait leaves a matmul of its own queued.
