@@ -13,8 +13,11 @@ Forms (pinned configs; the forward is the heuristic's in every form):
   (7 matmuls: the D=64 default before the row split, and still at short causal keys);
 - ``rows-pp0``, ``rows-pp1``, ``rows-pp2``: the row split pinned, no turns (S^T and dP^T back to
   back, as with 2) or ping-pong 1 or 2 (5 matmuls, TMA reduce-adds);
-- ``det-heuristic``, ``det-wg3``: ``deterministic=True`` (the dQ pass runs) with the heuristic's
-  dK/dV pass or the 3-warpgroup one.
+- ``det-heuristic``: ``deterministic=True`` with the heuristic's configs (dQ summed by the dK/dV
+  pass in a fixed order where it can); ``det-dq-pass``, ``det-wg3``: ``deterministic=True`` with dQ
+  in a pass of its own, after the heuristic's dK/dV pass or the 3-warpgroup one;
+  ``det-block-major``, ``det-chunks-16``: ``deterministic=True``, the dK/dV programs launched
+  block-major or in chunks of 16 head rows (``Knobs.chunk_heads``).
 - D=128 (``--head-dim 128``): ``cols-pp0``, ``cols-pp1``, ``cols-pp2``: the D=128 dK/dV+dQ pass
   (64-row steps over 2 warpgroups of 64 keys, dQ split by columns) with no turns (lockstep, S^T and
   dP^T back to back, dQ issued before dK) or ping-pong 1 or 2; ``dq-pass``: the heuristic's configs
@@ -36,6 +39,7 @@ import torch
 import triton
 
 import fusedattn
+from fusedattn.kernels.shared import knobs
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
 def _rows_config(pingpong: int) -> KernelConfig:
@@ -51,7 +55,7 @@ def _cols_config(pingpong: int) -> KernelConfig:
 
 
 def forms_for(base, head_dim: int) -> dict:
-    """name -> (configs, deterministic)."""
+    """name -> (configs, deterministic[, knobs for the launch order])."""
     if head_dim == 128:
         return {
             "heuristic": (base, False),
@@ -59,6 +63,9 @@ def forms_for(base, head_dim: int) -> dict:
                for n in (0, 1, 2)},
             "dq-pass": (replace(base, atomic_dq=False, dq_tma=False), False),
             "det-heuristic": (base, True),
+            "det-dq-pass": (replace(base, atomic_dq=False, dq_tma=False), True),
+            "det-block-major": (base, True, dict(chunk_heads=0)),
+            "det-chunks-16": (base, True, dict(chunk_heads=16)),
         }
     wg3 = replace(base, dkdv=_wg3_config(), atomic_dq=False, dq_tma=False)
     return {
@@ -69,6 +76,9 @@ def forms_for(base, head_dim: int) -> dict:
         "rows-pp2": (replace(base, dkdv=_rows_config(2), atomic_dq=True, dq_tma=True), False),
         "det-heuristic": (base, True),
         "det-wg3": (wg3, True),
+        "det-dq-pass": (replace(base, atomic_dq=False, dq_tma=False), True),
+        "det-block-major": (base, True, dict(chunk_heads=0)),
+        "det-chunks-16": (base, True, dict(chunk_heads=16)),
     }
 
 
@@ -98,8 +108,8 @@ def main() -> None:
         forms = {name: form for name, form in forms_for(base, head_dim).items() if name in args.forms.split(",")}
         first = None
         for rnd in range(args.rounds):
-            for name, (configs, deterministic) in forms.items():
-                with pinned_configs(configs):
+            for name, (configs, deterministic, *launch) in forms.items():
+                with pinned_configs(configs), knobs.overridden(**(launch[0] if launch else {})):
                     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
                     def step():

@@ -327,7 +327,7 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False,
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
                        bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False,
-                       dropout: bool = False):
+                       dropout: bool = False, ordered: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
     (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
     ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
@@ -345,7 +345,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, num_warps=4)
+                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4)
     if varlen:
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
@@ -365,7 +365,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                      bias_desc=score_tile if bias else dq_desc, dbias_desc=score_tile if dbias else dq_desc,
                      bias_batches="i32", bias_head_div="i32", key_blocks="i32", chunk_heads="i32",
                      stride_kv_row="i32", stride_kv_head="i32", Alibi="*fp32", DropoutSeed="*i64",
-                     dropout_threshold="i32", dropout_scale="fp32",
+                     dropout_threshold="i32", dropout_scale="fp32", DqLock="*i32",
                      **{name: "constexpr" for name in constexprs})
     if varlen:
         signature.update(DK=f"*{dtype}", DV=f"*{dtype}")
@@ -378,20 +378,22 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
 
 def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False, softcap: bool = False,
                         left: bool = False, lists: bool = False, bias: bool = False, varlen: bool = False,
-                        alibi: bool = False, dropout: bool = False) -> int:
+                        alibi: bool = False, dropout: bool = False, ordered: bool = False) -> int:
     if not dq:  # as the planner runs it without dQ
         cfg = dispatch.dkdv_without_dq(cfg)
     kind = (f"{cfg.hopper_split} warpgroups, ping-pong {cfg.hopper_pingpong}{', + dQ' if dq else ''}"
+            f"{' in a fixed order' if ordered else ''}"
             f"{', tile lists' if lists else ''}{', bias + gradient' if bias else ''}{', packed' if varlen else ''}"
             f"{', ALiBi' if alibi else ''}{', dropout' if dropout else ''}")
     shown = f"bwd dkdv (Gluon, warp-specialised, {kind}) {cfg.block_m}x{64 * cfg.hopper_split} s{cfg.num_stages}"
     failed = 0
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
-    group_sums = (False, True) if causal and dispatch.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists) else (False,)
+    group_sums = ((False, True) if causal and not ordered and dispatch.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists)
+                  else (False,))
     for group_sum in group_sums:
         try:
             r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,
-                                    bias, bias, varlen, alibi, dropout)
+                                    bias, bias, varlen, alibi, dropout, ordered)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
@@ -456,7 +458,8 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
                    help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
-                        "dK/dV dkdv2,dkdv2pp1,dkdv3pp2 (+m128: 128-row steps; +dq: with dQ, e.g. dkdv2pp1m128dq)")
+                        "dK/dV dkdv2,dkdv2pp1,dkdv3pp2 (+m128: 128-row steps; +dq: with dQ, e.g. dkdv2pp1m128dq; "
+                        "+det: dQ in a fixed order, e.g. dkdv2m128dqdet)")
     args = p.parse_args()
     variants = {
         "plain": dict(HAS_LEFT=False, HAS_RIGHT=False, HAS_SOFTCAP=False),
@@ -515,8 +518,10 @@ def main() -> None:
         # forward: 0, 1, 2 the 8-warp kernel's schedules; ws2, ws3 (+pp) the warp-specialised kernel.
         # dK/dV: dkdv2, dkdv3 (+pp1, +pp2) the warp-specialised pass.
         if schedule.startswith("dkdv"):
-            dq = schedule.endswith("dq")  # the 5-matmul form (dQ by TMA reduce-adds)
-            name, _, rows = schedule.removesuffix("dq").partition("m")  # m128: 128-row steps
+            ordered = schedule.endswith("det")  # dQ summed in a fixed order (deterministic mode)
+            form = schedule.removesuffix("det")
+            dq = form.endswith("dq")  # the 5-matmul form (dQ by TMA reduce-adds)
+            name, _, rows = form.removesuffix("dq").partition("m")  # m128: 128-row steps
             split, pingpong = int(name[4]), int(name[7:] or 0)
             for d in map(int, args.head_dims.split(",")):
                 cfg = KernelConfig(int(rows or 64), 64 * split, 4, 2, True, 0, split, pingpong)
@@ -524,7 +529,7 @@ def main() -> None:
                     continue  # three warpgroups cannot hold D=128's dK, dV accumulators
                 for causal in (False, True):
                     print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon dK/dV schedule {schedule}")
-                    problems += _report_hopper_dkdv(d, args.dtype, cfg, causal, dq)
+                    problems += _report_hopper_dkdv(d, args.dtype, cfg, causal, dq, ordered=ordered)
             continue
         split = int(schedule[2]) if schedule.startswith("ws") else 0
         overlap = 0 if split else int(schedule)

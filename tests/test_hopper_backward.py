@@ -288,6 +288,87 @@ def test_dq_split_by_rows_with_group_sums_and_tile_lists(case, pingpong, gluon_l
     assert gluon_launches and all(gluon_launches) and not triton_dq  # dQ summed by the pass
 
 
+# deterministic=True where the pass sums dQ itself (dispatch.ordered_dq_form): its programs take
+# turns on each query block's reduce-adds -- causal ones in descending key-block order, walking their
+# masked steps first. Sq < Sk and Sq > Sk (rows that see no key), GQA walking its group (no causal
+# bound), ragged key blocks, ALiBi, dropout, softcap (turns over S^T), an lse gradient, both head
+# dims and both dQ splits (columns at D=128, rows at D=64).
+ORDERED_CASES = [
+    Case(2, 4, 4, 1000, 1000, 128, deterministic=True, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 4, 4, 333, 517, 128, causal=True, deterministic=True, dtype=torch.bfloat16),
+    Case(1, 4, 2, 517, 333, 64, causal=True, deterministic=True, dtype=torch.bfloat16),
+    Case(2, 4, 1, 700, 700, 64, deterministic=True, dtype=torch.bfloat16),
+    Case(1, 2, 2, 200, 70, 64, deterministic=True, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 3, 3, 129, 129, 128, causal=True, deterministic=True, lse_grad=True, dtype=torch.float16),
+    Case(1, 4, 4, 1100, 1100, 64, causal=True, deterministic=True, dtype=torch.bfloat16),
+    Case(1, 4, 4, 333, 517, 128, causal=True, alibi="heads", deterministic=True, dtype=torch.bfloat16),
+    Case(2, 4, 4, 517, 333, 64, causal=True, dropout=0.3, deterministic=True, dtype=torch.bfloat16),
+    Case(1, 4, 4, 700, 700, 128, causal=True, softcap=20.0, deterministic=True, dtype=torch.bfloat16),
+]
+
+
+def ordered_configs(case: Case):
+    """The heuristic's configs for the case, asking for dQ in a fixed order (the heuristic leaves
+    D=128 causal to the dQ pass; a tuned config may ask for the order there too)."""
+    base = select_configs(torch.device("cuda"), case.dtype, case.head_dim, case.dv, seqlen_k=case.seqlen_k,
+                          has_right=case.causal, has_softcap=case.softcap is not None)
+    return pinned_configs(replace(base, ordered_dq=True))
+
+
+@pytest.fixture
+def ordered_launches(monkeypatch):
+    """ORDERED of every Gluon dK/dV launch (True: dQ summed by the pass in a fixed order)."""
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
+
+    return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel, lambda c: c.get("ORDERED", False))
+
+
+@pytest.mark.parametrize("case", ORDERED_CASES, ids=[c.id for c in ORDERED_CASES])
+def test_deterministic_dq_summed_by_the_pass_in_a_fixed_order(case, ordered_launches, monkeypatch):
+    triton_dq = launcher_constexprs(monkeypatch, bwd._backward_kernel, lambda constexprs: constexprs["RUN_DQ"])
+    with ordered_configs(case):
+        check_case(case, "triton", "cuda")
+    assert ordered_launches == [True] and not triton_dq
+
+
+# Where the pass's turns could not be counted by the causal rule (a left window, a mask's lists, a
+# bias) or the short causal GQA form walks the group: deterministic mode keeps dQ's own pass.
+UNORDERED_CASES = [
+    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), deterministic=True, dtype=torch.bfloat16),
+    Case(1, 2, 2, 400, 300, 128, mask="full", mask_blocks=(128, 128), deterministic=True, dtype=torch.bfloat16),
+    Case(1, 2, 2, 256, 256, 128, bias="full", deterministic=True, dtype=torch.bfloat16),
+    Case(2, 4, 1, 300, 300, 128, causal=True, deterministic=True, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", UNORDERED_CASES, ids=[c.id for c in UNORDERED_CASES])
+def test_deterministic_problems_the_order_cannot_count_keep_the_dq_pass(case, ordered_launches):
+    with ordered_configs(case):
+        check_case(case, "triton", "cuda")
+    assert True not in ordered_launches
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("chunk", ORDERS.values(), ids=ORDERS.keys())
+def test_ordered_dq_gives_the_same_bits_in_every_launch_order(chunk, causal, ordered_launches, monkeypatch):
+    """dQ summed by the pass in a fixed order: a second run and every launch order of the programs
+    give the same dQ, dK and dV bits."""
+    case = Case(2, 6, 6, 1000, 1000, 128, causal=causal, deterministic=True, dtype=torch.bfloat16)
+    q, k, v, dout, _ = make_inputs(case, "cuda")
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fusedattn.attention(*leaves, causal=causal, deterministic=True).backward(dout)
+        return [t.grad for t in leaves]
+
+    with ordered_configs(case):
+        default = grads()
+        set_knobs(monkeypatch, chunk_heads=chunk)
+        first, second = grads(), grads()
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, second, default))
+    assert ordered_launches == [True] * 3
+
+
 def test_masks_with_partial_tiles_run_the_triton_pass(gluon_launches):
     case = Case(1, 2, 2, 300, 300, 128, mask="full", mask_blocks=(64, 64), dtype=torch.bfloat16)
     with pinned_dkdv(case, dkdv(2, 1)):
@@ -344,8 +425,8 @@ def test_biases_the_gluon_pass_does_not_take_run_the_triton_passes(case, bias_la
 def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
     """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not).
     Outside deterministic mode it sums dQ too (no Triton launch), except at D=64 with softcap,
-    where the Triton dQ pass runs; in deterministic mode the Gluon dQ pass (hopper_fwd.dq_pass)
-    runs at D=128 and the Triton dQ pass at D=64."""
+    where the Triton dQ pass runs; in deterministic mode at these short keys the Gluon dQ pass
+    (hopper_fwd.dq_pass) runs at D=128 and the Triton dQ pass at D=64."""
     from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     triton_launches = launcher_constexprs(monkeypatch, bwd._backward_kernel,

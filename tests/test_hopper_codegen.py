@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 VARIANTS = "plain,causal,softcap,window+softcap,mask,causal+mask,causal+mask+sinks,bias,varlen+causal"
-# the Gluon forward's schedules, then the dK/dV pass's (m128: 128-row steps; dq: with dQ; without
-# dQ a schedule without turns runs with turns, dispatch.dkdv_without_dq, so only its dQ form is named)
+# the Gluon forward's schedules, then the dK/dV pass's (m128: 128-row steps; dq: with dQ; det: dQ in
+# a fixed order; without dQ a schedule without turns runs with turns, dispatch.dkdv_without_dq, so
+# only its dQ form is named)
 SCHEDULES = ("0,1,2,ws2,ws2pp,ws3,ws3pp,"
-             "dkdv2pp1,dkdv2pp2,dkdv3pp1,dkdv3pp2,dkdv2dq,dkdv2pp1dq,dkdv2m128dq,dkdv2pp1m128dq,dkdv2pp2m128dq")
+             "dkdv2pp1,dkdv2pp2,dkdv3pp1,dkdv3pp2,dkdv2dq,dkdv2pp1dq,dkdv2m128dq,dkdv2pp1m128dq,dkdv2pp2m128dq,"
+             "dkdv2dqdet,dkdv2m128dqdet")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -80,7 +80,8 @@ def test_select_uses_a_matching_entry_and_ignores_a_stale_one(monkeypatch, tmp_p
         cache.TuningCache(tmp_path / "tuning.json").put(cache.config_key(**KEY_ARGS), TUNED)
         configs.reload_tuning_cache()
         assert configs.select_configs(**select) == TUNED
-        assert configs.select_configs(**dict(select, has_right=False)) == heuristic  # other flags: no entry
+        assert configs.select_configs(**dict(select, has_right=False)) == configs._cuda_configs(
+            torch.bfloat16, 128, 128, 8192, (9, 0), has_right=False)  # other flags: no entry, the heuristic
         with monkeypatch.context() as m:  # an entry tuned under other kernel sources
             m.setattr(cache, "kernel_source_hash", lambda: "another-kernel-version")
             stale_key = cache.config_key(**dict(KEY_ARGS, seqlen_k=1024))
@@ -136,3 +137,17 @@ def test_hopper_heuristic_dkdv_runs_in_lockstep_except_with_softcap(head_dim):
                                            has_softcap=softcap)
             assert (chosen.dkdv.hopper_pingpong == 0) == (not softcap)
             assert chosen.atomic_dq == (head_dim == 128 or not softcap)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_heuristic_orders_deterministic_dq_where_measured_faster(head_dim):
+    """Deterministic mode: dQ summed by the dK/dV pass in a fixed order at long keys, at D=64 and at
+    D=128 without a causal bound; D=128 causal, short keys (and D=64 softcap, whose pass sums no dQ)
+    keep the dQ pass."""
+    for seqlen_k in (1024, 8192):
+        for softcap in (False, True):
+            for causal in (False, True):
+                chosen = configs._cuda_configs(torch.bfloat16, head_dim, head_dim, seqlen_k, (9, 0),
+                                               has_right=causal, has_softcap=softcap)
+                want = seqlen_k > 2048 and ((head_dim == 64 and not softcap) or (head_dim == 128 and not causal))
+                assert chosen.ordered_dq == want

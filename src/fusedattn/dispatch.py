@@ -357,6 +357,9 @@ class BackwardPlan:
 
     dkdv: KernelConfig
     atomic_dq: bool
+    # Deterministic mode with dQ summed by the Gluon dK/dV pass: in a fixed order of its programs
+    # (``ordered_dq_form``).
+    ordered_dq: bool
     # Short causal GQA: the whole group walked by one program and dQ by the Gluon dQ pass, the
     # deterministic form, in every mode (``walks_group_with_dq_pass``).
     group_walk: bool
@@ -415,17 +418,23 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     if mask is not None and named:  # the tiles a Gluon pass walks lists with
         dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
     group_walk = walks_group_with_dq_pass(q, k, spec, configs, mask, bias, packing)
-    atomic_dq = configs.atomic_dq and not spec.deterministic and not group_walk
+    atomic_dq = configs.atomic_dq and not group_walk
+    ordered_dq = (spec.deterministic and configs.ordered_dq and atomic_dq and named
+                  and ordered_dq_form(spec, mask, bias, packing))
+    if spec.deterministic and not ordered_dq:
+        atomic_dq = False  # adds in arrival order: dQ gets a pass of its own
     # The Gluon pass reads a bias (and stores its gradient) in its 5-matmul form only.
     bias_in_gluon = atomic_dq and gluon_dkdv_takes_bias(q, spec, bias, dbias_mode)
     if named and not gluon_pass_sums_dq(q, k, v, spec, dkdv_cfg, mask, bias, bias_in_gluon):
-        atomic_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
+        atomic_dq = ordered_dq = False  # chosen for the Gluon pass summing dQ itself; elsewhere dQ gets its own pass
     bias_in_gluon = bias_in_gluon and atomic_dq
-    if named and not atomic_dq:
-        dkdv_cfg = dkdv_without_dq(dkdv_cfg)
     support = named and gluon_support(q, k, v, spec, mask=mask, bias=bias, reads_bias=bias_in_gluon,
                                       alibi_form=gluon_dkdv_takes_alibi(spec, mask, bias, packing),
                                       dropout_form=gluon_dkdv_takes_dropout(spec, mask, bias, packing))
+    if ordered_dq and not support.ok:  # the Triton programs' atomics would add in arrival order
+        atomic_dq = ordered_dq = False
+    if named and not atomic_dq:
+        dkdv_cfg = dkdv_without_dq(dkdv_cfg)
     gluon_dkdv = support.ok
     gluon_dq = gluon_dkdv and not atomic_dq and takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing)
     dq_why = _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing)
@@ -438,13 +447,17 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     zero_dq = atomic_dq
     preprocess = triton_bwd.preprocess_launcher(out, dout, dlse, spec, head_dim, head_dim_v, batch, heads_q, seqlen_q,
                                                 total_q, pre_block_m, padded_rows, padded_d, zero_dq, packing)
-    return BackwardPlan(dkdv_cfg, atomic_dq, group_walk, bias_in_gluon, dkdv_block_major(spec, heads_q // heads_kv),
+    return BackwardPlan(dkdv_cfg, atomic_dq, ordered_dq, group_walk, bias_in_gluon,
+                        dkdv_block_major(spec, heads_q // heads_kv),
                         padded_d, padded_rows, zero_dq, preprocess, gluon_dkdv, gluon_dq,
                         "" if gluon_dkdv else support.reason, dq_why)
 
 
 def _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing) -> str:
     """Why dQ is summed the way the plan says, in words (``explain``)."""
+    if atomic_dq and spec.deterministic:
+        return ("every row summed in a fixed order (deterministic mode: the dK/dV pass's programs take turns "
+                "on each query block's fp32 reduce-adds; 5 matmuls a tile, not 7)")
     if atomic_dq:
         return "the launch config asks for dQ by fp32 atomics from the dK/dV pass (5 matmuls a tile, not 7)"
     if gluon_dq:
@@ -487,6 +500,13 @@ BIAS_GRAD_ROUTES = {
     DBIAS_ATOMIC: "summed over its broadcast dims by fp32 atomics in the dK/dV pass",
     DBIAS_PASS: "summed over its broadcast dims by a pass of its own, in a fixed order (deterministic mode)",
 }
+
+
+def ordered_dq_form(spec: AttentionSpec, mask, bias, packing: Packing | None) -> bool:
+    """Whether the Gluon dK/dV pass can sum dQ in a fixed order (deterministic mode): its programs take
+    turns on each query block's reduce-adds, counted by the rule of a causal bound or none (no mask
+    lists, left window, bias or packed sequences, whose visiting programs that rule does not count)."""
+    return mask is None and bias is None and packing is None and not spec.has_window_left
 
 
 def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,
@@ -619,6 +639,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
                                                       mask, bias, dbias, packing, alibi, dropout_seed)
     if gluon_dkdv and plan.atomic_dq:  # the Gluon pass computed every gradient, the bias's too
         return triton_bwd.dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
+    if plan.ordered_dq:  # TMA could not address a tensor after all: the Triton programs' atomics add in no order
+        plan = replace(plan, atomic_dq=False, ordered_dq=False)
     if gluon_dkdv and plan.gluon_dq:
         dq = _gluon_dq_pass(q, k, v, dout, lse2, delta, spec, configs.gluon_dq, dropout_seed)
         if dq is not None:
@@ -659,10 +681,15 @@ def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, pl
         seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
         lists = triton_bwd.column_list_args(mask, spec, seqlen_q, seqlen_k, plan.dkdv, heads_q, heads_kv, lse2)
     group_sum = not plan.group_walk and sums_over_group(spec, heads_q, heads_kv, plan.dkdv, lists is not None)
+    dq_lock = None
+    if plan.ordered_dq:  # the turn counters of dQ's fixed order, zeroed
+        dq_lock = torch.zeros(gluon_bwd.dq_lock_size(bhsd_shape(q, spec.layout), plan.dkdv), dtype=torch.int32,
+                              device=q.device)
     return gluon_bwd.dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan.dkdv,
                                dq_accum if plan.atomic_dq else None, lists, group_sum, bias, dbias, packing,
                                alibi=alibi,
-                               dropout=(dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None)
+                               dropout=(dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None,
+                               dq_lock=dq_lock)
 
 
 def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs: AttentionConfigs) -> None:
@@ -829,7 +856,8 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
         steps.append(Step("dQ", "Gluon dQ pass, warp-specialised", bplan.dq_why, configs.gluon_dq))
     elif bplan.atomic_dq:
         where = "the Gluon dK/dV pass" if bplan.gluon_dkdv else "the Triton dK/dV programs"
-        steps.append(Step("dQ", f"summed by {where} (fp32 atomics)", bplan.dq_why))
+        how = "fp32 reduce-adds in a fixed order" if bplan.ordered_dq else "fp32 atomics"
+        steps.append(Step("dQ", f"summed by {where} ({how})", bplan.dq_why))
     else:
         steps.append(Step("dQ", "Triton dQ programs", bplan.dq_why, configs.dq))
     if bias is not None and bias_grad:

@@ -137,21 +137,26 @@ def _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M: gl.const
             n_masked = n_lead
         n_interior_steps = group * n_inner
         n_steps = n_interior_steps + group * n_masked
-        walk = (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin)
+        walk = (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, group * n_masked)
     return n_steps, walk
 
 
 @gluon.jit
-def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr):
-    """(member of the KV group, query block) of step t of ``walk`` (``_query_walk``)."""
+def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr, MASKED_FIRST: gl.constexpr = False):
+    """(member of the KV group, query block) of step t of ``walk`` (``_query_walk``). MASKED_FIRST
+    (no lists, no left window): the masked steps come first, then the interior ones."""
     if LISTS:
         entry = gl.load(walk[1] + t)
         member = entry // walk[2]
         blk = entry - member * walk[2]
     else:
-        n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin = walk
-        inner = t < n_interior_steps
-        u = gl.where(inner, t, t - n_interior_steps)
+        n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, n_masked_steps = walk
+        if MASKED_FIRST:
+            inner = t >= n_masked_steps
+            u = gl.where(inner, t - n_masked_steps, t)
+        else:
+            inner = t < n_interior_steps
+            u = gl.where(inner, t, t - n_interior_steps)
         n = gl.maximum(gl.where(inner, n_inner, n_masked), 1)
         member = u // n
         v = u - member * n
@@ -171,7 +176,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
               seq_k, heads_q, group, window_left, entries, bias_at, packed, SPLIT: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr,
-              VARLEN: gl.constexpr):
+              VARLEN: gl.constexpr, MASKED_FIRST: gl.constexpr):
     """``group``: the query heads the walk covers, from ``first_head`` on (1 with GROUP_SUM). BIAS:
     each step's bias tile (queries x the program's keys) lands in the ring slot with Q and dO, read
     in the bias's own shape at batch ``bias_at[0]``, head ``head // bias_at[1]``. ``packed``
@@ -198,7 +203,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
     for t in range(n_steps):
         slot = t % NUM_STAGES
         mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
-        member, blk = _step_coords(t, walk, LEFT, LISTS)
+        member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
         head = first_head + member
         row = stats_row0 + head
         bar = ready.index(slot)
@@ -250,35 +255,82 @@ def _group_sum_staging(k_smem, v_smem, q_ring, do_ring, WG: gl.constexpr, layout
 
 
 @gluon.jit
+def _load_acquire(ptr):
+    """The int32 at ``ptr``, loaded with acquire semantics at GPU scope by every lane (one address)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _bulk_writes_done():
+    """Waits until this thread's bulk async groups (the TMA reduce-adds) have completed -- their writes
+    performed, not only their shared-memory sources read, as ``tma.store_wait`` waits -- and orders
+    them (async proxy) before the generic-proxy release that follows. Returns 0."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+                                     "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_turn(blk, pid_n, seq_q, seq_k, key_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             CAUSAL: gl.constexpr):
+    """ORDERED: how many programs add into query block ``blk``'s dQ before program ``pid_n``. Without
+    a window every program visits every query block, in launch order (ascending key blocks). Causal:
+    the programs that visit ``blk`` are key blocks 0 .. n_max(blk), the last whose keys a row of
+    ``blk`` sees; they add in descending order (the launch order there, and the walk runs the
+    masked steps first), so the diagonal's program, whose first step is ``blk``, never waits."""
+    if CAUSAL:
+        last_visible_key = (blk + 1) * BLOCK_M - 1 + (seq_k - seq_q)  # >= pid_n * BLOCK_N: pid_n visits blk
+        return gl.minimum(last_visible_key // BLOCK_N, key_blocks - 1) - pid_n
+    else:
+        return pid_n
+
+
+@gluon.jit
 def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, bias_at,
-           q_start, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-           CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, DBIAS: gl.constexpr,
-           VARLEN: gl.constexpr):
+           q_start, order_at, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
+           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr):
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
     (D=128), its rows (D=64, 128-row steps) or all columns over its own keys (D=64, ``_dq_tile``).
     DBIAS: also the step's dS (queries x the program's keys, staged query-major by ``_stage_ds``) stored as the bias gradient,
     one program per entry (a bias of the full (B, Hq, Sq, Sk) shape), rows past Sq and keys past Sk
     clipped. Without DQ: nothing. With VARLEN the rows past Sq are the next sequence's: their dS is
-    0 (lse2 = +inf in the statistics' padding), so their reduce-adds add zeros."""
+    0 (lse2 = +inf in the statistics' padding), so their reduce-adds add zeros.
+    ORDERED (deterministic mode; no lists, window, bias or packing): each query block's dQ is summed
+    in a fixed order of programs. ``order_at`` = (the zeroed int32 turn counters, one per (batch *
+    Hq + head, query block), heads_q, key_blocks): the drain waits for its turn (``_dq_turn``) before
+    its reduce-adds and passes the turn on once they have completed."""
     if DQ:
         ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ or VARLEN, LISTS)
         ROWS: gl.constexpr = dq_desc.block_type.shape[2]
         COLS: gl.constexpr = dq_desc.block_type.shape[3]
+        BY_KEYS: gl.constexpr = _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D)
         for t in range(n_steps):
-            member, blk = _step_coords(t, walk, LEFT, LISTS)
+            member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
+            if ORDERED:
+                lock_index = (batch * order_at[1] + first_head + member).to(gl.int64) * gl.cdiv(seq_q, BLOCK_M) + blk
+                lock = order_at[0] + lock_index
+                turn = _dq_turn(blk, n0 // BLOCK_N, seq_q, seq_k, order_at[2], BLOCK_M, BLOCK_N, CAUSAL)
+                seen = _load_acquire(lock)
+                while seen != turn:
+                    seen = _load_acquire(lock)
             for w in gl.static_range(SPLIT):
                 mbarrier.wait(dq_full.index(w), t & 1)
                 tma_reduce_add(dq_desc, [batch, first_head + member, q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M,
                                          (w * COLS) % HEAD_D], dq_s.index(w))
+                if ORDERED and BY_KEYS:  # every warpgroup's tile covers the same entries: one add at a time
+                    _bulk_writes_done()
             if DBIAS:  # every warpgroup's dQ wgmma came after its dS store: the whole tile is there
                 tma.async_copy_shared_to_global(dbias_desc, [bias_at[0], (first_head + member) // bias_at[1],
                                                              blk * BLOCK_M, n0], ds_s.index(t % 2))
             tma.store_wait(pendings=0)
             for w in gl.static_range(SPLIT):
                 mbarrier.arrive(dq_empty.index(w), count=1)
+            if ORDERED:  # the next program's turn once the adds are in memory
+                gl.atomic_add(lock, 1 + _bulk_writes_done(), sem="release", scope="gpu")
 
 
 # --------------------------------------------------------------------------- consumers
@@ -422,10 +474,10 @@ def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.co
 
 @gluon.jit
 def _alibi_step(t, walk, alibi_at, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr,
-                ALIBI: gl.constexpr):
+                ALIBI: gl.constexpr, MASKED_FIRST: gl.constexpr = False):
     """(slope in log2 units, first query row) of step t for ALiBi (``_step``); (0.0, 0) without it."""
     if ALIBI:
-        member, blk = _step_coords(t, walk, LEFT, LISTS)
+        member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
         slopes, first_row = alibi_at
         return gl.load(slopes + first_row + member) * LOG2E, blk * BLOCK_M
     else:
@@ -434,12 +486,12 @@ def _alibi_step(t, walk, alibi_at, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LI
 
 @gluon.jit
 def _dropout_step(t, walk, dropout_at, first_key, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr,
-                  DROPOUT: gl.constexpr):
+                  DROPOUT: gl.constexpr, MASKED_FIRST: gl.constexpr = False):
     """Step t's dropout arguments for ``_step``: (seed, batch * Hq + head, first query row, first key,
     threshold, scale); ``dropout_at`` = (the call's seed, the statistics row of the group's first
     head, the threshold, the scale). Zeros without DROPOUT."""
     if DROPOUT:
-        member, blk = _step_coords(t, walk, LEFT, LISTS)
+        member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
         seed, first_row, threshold, keep_scale = dropout_at
         return seed, first_row + member, blk * BLOCK_M, first_key, threshold, keep_scale
     else:
@@ -599,13 +651,15 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
               stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
-              ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False):
-    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. ALIBI (causal, no lists, bias or
-    packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of the group's first head); each
-    step reads its query head's slope. DROPOUT (no lists, bias or packing): ``dropout_at``
-    (``_dropout_step``). VARLEN (packed sequences): dK, dV
-    of the keys inside the sequence go out by pointer stores (``packed`` = (first query row, first
-    key row, first statistics row, KV head, dK, dV, their row and head strides))."""
+              ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False,
+              MASKED_FIRST: gl.constexpr = False):
+    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. MASKED_FIRST (with DQ, no lists or
+    left window): the masked steps first, then the interior ones (the drain's ordered dQ). ALIBI
+    (causal, no lists, bias or packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of
+    the group's first head); each step reads its query head's slope. DROPOUT (no lists, bias or
+    packing): ``dropout_at`` (``_dropout_step``). VARLEN (packed sequences): dK, dV of the keys
+    inside the sequence go out by pointer stores (``packed`` = (first query row, first key row,
+    first statistics row, KV head, dK, dV, their row and head strides))."""
     RAGGED: gl.constexpr = DQ or VARLEN
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -642,21 +696,39 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         active = nc >= 0
         for c in gl.static_range(SPLIT):
             mbarrier.wait(kv_bars.index(c), 0)
-        for t in range(0, n_interior_steps):
-            slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
-            drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
-            dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
-                           dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
-                           NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
-                           RAGGED, ALIBI, slope, row0, DROPOUT, drop)
-        for t in range(n_interior_steps, n_steps):
-            member, blk = _step_coords(t, walk, LEFT, LISTS)
-            slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
-            drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
-            dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
-                           dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2, scale,
-                           BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True, CAUSAL, LEFT,
-                           SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
+        if MASKED_FIRST:
+            n_masked_steps = n_steps - n_interior_steps
+            for t in range(0, n_masked_steps):
+                member, blk = _step_coords(t, walk, LEFT, LISTS, True)
+                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI, True)
+                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT, True)
+                dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
+                               dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2,
+                               scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True,
+                               CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
+            for t in range(n_masked_steps, n_steps):
+                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI, True)
+                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT, True)
+                dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
+                               dk, dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M,
+                               HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT,
+                               SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
+        else:
+            for t in range(0, n_interior_steps):
+                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
+                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
+                dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
+                               dk, dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M,
+                               HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT,
+                               SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
+            for t in range(n_interior_steps, n_steps):
+                member, blk = _step_coords(t, walk, LEFT, LISTS)
+                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
+                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
+                dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
+                               dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2,
+                               scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True,
+                               CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -749,13 +821,14 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     heads_q, heads_kv, group, window_left, qk_scale, softcap_log2, scale, tile_lists, list_stride_b,
                     list_stride_h, list_stride_n, bias_desc, dbias_desc, bias_batches, bias_head_div, key_blocks,
                     chunk_heads, DK, DV, stride_kv_row, stride_kv_head, Alibi, DropoutSeed, dropout_threshold,
-                    dropout_scale, BLOCK_M: gl.constexpr,
+                    dropout_scale, DqLock, BLOCK_M: gl.constexpr,
                     HEAD_D: gl.constexpr,
                     CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr, NUM_STAGES: gl.constexpr,
                     SPLIT: gl.constexpr, PINGPONG: gl.constexpr, CHUNKED: gl.constexpr, DQ: gl.constexpr,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False):
+                    num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
+                    ORDERED: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -769,8 +842,14 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     ``key_blocks`` (sequence, key block) entries (packed_tiles.py), every head row taking each in
     turn; the descriptors view the packed (1, H, total rows, D) tensors, each step offset by its
     sequence's first rows; the row statistics are (sequences * Hq, padded rows); dK, dV go out by
-    pointers (``DK``, ``DV``: row and head strides ``stride_kv_*``) or into the group sums."""
+    pointers (``DK``, ``DV``: row and head strides ``stride_kv_*``) or into the group sums.
+    ORDERED (deterministic mode, with DQ; no lists, left window, bias, group sums or packing): each
+    query block's dQ summed in a fixed order of programs (``_drain``), ``DqLock`` its turn counters
+    (int32 (B * Hq, query blocks), zeroed); causal programs then start in descending key-block
+    order and walk their masked steps first."""
     gl.static_assert(not (VARLEN and (LISTS or BIAS)), "packed sequences: no mask, no bias")
+    gl.static_assert(not ORDERED or (DQ and not (LISTS or LEFT or BIAS or GROUP_SUM or VARLEN)),
+                     "dQ in a fixed order: with DQ; no lists, left window, bias, group sums or packing")
     gl.static_assert(not BIAS or (DQ and not SOFTCAP and HEAD_D == 128), "a bias: D=128, with dQ, no softcap")
     gl.static_assert(BIAS or not DBIAS, "a bias gradient needs the bias")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
@@ -795,6 +874,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         # across the loops (computed ones cost D=64's three-warpgroup pass 8 bytes of spills).
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
+    if ORDERED and CAUSAL:  # descending key blocks: the order their dQ adds take (``_dq_turn``)
+        pid_n = key_blocks - 1 - pid_n
     if GROUP_SUM:  # one query head
         batch = pid_bh // heads_q
         first_head = pid_bh % heads_q
@@ -900,20 +981,20 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
                          packed, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS,
-                         VARLEN)),
+                         VARLEN, ORDERED and CAUSAL)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
-                      entries, bias_at, q_start, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS, DBIAS,
-                      VARLEN)),
+                      entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -921,25 +1002,25 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
                          packed, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS,
-                         VARLEN)),
+                         VARLEN, ORDERED and CAUSAL)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
-                      entries, bias_at, q_start, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, CAUSAL, LEFT, DQ, LISTS, DBIAS,
-                      VARLEN)),
+                      entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
         ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -974,7 +1055,8 @@ def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
               dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
               bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None, packing=None,
-              alibi: torch.Tensor | None = None, dropout: tuple | None = None) -> bool:
+              alibi: torch.Tensor | None = None, dropout: tuple | None = None,
+              dq_lock: torch.Tensor | None = None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
@@ -989,7 +1071,13 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     ``dispatch.gluon_reads_bias``): read by tiles; ``dbias`` (its gradient, the full (B, Hq, Sq, Sk)
     shape, the bias's dtype, its unvisited tiles already zero) stored tile by tile. ``packing``
     (spec.Packing; no mask or bias): q, k, v, dout, dk, dv are (1, total, H, D) views of packed
-    sequences, the row statistics (sequences * Hq, padded rows) (``_packed_dkdv``)."""
+    sequences, the row statistics (sequences * Hq, padded rows) (``_packed_dkdv``). ``dq_lock``
+    (with ``dq_accum``; no lists, left window, bias, group sums or packing): zeroed int32 turn
+    counters, ``dq_lock_size`` of them, with which dQ is summed in a fixed order instead
+    (deterministic mode, ``_drain``)."""
+    assert dq_lock is None or (dq_accum is not None and tile_lists is None and not group_sum and bias is None
+                               and packing is None and not spec.has_window_left), \
+        "dQ in a fixed order: the pass with dQ, without lists, window, bias, group sums or packing"
     assert spec.alibi == (alibi is not None), "spec.alibi and the slopes go together"
     assert spec.has_dropout == (dropout is not None), "spec.dropout_p and (seed, threshold, scale) go together"
     assert dropout is None or (packing is None and tile_lists is None and bias is None), \
@@ -1026,9 +1114,9 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     lists = tile_lists if tile_lists is not None else (lse2, 0, 0, 0)
     launcher = _dkdv_launcher(tuple(descs[0].shape), heads_kv, seqlen_k, spec, config, dq_accum is not None,
                               tuple(lists[1:]), tile_lists is not None, group_sum, bias_slices, dbias is not None,
-                              q.device.index, (0, 1.0) if dropout is None else tuple(dropout[1:]))
+                              q.device.index, (0, 1.0) if dropout is None else tuple(dropout[1:]), dq_lock is not None)
     launcher(*descs, dq_desc, lists[0], *bias_descs, alibi if alibi is not None else lse2,
-             lse2 if dropout is None else dropout[0])
+             lse2 if dropout is None else dropout[0], dq_lock if dq_lock is not None else lse2)
     if group_sum:
         to_bhsd(dk, layout).copy_(sums[0])
         to_bhsd(dv, layout).copy_(sums[1])
@@ -1038,11 +1126,12 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
 @per_problem
 def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, dq: bool,
                    list_strides: tuple, has_lists: bool, group_sum: bool, bias_slices: tuple | None, dbias: bool,
-                   device_index: int, dropout_args: tuple = (0, 1.0)) -> Launcher:
+                   device_index: int, dropout_args: tuple = (0, 1.0), ordered: bool = False) -> Launcher:
     """The pass's launch for one problem (decided once: grid, launch order, registers); each call
     passes the 8 descriptors of Q, dO, K, V, dK, dV (or the group sums), lse2, delta, then dQ's, the
-    tile lists, the bias's and its gradient's, the ALiBi slopes and the dropout seed (any fp32 tensor
-    where off). ``dropout_args``: (threshold, scale) with dropout."""
+    tile lists, the bias's and its gradient's, the ALiBi slopes, the dropout seed and dQ's turn
+    counters (any fp32 tensor where off). ``dropout_args``: (threshold, scale) with dropout;
+    ``ordered``: dQ summed in a fixed order (``dkdv_pass``'s ``dq_lock``)."""
     batch, heads_q, seqlen_q, head_dim = q_shape
     key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
     heads = batch * (heads_q if group_sum else heads_kv)
@@ -1051,14 +1140,21 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
     args = ((SLOT,) * 9 + (seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
                            *score_constants(spec), spec.scale, SLOT, *list_strides, SLOT, SLOT,
                            *(bias_slices or (0, 1)), key_blocks, chunk, None, None, 0, 0, SLOT, SLOT,
-                           *dropout_args))
+                           *dropout_args, SLOT))
     grid = (heads * key_blocks,) if chunk > 1 else (key_blocks, heads)
     return Launcher(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout)
+                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered)
+
+
+def dq_lock_size(q_shape: tuple, config: KernelConfig) -> int:
+    """The turn counters of dQ summed in a fixed order (``dkdv_pass``'s ``dq_lock``): one per (batch,
+    query head, query block) of q's (B, Hq, Sq, D) shape."""
+    batch, heads_q, seqlen_q = q_shape[:3]
+    return batch * heads_q * cdiv(seqlen_q, config.block_m)
 
 
 def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig, dq_accum,
@@ -1091,7 +1187,7 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
                                          group_sum, q.device.index)
         head_rows = heads_q if group_sum else heads_kv
         # dQ's descriptor stands in the bias and bias-gradient slots (never read with VARLEN)
-        launcher(*descs, dq_desc, tile_map, dq_desc, dq_desc, entries, dk4, dv4, lse2, lse2,
+        launcher(*descs, dq_desc, tile_map, dq_desc, dq_desc, entries, dk4, dv4, lse2, lse2, lse2,
                  grid=(entries * head_rows,))
     if group_sum:
         dk4.copy_(sums[0])
@@ -1107,14 +1203,15 @@ def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, sp
                           config: KernelConfig, dq: bool, group_sum: bool, device_index: int) -> Launcher:
     """The packed pass's launch for one problem (shapes, not lengths); each call passes the 9
     descriptors of ``dkdv_pass``, the map, the bias and bias-gradient descriptors, the map's entry
-    count, dK and dV, with its grid (entries x head rows)."""
+    count, dK and dV, the ALiBi slopes', dropout seed's and dQ turn counters' stand-ins (any fp32
+    tensor), with its grid (entries x head rows)."""
     heads_q, head_dim = q_shape[1], q_shape[3]
     heads_kv = k_shape[1]
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = ((SLOT,) * 9 + (0, 0, heads_q, heads_kv, heads_q // heads_kv, spec.window_left, *score_constants(spec),
                            spec.scale, SLOT, 0, 0, 0, SLOT, SLOT, 0, 1, SLOT,
                            packed_chunk_heads(heads_q if group_sum else heads_kv), SLOT, SLOT, dkv_strides[1],
-                           dkv_strides[0], SLOT, SLOT, 0, 1.0))
+                           dkv_strides[0], SLOT, SLOT, 0, 1.0, SLOT))
     return Launcher(_dkdv_ws_kernel, None, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,

@@ -52,6 +52,10 @@ class AttentionConfigs:
     # (5 matmuls per tile instead of 7); on Hopper those atomics can be TMA bulk reduce-adds.
     atomic_dq: bool = False
     dq_tma: bool = False
+    # In deterministic mode, where the Gluon dK/dV pass would sum dQ (``atomic_dq``): it sums it in
+    # a fixed order of its programs (``dispatch.ordered_dq_form``) instead of leaving dQ to a pass
+    # of its own.
+    ordered_dq: bool = False
     # The dQ pass on the warp-specialised Gluon forward's skeleton (kernels/gluon/fwd.py, GRAD_Q)
     # where it takes the problem (``dispatch.takes_gluon_dq``); else ``dq`` (Triton).
     gluon_dq: KernelConfig | None = None
