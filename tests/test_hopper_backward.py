@@ -348,6 +348,26 @@ def test_deterministic_problems_the_order_cannot_count_keep_the_dq_pass(case, or
     assert True not in ordered_launches
 
 
+def test_ordered_dq_on_tensors_tma_cannot_address_falls_back_to_a_fixed_order(gluon_launches, ordered_launches):
+    """Where the Gluon pass cannot take the tensors (rows 130 bytes apart: no TMA descriptor), the
+    Triton programs compute dQ in their own pass (their atomics would add in arrival order): right,
+    and bitwise repeatable."""
+    case = Case(1, 2, 2, 150, 150, 64, causal=True, deterministic=True, dtype=torch.bfloat16, layout="bhsd")
+    q, k, v = (torch.randn(1, 2, 150, 65, device="cuda", dtype=torch.bfloat16)[..., :64] for _ in range(3))
+    _, _, _, dout, dlse = make_inputs(case, "cuda")
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fusedattn.attention(*leaves, layout="bhsd", causal=True, deterministic=True).backward(dout)
+        return [t.grad for t in leaves]
+
+    with ordered_configs(case):
+        check_case(case, "triton", "cuda", inputs=(q, k, v, dout, dlse))
+        first, second = grads(), grads()
+    assert True not in gluon_launches and True not in ordered_launches
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("chunk", ORDERS.values(), ids=ORDERS.keys())
 def test_ordered_dq_gives_the_same_bits_in_every_launch_order(chunk, causal, ordered_launches, monkeypatch):
