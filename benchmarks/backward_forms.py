@@ -7,24 +7,20 @@ the first form's before it is timed.
     python benchmarks/backward_forms.py --head-dim 128 --forms heuristic,cols-pp0,cols-pp1 --shapes 4096:causal:16:16
 
 Forms (pinned configs; the forward is the heuristic's in every form):
-- ``heuristic``: the heuristic's configs (at D=64 outside short causal keys and softcap: the Gluon
-  dK/dV pass with 128-row steps over 2 warpgroups, ping-pong 2, summing dQ itself split by rows);
-- ``wg3``: the Gluon dK/dV pass on 3 warpgroups x 64 keys, 64-row steps, then the Triton dQ pass
-  (7 matmuls: the D=64 default before the row split, and still at short causal keys);
-- ``rows-pp0``, ``rows-pp1``, ``rows-pp2``: the row split pinned, no turns (S^T and dP^T back to
-  back, as with 2) or ping-pong 1 or 2 (5 matmuls, TMA reduce-adds);
+- ``heuristic``: the heuristic's configs; ``dq-pass``: the same with dQ in a pass of its own (the
+  Gluon dQ pass at D=128, the Triton one at D=64);
+- ``rows-pp0/1/2`` (D=64), ``cols-pp0/1/2`` (D=128): the dK/dV+dQ pass on 2 warpgroups of 64 keys,
+  128-row steps with dQ split by rows (D=64) or 64-row steps split by columns (D=128), with no
+  turns (lockstep: S^T and dP^T back to back, dQ issued before dK) or ping-pong 1 or 2;
+- ``wg3`` (D=64): the Gluon dK/dV pass on 3 warpgroups x 64 keys, 64-row steps, then the Triton dQ
+  pass (7 matmuls);
 - ``det-heuristic``: ``deterministic=True`` with the heuristic's configs (dQ summed by the dK/dV
   pass in a fixed order where it can); ``det-dq-pass``, ``det-wg3``: ``deterministic=True`` with dQ
   in a pass of its own, after the heuristic's dK/dV pass or the 3-warpgroup one;
   ``det-block-major``, ``det-chunks-16``: ``deterministic=True``, the dK/dV programs launched
   block-major or in chunks of 16 head rows (``Knobs.chunk_heads``).
-- D=128 (``--head-dim 128``): ``cols-pp0``, ``cols-pp1``, ``cols-pp2``: the D=128 dK/dV+dQ pass
-  (64-row steps over 2 warpgroups of 64 keys, dQ split by columns) with no turns (lockstep, S^T and
-  dP^T back to back, dQ issued before dK) or ping-pong 1 or 2; ``dq-pass``: the heuristic's configs
-  with dQ in a pass of its own (the Gluon dQ pass), as deterministic mode runs them;
-  ``heuristic`` and ``det-heuristic``.
 Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd). Writes
-``<out>/backward-forms-<gpu>.json`` and prints the medians.
+``<out>/backward-forms-D<head dim>-<gpu>.json`` and prints the medians.
 """
 
 from __future__ import annotations
@@ -42,44 +38,34 @@ import fusedattn
 from fusedattn.kernels.shared import knobs
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
-def _rows_config(pingpong: int) -> KernelConfig:
-    return KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=pingpong)
+def _dq_split_config(block_m: int, pingpong: int) -> KernelConfig:
+    """The dK/dV+dQ pass on 2 warpgroups of 64 keys: 128-row steps (D=64, dQ split by rows) or
+    64-row steps (D=128, dQ split by columns)."""
+    return KernelConfig(block_m, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=pingpong)
 
 
 def _wg3_config() -> KernelConfig:
     return KernelConfig(64, 192, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=3, hopper_pingpong=1)
 
 
-def _cols_config(pingpong: int) -> KernelConfig:
-    return KernelConfig(64, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=pingpong)
-
-
 def forms_for(base, head_dim: int) -> dict:
     """name -> (configs, deterministic[, knobs for the launch order])."""
-    if head_dim == 128:
-        return {
-            "heuristic": (base, False),
-            **{f"cols-pp{n}": (replace(base, dkdv=_cols_config(n), atomic_dq=True, dq_tma=True), False)
-               for n in (0, 1, 2)},
-            "dq-pass": (replace(base, atomic_dq=False, dq_tma=False), False),
-            "det-heuristic": (base, True),
-            "det-dq-pass": (replace(base, atomic_dq=False, dq_tma=False), True),
-            "det-block-major": (base, True, dict(chunk_heads=0)),
-            "det-chunks-16": (base, True, dict(chunk_heads=16)),
-        }
-    wg3 = replace(base, dkdv=_wg3_config(), atomic_dq=False, dq_tma=False)
-    return {
-        "heuristic": (base, False),
-        "wg3": (wg3, False),
-        "rows-pp0": (replace(base, dkdv=_rows_config(0), atomic_dq=True, dq_tma=True), False),
-        "rows-pp1": (replace(base, dkdv=_rows_config(1), atomic_dq=True, dq_tma=True), False),
-        "rows-pp2": (replace(base, dkdv=_rows_config(2), atomic_dq=True, dq_tma=True), False),
+    dq_pass = replace(base, atomic_dq=False, dq_tma=False)
+    forms = {"heuristic": (base, False), "dq-pass": (dq_pass, False)}
+    split_name, block_m = ("cols", 64) if head_dim == 128 else ("rows", 128)
+    for n in (0, 1, 2):
+        forms[f"{split_name}-pp{n}"] = (replace(base, dkdv=_dq_split_config(block_m, n), atomic_dq=True,
+                                                dq_tma=True), False)
+    if head_dim == 64:
+        wg3 = replace(base, dkdv=_wg3_config(), atomic_dq=False, dq_tma=False)
+        forms.update({"wg3": (wg3, False), "det-wg3": (wg3, True)})
+    forms.update({
         "det-heuristic": (base, True),
-        "det-wg3": (wg3, True),
-        "det-dq-pass": (replace(base, atomic_dq=False, dq_tma=False), True),
+        "det-dq-pass": (dq_pass, True),
         "det-block-major": (base, True, dict(chunk_heads=0)),
         "det-chunks-16": (base, True, dict(chunk_heads=16)),
-    }
+    })
+    return forms
 
 
 def main() -> None:

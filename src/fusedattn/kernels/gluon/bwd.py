@@ -696,39 +696,28 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         active = nc >= 0
         for c in gl.static_range(SPLIT):
             mbarrier.wait(kv_bars.index(c), 0)
-        if MASKED_FIRST:
-            n_masked_steps = n_steps - n_interior_steps
-            for t in range(0, n_masked_steps):
-                member, blk = _step_coords(t, walk, LEFT, LISTS, True)
-                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI, True)
-                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT, True)
+        # Two phases, interior steps then masked ones -- or, MASKED_FIRST, the other way round (a
+        # phase's MASK is ``(phase == 0) == MASKED_FIRST``, written out: an unrolled constexpr cannot
+        # be bound to a name twice).
+        first_end = n_steps - n_interior_steps if MASKED_FIRST else n_interior_steps
+        for phase in gl.static_range(2):
+            if phase == 0:
+                t_begin, t_end = 0, first_end
+            else:
+                t_begin, t_end = first_end, n_steps
+            for t in range(t_begin, t_end):
+                if (phase == 0) == MASKED_FIRST:
+                    member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
+                    first_row = blk * BLOCK_M
+                else:
+                    first_row = 0
+                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI, MASKED_FIRST)
+                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT, MASKED_FIRST)
                 dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
-                               dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2,
-                               scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True,
-                               CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
-            for t in range(n_masked_steps, n_steps):
-                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI, True)
-                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT, True)
-                dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
-                               dk, dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M,
-                               HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT,
-                               SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
-        else:
-            for t in range(0, n_interior_steps):
-                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
-                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
-                dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
-                               dk, dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M,
-                               HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT,
-                               SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
-            for t in range(n_interior_steps, n_steps):
-                member, blk = _step_coords(t, walk, LEFT, LISTS)
-                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI)
-                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT)
-                dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
-                               dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale, softcap_log2,
-                               scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, True,
-                               CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0, DROPOUT, drop)
+                               dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
+                               BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG,
+                               (phase == 0) == MASKED_FIRST, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope,
+                               row0, DROPOUT, drop)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
