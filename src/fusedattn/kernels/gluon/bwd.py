@@ -262,25 +262,12 @@ def _load_acquire(ptr):
 
 
 @gluon.jit
-def _bulk_writes_done(PENDING: gl.constexpr = 0):
-    """Waits until this thread's bulk async groups (the TMA reduce-adds) but the PENDING most recent
-    have completed -- their writes performed, not only their shared-memory sources read, as
-    ``tma.store_wait`` waits -- and orders them (async proxy) before the generic-proxy release that
-    follows. Returns 0."""
-    gl.static_assert(PENDING >= 0 and PENDING <= 3, "a step commits at most 3 reduce-add groups")
-    if PENDING == 0:
-        done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
-                                         "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    elif PENDING == 1:
-        done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
-                                         "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    elif PENDING == 2:
-        done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
-                                         "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        done = gl.inline_asm_elementwise("cp.async.bulk.wait_group 3;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
-                                         "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    return done
+def _bulk_writes_done():
+    """Waits until this thread's bulk async groups (the TMA reduce-adds) have completed -- their writes
+    performed, not only their shared-memory sources read, as ``tma.store_wait`` waits -- and orders
+    them (async proxy) before the generic-proxy release that follows. Returns 0."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
+                                     "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -313,12 +300,7 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
     ORDERED (deterministic mode; no lists, window, bias or packing): each query block's dQ is summed
     in a fixed order of programs. ``order_at`` = (the zeroed int32 turn counters, one per (batch *
     Hq + head, query block), heads_q, key_blocks): the drain waits for its turn (``_dq_turn``) before
-    its reduce-adds and passes the turn on once they have completed. It passes it one step late:
-    after the next step's adds are issued it waits for all but those (``wait_group SPLIT``), so the
-    adds' round trip to memory runs under the next step's instead of holding the drain (and, through
-    dq_empty, the consumers) every step. Every wait is still on a program launched earlier, so the
-    late release cannot deadlock. With dQ split by keys each add waits for the one before (same
-    entries) and the turn goes at once."""
+    its reduce-adds and passes the turn on once they have completed."""
     if DQ:
         ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
@@ -326,7 +308,6 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         ROWS: gl.constexpr = dq_desc.block_type.shape[2]
         COLS: gl.constexpr = dq_desc.block_type.shape[3]
         BY_KEYS: gl.constexpr = _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D)
-        held = order_at[0]  # ORDERED: the counter whose turn this program still holds (its last step's)
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
             if ORDERED:
@@ -348,16 +329,8 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
             tma.store_wait(pendings=0)
             for w in gl.static_range(SPLIT):
                 mbarrier.arrive(dq_empty.index(w), count=1)
-            if ORDERED:
-                if BY_KEYS:  # this step's adds are in memory already
-                    gl.atomic_add(lock, 1 + _bulk_writes_done(), sem="release", scope="gpu")
-                else:  # the previous step's turn, once its adds are in memory (this step's may run on)
-                    if t > 0:
-                        gl.atomic_add(held, 1 + _bulk_writes_done(SPLIT), sem="release", scope="gpu")
-                    held = lock
-        if ORDERED and not BY_KEYS:
-            if n_steps > 0:
-                gl.atomic_add(held, 1 + _bulk_writes_done(), sem="release", scope="gpu")
+            if ORDERED:  # the next program's turn once the adds are in memory
+                gl.atomic_add(lock, 1 + _bulk_writes_done(), sem="release", scope="gpu")
 
 
 # --------------------------------------------------------------------------- consumers
