@@ -170,8 +170,11 @@ def report(head_dim: int, dtype: str, flags: dict, tma_loads: bool) -> int:
          dkdv_descs),
         ("bwd dkdv gqa", bwd._backward_kernel, configs.dkdv, dict(split, RUN_DKDV=True, RUN_DQ=False), dkdv_descs),
         ("bwd dq", bwd._backward_kernel, configs.dq, dict(split, group_size=1, RUN_DKDV=False, RUN_DQ=True), dq_descs),
-        ("bwd fused", bwd._backward_kernel, configs.dkdv, dict(split, group_size=1, RUN_DKDV=True, RUN_DQ=True),
-         {**dkdv_descs, **descs(configs.dq.block_n, "k_desc", "v_desc")}),
+        # dK/dV and dQ programs in one launch: only where a config asks for it (``fuse_dq_pass``, which
+        # neither the heuristic nor the tuner sets). At D=128 ptxas serialises its wgmmas for want of
+        # registers (C7512).
+        *([("bwd fused", bwd._backward_kernel, configs.dkdv, dict(split, group_size=1, RUN_DKDV=True, RUN_DQ=True),
+            {**dkdv_descs, **descs(configs.dq.block_n, "k_desc", "v_desc")})] if configs.fuse_dq_pass else []),
         ("bwd tma-dq", bwd._backward_kernel, configs.dkdv, dict(ATOMIC_DQ=True, DQ_TMA=True, group_size=1,
                                                                  RUN_DKDV=True, RUN_DQ=False),
          {**dkdv_descs, **dq_atomic}),
@@ -274,7 +277,6 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
                           PERSISTENT=persistent, VARLEN=varlen, PRODUCER_REGS=producer_regs,
                           CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, ALIBI=alibi, DROPOUT=dropout, SINKS=sinks,
-                          OVERLAP=hopper_fwd.ws_overlap(cfg, persistent or grad_q or lists or bias or alibi or dropout),
                           num_warps=num_warps)
         list_args = dict(head_rows="i32", tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
                          list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),
@@ -305,8 +307,7 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
                            varlen: bool = False, grad_q: bool = False, alibi: bool = False,
                            dropout: bool = False, sinks: bool = False) -> int:
     if cfg.hopper_split:
-        kind = (f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
-                f"{', softmax under P V' if hopper_fwd.ws_overlap(cfg, persistent or grad_q or lists or bias or alibi or dropout) else ''}")
+        kind = f"warp-specialised, {cfg.hopper_split} warpgroups{', ping-pong' if cfg.hopper_pingpong else ''}"
         rows = hopper.WG_ROWS * cfg.hopper_split
     else:
         kind, rows = f"overlap {cfg.hopper_overlap}", hopper_fwd.BLOCK_M
@@ -459,7 +460,7 @@ def main() -> None:
                         "causal+mask+bias-pointers,varlen+causal,causal+alibi,window+softcap+alibi,kvcache")
     p.add_argument("--check", action="store_true", help="exit 1 if a kernel fails to compile or is serialised")
     p.add_argument("--hopper-schedules", default=None,
-                   help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (+ov: softmax under P V; 64- and 128-key tiles), "
+                   help="also compile the Gluon kernels in these schedules: forward 0,1,2,ws2,ws3pp (64- and 128-key tiles), "
                         "dK/dV dkdv2,dkdv2pp1,dkdv3pp2 (+m128: 128-row steps; +dq: with dQ, e.g. dkdv2pp1m128dq; "
                         "+det: dQ in a fixed order, e.g. dkdv2m128dqdet)")
     args = p.parse_args()
@@ -533,17 +534,15 @@ def main() -> None:
                     print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon dK/dV schedule {schedule}")
                     problems += _report_hopper_dkdv(d, args.dtype, cfg, causal, dq, ordered=ordered)
             continue
-        # ws...ov: the warp-specialised kernel with each block's softmax under the previous block's P V
         split = int(schedule[2]) if schedule.startswith("ws") else 0
-        overlap = int(schedule.endswith("ov")) if split else int(schedule)
-        pingpong = int(schedule.removesuffix("ov").endswith("pp"))
+        overlap = 0 if split else int(schedule)
         for d in map(int, args.head_dims.split(",")):
             for causal in (False, True):
                 for block_n in (128,) if split else (64, 128):
                     print(f"D={d} {args.dtype} {'causal' if causal else 'plain'} Gluon forward schedule {schedule}")
-                    cfg = KernelConfig(128, block_n, 8, 2, True, overlap, split, pingpong)
+                    cfg = KernelConfig(128, block_n, 8, 2, True, overlap, split, int(schedule.endswith("pp")))
                     problems += _report_hopper_forward(d, args.dtype, cfg, causal)
-                    if split and not overlap:  # and the tile loop of a persistent launch
+                    if split:  # and the tile loop of a persistent launch
                         problems += _report_hopper_forward(d, args.dtype, cfg, causal, persistent=True)
     if args.check and problems:
         print(f"{problems} kernel(s) failed to compile or had their wgmmas serialised")

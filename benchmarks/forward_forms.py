@@ -1,0 +1,81 @@
+"""The Hopper forward's forms side by side, in one process, rounds alternating (CUDA events,
+``triton.testing.do_bench``): the forward alone, each form's output compared with the first
+form's before it is timed.
+
+    python benchmarks/forward_forms.py --out DIR
+    python benchmarks/forward_forms.py --head-dims 64 --shapes 4096:causal --forms heuristic,ws3-overlap
+
+Forms (pinned forward configs; everything else the heuristic's):
+- ``heuristic``: the heuristic's forward;
+- ``ws2``, ``ws3``: the warp-specialised kernel on 2 or 3 consumer warpgroups (128- or 192-row
+  tiles, 128-key blocks), taking turns; ``ws2-overlap``, ``ws3-overlap``: the same with each key
+  block's softmax under the previous block's P V (``hopper_overlap=1``).
+Shapes: ``S:causal|full`` (B x S = 16k tokens, 2048 / D query heads, bf16, bhsd). Writes
+``<out>/forward-forms-<gpu>.json`` and prints the medians.
+"""
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+import fusedattn
+from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
+
+
+def ws(split: int, overlap: int) -> KernelConfig:
+    return KernelConfig(64 * split, 128, 4, 2, tma_loads=True, hopper_overlap=overlap, hopper_split=split,
+                        hopper_pingpong=1)
+
+
+FORMS = {"ws2": ws(2, 0), "ws3": ws(3, 0), "ws2-overlap": ws(2, 1), "ws3-overlap": ws(3, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--forms", default="heuristic,ws3,ws3-overlap,ws2-overlap")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--shapes", default="4096:full,4096:causal,16384:causal")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    forms = args.forms.split(",")
+    rows = []
+    for head_dim in map(int, args.head_dims.split(",")):
+        for shape in args.shapes.split(","):
+            seqlen, mask = shape.split(":")
+            seqlen, causal = int(seqlen), mask == "causal"
+            batch, heads = max(1, 16384 // seqlen), 2048 // head_dim
+            q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            base = select_configs(q.device, q.dtype, head_dim, head_dim, seqlen_k=seqlen, has_right=causal)
+            first, times = None, {name: [] for name in forms}
+            for _ in range(args.rounds):
+                for name in forms:
+                    configs = base if name == "heuristic" else replace(base, forward=FORMS[name])
+                    with pinned_configs(configs):
+                        def call():
+                            return fusedattn.attention(q, k, v, layout="bhsd", causal=causal)
+                        out = call()
+                        if first is None:
+                            first = out
+                        diff = (out.float() - first.float()).abs().max().item()
+                        assert diff < 2e-2, f"{name}: output differs from the first form's by {diff}"
+                        times[name].append(triton.testing.do_bench(call, warmup=50, rep=300))
+            for name in forms:
+                ms = sorted(times[name])[len(times[name]) // 2]
+                flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+                rows.append(dict(form=name, head_dim=head_dim, seqlen=seqlen, causal=causal, fwd_ms=ms,
+                                 fwd_ms_rounds=times[name], fwd_tflops=flops / ms / 1e9))
+                print(f"D={head_dim} {seqlen} {mask:6s} {name:14s} fwd {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s")
+    gpu = torch.cuda.get_device_name().replace(" ", "-")
+    out = Path(args.out) / f"forward-forms-{gpu}.json"
+    out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
