@@ -3,13 +3,12 @@
 form's before it is timed.
 
     python benchmarks/forward_forms.py --out DIR
-    python benchmarks/forward_forms.py --head-dims 64 --shapes 4096:causal --forms heuristic,ws3-overlap
+    python benchmarks/forward_forms.py --head-dims 64 --shapes 4096:causal --forms heuristic,ws2
 
 Forms (pinned forward configs; everything else the heuristic's):
 - ``heuristic``: the heuristic's forward;
 - ``ws2``, ``ws3``: the warp-specialised kernel on 2 or 3 consumer warpgroups (128- or 192-row
-  tiles, 128-key blocks), taking turns; ``ws2-overlap``, ``ws3-overlap``: the same with each key
-  block's softmax under the previous block's P V (``hopper_overlap=1``).
+  tiles, 128-key blocks), taking turns.
 Shapes: ``S:causal|full`` (B x S = 16k tokens, 2048 / D query heads, bf16, bhsd). Writes
 ``<out>/forward-forms-<gpu>.json`` and prints the medians.
 """
@@ -26,17 +25,16 @@ import fusedattn
 from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
 
 
-def ws(split: int, overlap: int) -> KernelConfig:
-    return KernelConfig(64 * split, 128, 4, 2, tma_loads=True, hopper_overlap=overlap, hopper_split=split,
-                        hopper_pingpong=1)
+def ws(split: int) -> KernelConfig:
+    return KernelConfig(64 * split, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=split, hopper_pingpong=1)
 
 
-FORMS = {"ws2": ws(2, 0), "ws3": ws(3, 0), "ws2-overlap": ws(2, 1), "ws3-overlap": ws(3, 1)}
+FORMS = {"ws2": ws(2), "ws3": ws(3)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--forms", default="heuristic,ws3,ws3-overlap,ws2-overlap")
+    p.add_argument("--forms", default="heuristic,ws2,ws3")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--shapes", default="4096:full,4096:causal,16384:causal")
     p.add_argument("--rounds", type=int, default=2)

@@ -804,8 +804,7 @@ def _describe(config: KernelConfig) -> str:
     if config.family == "gluon":
         if config.hopper_split:
             turns = f", ping-pong {config.hopper_pingpong}" if config.hopper_pingpong else ""
-            overlap = ", softmax under P V" if config.hopper_overlap else ""
-            return f"{text}, warp-specialised: {config.hopper_split} consumer warpgroups{turns}{overlap}"
+            return f"{text}, warp-specialised: {config.hopper_split} consumer warpgroups{turns}"
         return f"{text}, 8 warps, schedule {config.hopper_overlap}"
     return f"{text}, {config.num_warps} warps" + (", TMA loads" if config.tma_loads else "")
 

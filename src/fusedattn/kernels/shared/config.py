@@ -20,8 +20,7 @@ class KernelConfig:
     tma_loads: bool = False
     # The Gluon kernel's schedule, and None for the Triton kernel (``family``). Forward: the 8-warp
     # kernel with this schedule (0 plain, 1 softmax under the PV matmul, 2 also the next QK^T issued
-    # early; block_m 128), or with ``hopper_split`` the warp-specialised one (0 plain, 1 each key
-    # block's softmax under the previous block's P V, where the walk is the plain forward's). dK/dV: 0 (the
+    # early; block_m 128), or with ``hopper_split`` the warp-specialised one. dK/dV: 0 (the
     # warp-specialised pass is its only schedule). The planner runs the Gluon kernel only where it
     # takes the problem (kernels/gluon/__init__.py: sm_90, 16-bit, D = Dv in {64, 128}, a right
     # window of none or causal), else the Triton kernel with fallback tiles (dispatch.triton_fallback,
