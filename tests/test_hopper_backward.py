@@ -245,6 +245,53 @@ def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, config, gluon
     assert gluon_launches and all(gluon_launches)
 
 
+# Where dP^T's wait goes with S^T and dP^T back to back (Knobs.dp_wait): where ptxas puts it, pinned
+# after the exponentials, after dV's issue (lockstep only; with turns it falls back to the pinned-free
+# wait). Each placement against the reference on the lockstep and ping-pong-2 passes, with the
+# features that change a step (softcap, window, ALiBi, dropout, an lse gradient, ragged keys, GQA)
+# and deterministic dQ's fixed order.
+DP_WAIT_CASES = [
+    Case(1, 4, 2, 333, 517, 128, causal=True, alibi="heads", dtype=torch.bfloat16),
+    Case(1, 2, 2, 200, 70, 128, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 4, 2, 700, 700, 128, causal=True, softcap=20.0, dropout=0.1, dtype=torch.bfloat16),
+    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), lse_grad=True, dtype=torch.bfloat16),
+    Case(2, 4, 1, 517, 333, 64, causal=True, dropout=0.3, layout="bhsd", lse_grad=True),
+    Case(2, 2, 2, 300, 300, 64, causal=True, window=(90, 0), alibi="batch", dtype=torch.bfloat16),
+    Case(1, 2, 2, 200, 70, 64, layout="bhsd", dtype=torch.float16),
+]
+DP_WAIT_SCHEDULES = [(case, config) for case in DP_WAIT_CASES
+                     for config in ([dkdv(2, 0), dkdv(2, 2)] if case.head_dim == 128 else [dkdv(2, 0, 128), dkdv(2, 2, 128)])]
+
+
+@pytest.mark.parametrize("dp_wait", [0, 1, 2], ids=["plain", "pinned", "after-dv"])
+@pytest.mark.parametrize("case,config", DP_WAIT_SCHEDULES,
+                         ids=[f"{case.id}-{schedule_id(config)}" for case, config in DP_WAIT_SCHEDULES])
+def test_every_dp_wait_placement_matches_reference(case, config, dp_wait, gluon_launches, monkeypatch):
+    set_knobs(monkeypatch, dp_wait=dp_wait)
+    placed = launcher_constexprs(monkeypatch, bwd_hopper(), lambda constexprs: constexprs["DP_WAIT"])
+    with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches) and set(placed) == {dp_wait}
+
+
+@pytest.mark.parametrize("dp_wait", [1, 2], ids=["pinned", "after-dv"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_dp_wait_placement_keeps_deterministic_dq_in_order(head_dim, causal, dp_wait, monkeypatch):
+    set_knobs(monkeypatch, dp_wait=dp_wait)
+    case = Case(1, 4, 4, 700, 700, head_dim, causal=causal, deterministic=True, dtype=torch.bfloat16)
+    ordered = launcher_constexprs(monkeypatch, bwd_hopper(), lambda c: (c.get("ORDERED", False), c["DP_WAIT"]))
+    with ordered_configs(case):
+        check_case(case, "triton", "cuda")
+    assert ordered == [(True, dp_wait)]
+
+
+def bwd_hopper():
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
+
+    return hopper_bwd._dkdv_ws_kernel
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_by_atomics_with_128_row_steps(head_dim, gluon_launches, monkeypatch):
     """With 128-row steps the Gluon pass sums dQ at D=64 only (split by rows; at D=128 its tiles

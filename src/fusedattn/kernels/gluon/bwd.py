@@ -81,6 +81,7 @@ from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_row
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
 from ..shared import packed_tiles
+from ..shared.knobs import knobs
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -268,6 +269,18 @@ def _bulk_writes_done():
     them (async proxy) before the generic-proxy release that follows. Returns 0."""
     return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, 0;",
                                      "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _wgmma_wait_all_after(x):
+    """``wgmma.wait_group 0``, predicated on ``x``'s bits (true but for one NaN pattern; the caller's
+    own wait follows in any case). ptxas moves an unpredicated wait up to the previous wait, above
+    independent work (the exponentials the wait was meant to cover), but keeps waits in order and
+    cannot move one above the value its predicate reads: this one pins the caller's wait after
+    ``x``."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred %pw; setp.ne.b32 %pw, $1, 2147483647; @%pw wgmma.wait_group.sync.aligned 0; mov.b32 $0, $1; }",
+        "=r,r", [x.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -505,7 +518,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
           LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr,
           ALIBI: gl.constexpr = False, alibi_slope=0.0, alibi_row0=0, DROPOUT: gl.constexpr = False,
-          drop=(0, 0, 0, 0, 0, 1.0)):
+          drop=(0, 0, 0, 0, 0, 1.0), DP_WAIT: gl.constexpr = 0):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only (RAGGED:
     keys past Sk are masked there too, ``_query_walk``). With
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
@@ -591,8 +604,19 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero)
         else:
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
-    if BACK_TO_BACK:
+    # DP_WAIT (back to back): where dP^T is retired. ptxas hoists a plain wait up to S^T's, above the
+    # exponentials it should cover; 1 pins it after them (a predicated wait on their row maxima), 2
+    # issues dV (which reads P^T) before it (lockstep only): the wait cannot pass the issue.
+    DV_ISSUED: gl.constexpr = DQ_FIRST and DP_WAIT == 2
+    if DV_ISSUED:
+        p_a = _dv_operand(p, a_layout, k_s.dtype, DROPOUT)
+        dv = warpgroup_mma(p_a, do, dv, is_async=True)
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=[dp_tok])
+    elif BACK_TO_BACK:
+        if DP_WAIT == 1:
+            _wgmma_wait_all_after(gl.max(p, axis=1))
         dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
+    if BACK_TO_BACK:
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
         if not DROPOUT:  # dP^T - delta (with dropout, delta is taken off after the keep, below)
             dp = dp - gl.expand_dims(delta, 0)
@@ -608,8 +632,9 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         # dV issued, dS^T staged under it, dQ issued once every warpgroup's dS^T is there, then dK:
         # dV retired with dQ queued, dQ retired with dK queued, and dQ's hand-off to the drain
         # under dK.
-        p_a = _dv_operand(p, a_layout, k_s.dtype, DROPOUT)
-        dv = warpgroup_mma(p_a, do, dv, is_async=True)
+        if not DV_ISSUED:
+            p_a = _dv_operand(p, a_layout, k_s.dtype, DROPOUT)
+            dv = warpgroup_mma(p_a, do, dv, is_async=True)
         _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
         dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
         # dQ's chained wgmmas stay queued: dV alone is retired
@@ -652,7 +677,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
               stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
               ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False,
-              MASKED_FIRST: gl.constexpr = False):
+              MASKED_FIRST: gl.constexpr = False, DP_WAIT: gl.constexpr = 0):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. MASKED_FIRST (with DQ, no lists or
     left window): the masked steps first, then the interior ones (the drain's ordered dQ). ALIBI
     (causal, no lists, bias or packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of
@@ -717,7 +742,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                                dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
                                BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG,
                                (phase == 0) == MASKED_FIRST, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope,
-                               row0, DROPOUT, drop)
+                               row0, DROPOUT, drop, DP_WAIT)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -734,7 +759,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
-                           RAGGED, ALIBI, slope, row0, DROPOUT, drop)
+                           RAGGED, ALIBI, slope, row0, DROPOUT, drop, DP_WAIT)
         # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
         # (every step, when inactive): query blocks [w_begin, w_end) are visible.
         w_end = 2147483647
@@ -762,7 +787,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                                    dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale,
                                    softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
                                    PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0,
-                                   DROPOUT, drop)
+                                   DROPOUT, drop, DP_WAIT)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
@@ -817,7 +842,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                    ORDERED: gl.constexpr = False):
+                    ORDERED: gl.constexpr = False, DP_WAIT: gl.constexpr = 0):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -970,12 +995,12 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, ORDERED and CAUSAL, DP_WAIT)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, ORDERED and CAUSAL, DP_WAIT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -991,17 +1016,17 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, ORDERED and CAUSAL, DP_WAIT)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, ORDERED and CAUSAL, DP_WAIT)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, ORDERED and CAUSAL, DP_WAIT)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -1136,7 +1161,14 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered)
+                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered,
+                    DP_WAIT=_dp_wait())
+
+
+def _dp_wait() -> int:
+    """``_step``'s DP_WAIT: the rule's unless an experiment forces one (``knobs``)."""
+    forced = knobs().dp_wait
+    return 0 if forced is None else forced
 
 
 def dq_lock_size(q_shape: tuple, config: KernelConfig) -> int:
@@ -1206,4 +1238,4 @@ def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, sp
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=False, DQ=dq, LISTS=False, GROUP_SUM=group_sum, BIAS=False, DBIAS=False, VARLEN=True,
                     PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
-                    ALIBI=False, DROPOUT=False)
+                    ALIBI=False, DROPOUT=False, DP_WAIT=_dp_wait())
