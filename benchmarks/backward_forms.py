@@ -19,9 +19,9 @@ Forms (pinned configs; the forward is the heuristic's in every form):
   in a pass of its own, after the heuristic's dK/dV pass or the 3-warpgroup one;
   ``det-block-major``, ``det-chunks-16``: ``deterministic=True``, the dK/dV programs launched
   block-major or in chunks of 16 head rows (``Knobs.chunk_heads``).
-- ``dp-plain``, ``dp-pinned``, ``dp-after-dv`` (and ``det-`` each): the heuristic's configs with
-  dP^T's wait where ptxas puts it, pinned after the exponentials, or after dV's issue
-  (``Knobs.dp_wait``).
+- ``mbarriers``, ``named-barriers`` (and ``det-`` each): the heuristic's configs with the dQ
+  exchange (dS^T between warpgroups, dQ tiles to the drain) on mbarriers or on named barriers
+  (``Knobs.named_barriers``).
 Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd). Writes
 ``<out>/backward-forms-D<head dim>-<gpu>.json`` and prints the medians.
 """
@@ -68,9 +68,9 @@ def forms_for(base, head_dim: int) -> dict:
         "det-block-major": (base, True, dict(chunk_heads=0)),
         "det-chunks-16": (base, True, dict(chunk_heads=16)),
     })
-    for n, name in enumerate(("dp-plain", "dp-pinned", "dp-after-dv")):
-        forms[name] = (base, False, dict(dp_wait=n))
-        forms["det-" + name] = (base, True, dict(dp_wait=n))
+    for named, name in ((False, "mbarriers"), (True, "named-barriers")):
+        forms[name] = (base, False, dict(named_barriers=named))
+        forms["det-" + name] = (base, True, dict(named_barriers=named))
     return forms
 
 

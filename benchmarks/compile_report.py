@@ -349,7 +349,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
                       CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered,
-                      DP_WAIT=hopper_bwd._dp_wait(), num_warps=4)
+                      NAMED=hopper_bwd._named_barriers(), num_warps=4)
     if varlen:
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers

@@ -22,9 +22,8 @@ class Knobs:
     group_sums: bool = True
     # Triton dK/dV programs: block-major (True) or head-major (False) launch order (None: the rule).
     dkdv_block_major: bool | None = None
-    # Gluon dK/dV+dQ pass, S^T and dP^T back to back: where dP^T's wait goes (None: the rule; 0 where
-    # ptxas puts it, 1 pinned after the exponentials, 2 after dV's issue, with no turns).
-    dp_wait: int | None = None
+    # Gluon dK/dV+dQ pass: dS^T and dQ exchanged on named barriers (True) or mbarriers (None: the rule).
+    named_barriers: bool | None = None
     # Cached kernels launched directly (False: through Triton's own launcher, as with hooks set).
     direct_launch: bool = True
     # KV cache: programmatic dependent launch of the split combination (None: on sm_90 and later).
