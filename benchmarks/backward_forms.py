@@ -19,9 +19,6 @@ Forms (pinned configs; the forward is the heuristic's in every form):
   in a pass of its own, after the heuristic's dK/dV pass or the 3-warpgroup one;
   ``det-block-major``, ``det-chunks-16``: ``deterministic=True``, the dK/dV programs launched
   block-major or in chunks of 16 head rows (``Knobs.chunk_heads``).
-- ``mbarriers``, ``named-barriers`` (and ``det-`` each): the heuristic's configs with the dQ
-  exchange (dS^T between warpgroups, dQ tiles to the drain) on mbarriers or on named barriers
-  (``Knobs.named_barriers``).
 Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd). Writes
 ``<out>/backward-forms-D<head dim>-<gpu>.json`` and prints the medians.
 """
@@ -68,9 +65,6 @@ def forms_for(base, head_dim: int) -> dict:
         "det-block-major": (base, True, dict(chunk_heads=0)),
         "det-chunks-16": (base, True, dict(chunk_heads=16)),
     })
-    for named, name in ((False, "mbarriers"), (True, "named-barriers")):
-        forms[name] = (base, False, dict(named_barriers=named))
-        forms["det-" + name] = (base, True, dict(named_barriers=named))
     return forms
 
 

@@ -245,52 +245,6 @@ def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, config, gluon
     assert gluon_launches and all(gluon_launches)
 
 
-# The dQ exchange on named barriers (Knobs.named_barriers): dS^T between the consumer warpgroups
-# and each dQ tile between its warpgroup and the drain, every dQ split (columns at D=128; rows with
-# 128-row steps and keys with 64-row steps at D=64), with and without turns, with the features that
-# change a step, and deterministic dQ's fixed order.
-NAMED_CASES = [
-    Case(1, 4, 2, 333, 517, 128, causal=True, alibi="heads", dtype=torch.bfloat16),
-    Case(1, 2, 2, 200, 70, 128, layout="bhsd", dtype=torch.bfloat16),
-    Case(1, 4, 2, 700, 700, 128, causal=True, softcap=20.0, dropout=0.1, dtype=torch.bfloat16),
-    Case(2, 4, 1, 517, 333, 64, causal=True, dropout=0.3, layout="bhsd", lse_grad=True),
-    Case(2, 2, 2, 300, 300, 64, causal=True, window=(90, 0), alibi="batch", dtype=torch.bfloat16),
-    Case(1, 2, 2, 200, 70, 64, layout="bhsd", dtype=torch.float16),
-]
-NAMED_SCHEDULES = [(case, config) for case in NAMED_CASES
-                   for config in ([dkdv(2, 0), dkdv(2, 1)] if case.head_dim == 128
-                                  else [dkdv(2, 0, 128), dkdv(2, 2, 128), dkdv(3, 1)])]
-
-
-@pytest.mark.parametrize("case,config", NAMED_SCHEDULES,
-                         ids=[f"{case.id}-{schedule_id(config)}" for case, config in NAMED_SCHEDULES])
-def test_dq_exchange_on_named_barriers_matches_reference(case, config, gluon_launches, monkeypatch):
-    set_knobs(monkeypatch, named_barriers=True)
-    named = launcher_constexprs(monkeypatch, bwd_hopper(), lambda constexprs: constexprs["NAMED"])
-    with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
-        check_case(case, "triton", "cuda")
-    assert gluon_launches and all(gluon_launches) and set(named) == {True}
-
-
-@pytest.mark.parametrize("case", [Case(1, 4, 4, 700, 700, 128, deterministic=True, dtype=torch.bfloat16),
-                                  Case(1, 4, 4, 700, 700, 128, causal=True, deterministic=True, dtype=torch.bfloat16),
-                                  Case(2, 4, 4, 517, 333, 64, causal=True, deterministic=True, dtype=torch.bfloat16),
-                                  Case(2, 4, 1, 700, 700, 64, deterministic=True, dtype=torch.bfloat16)],
-                         ids=lambda c: c.id)
-def test_named_barriers_keep_deterministic_dq_in_order(case, monkeypatch):
-    set_knobs(monkeypatch, named_barriers=True)
-    ordered = launcher_constexprs(monkeypatch, bwd_hopper(), lambda c: (c.get("ORDERED", False), c["NAMED"]))
-    with ordered_configs(case):
-        check_case(case, "triton", "cuda")
-    assert ordered == [(True, True)]
-
-
-def bwd_hopper():
-    from fusedattn.kernels.gluon import bwd as hopper_bwd
-
-    return hopper_bwd._dkdv_ws_kernel
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_by_atomics_with_128_row_steps(head_dim, gluon_launches, monkeypatch):
     """With 128-row steps the Gluon pass sums dQ at D=64 only (split by rows; at D=128 its tiles

@@ -49,8 +49,8 @@ window with a right bound of 0).
 The dQ pass is another kernel's (``kernels/triton/bwd.py``, or the Gluon forward's dQ mode,
 ``gluon/fwd.py``) -- except with DQ (dQ by atomics, i.e. not deterministic; ``computes_dq``),
 FA3's 5-matmul form: every warpgroup runs every step and writes its dS^T to shared memory; at
-D=128 (two warpgroups), once both halves are there, each computes 64 columns of dQ = scale * dS K
-over the program's 128 keys; at D=64 with 128-row steps (two warpgroups) each computes 64 of the
+D=128 (two warpgroups), once both halves are there, each computes 64 columns of dS K (dQ before
+its scale, which the conversion of the sums applies once: ``dispatch.gluon_dq_sum_scale``) over the program's 128 keys; at D=64 with 128-row steps (two warpgroups) each computes 64 of the
 step's rows over the 128 keys (FA4's split: one fp32 tile of 2 bytes per query-key pair a step
 for the drain); at D=64 with 64-row steps each computes all columns over its own 64 keys, twice
 the reduce-add bytes (``_dq_tile``); a 1-warp drain partition (``_drain``) sums those into an fp32 accumulator by TMA
@@ -81,7 +81,6 @@ from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_row
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
 from ..shared import packed_tiles
-from ..shared.knobs import knobs
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -271,37 +270,6 @@ def _bulk_writes_done():
                                      "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
-# Hardware named barriers of the dQ exchange (NAMED): ids above those Triton gives its partitions
-# (0 and 1, then one per further warpgroup partition). Each consumer warpgroup w and the drain warp
-# meet on DQ_EMPTY_BAR + w (its dQ staging tile is free) and DQ_FULL_BAR + w (it is written); all
-# consumer warpgroups meet on DS_BAR once a step (every slice of dS^T is staged).
-DQ_EMPTY_BAR = gl.constexpr(5)
-DQ_FULL_BAR = gl.constexpr(8)
-DS_BAR = gl.constexpr(11)
-HAND_OFF_THREADS = gl.constexpr(128 + 32)  # a consumer warpgroup and the drain warp
-
-
-@gluon.constexpr_function
-def _barrier_asm(op, barrier, threads):
-    return f"{op} {barrier}, {threads};\n\tmov.u32 $0, 0;"
-
-
-@gluon.jit
-def _named_sync(BARRIER: gl.constexpr, THREADS: gl.constexpr):
-    """``bar.sync``: wait until THREADS threads (this one included) have reached named barrier
-    BARRIER; their shared-memory writes before it are then visible to each other."""
-    gl.inline_asm_elementwise(_barrier_asm("bar.sync", BARRIER, THREADS), "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _named_arrive(BARRIER: gl.constexpr, THREADS: gl.constexpr):
-    """``bar.arrive``: count this thread towards named barrier BARRIER's THREADS without waiting
-    (its writes before it are visible to the threads that wait there)."""
-    gl.inline_asm_elementwise(_barrier_asm("bar.arrive", BARRIER, THREADS), "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
 @gluon.jit
 def _dq_turn(blk, pid_n, seq_q, seq_k, key_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              CAUSAL: gl.constexpr):
@@ -321,7 +289,7 @@ def _dq_turn(blk, pid_n, seq_q, seq_k, key_blocks, BLOCK_M: gl.constexpr, BLOCK_
 def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, bias_at,
            q_start, order_at, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
            HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
-           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr, NAMED: gl.constexpr = False):
+           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr):
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
     (D=128), its rows (D=64, 128-row steps) or all columns over its own keys (D=64, ``_dq_tile``).
@@ -342,9 +310,6 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         BY_KEYS: gl.constexpr = _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D)
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
-            if NAMED:  # the staging tiles are free: last step's adds have read them (store_wait below)
-                for w in gl.static_range(SPLIT):
-                    _named_arrive(DQ_EMPTY_BAR + w, HAND_OFF_THREADS)
             if ORDERED:
                 lock_index = (batch * order_at[1] + first_head + member).to(gl.int64) * gl.cdiv(seq_q, BLOCK_M) + blk
                 lock = order_at[0] + lock_index
@@ -353,10 +318,7 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
                 while seen != turn:
                     seen = _load_acquire(lock)
             for w in gl.static_range(SPLIT):
-                if NAMED:
-                    _named_sync(DQ_FULL_BAR + w, HAND_OFF_THREADS)
-                else:
-                    mbarrier.wait(dq_full.index(w), t & 1)
+                mbarrier.wait(dq_full.index(w), t & 1)
                 tma_reduce_add(dq_desc, [batch, first_head + member, q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M,
                                          (w * COLS) % HEAD_D], dq_s.index(w))
                 if ORDERED and BY_KEYS:  # every warpgroup's tile covers the same entries: one add at a time
@@ -365,9 +327,8 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
                 tma.async_copy_shared_to_global(dbias_desc, [bias_at[0], (first_head + member) // bias_at[1],
                                                              blk * BLOCK_M, n0], ds_s.index(t % 2))
             tma.store_wait(pendings=0)
-            if not NAMED:
-                for w in gl.static_range(SPLIT):
-                    mbarrier.arrive(dq_empty.index(w), count=1)
+            for w in gl.static_range(SPLIT):
+                mbarrier.arrive(dq_empty.index(w), count=1)
             if ORDERED:  # the next program's turn once the adds are in memory
                 gl.atomic_add(lock, 1 + _bulk_writes_done(), sem="release", scope="gpu")
 
@@ -404,7 +365,7 @@ def _dq_by_keys(dq_rows, dq_cols, block_m, head_d):
 
 
 @gluon.jit
-def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr, NAMED: gl.constexpr = False):
+def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
     """DQ: this warpgroup's dS^T of step t into shared memory for the dQ wgmmas of ``_dq_tile``,
     fenced for the async proxy and, with dQ split by columns, announced to the other warpgroups.
     ``_step`` calls it while this warpgroup's dV and dK wgmmas run.
@@ -420,9 +381,7 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr, N
     after this step's dQ wgmma has finished); no barrier between warpgroups.
     BIAS (columns split only): dS is staged query-major instead -- a (queries x keys) tile, this
     warpgroup's keys a column slice, written transposed -- so that the drain can store it as the
-    bias gradient (TMA cannot transpose); dQ's wgmma then reads it K-major.
-    NAMED (split by columns or rows): the warpgroups meet on named barrier DS_BAR instead -- one
-    ``bar.sync`` for both the announcement and ``_dq_issue``'s wait."""
+    bias gradient (TMA cannot transpose); dQ's wgmma then reads it K-major."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
     BY_KEYS: gl.constexpr = _dq_by_keys(dq_s.shape[3], dq_s.shape[4], ds16.shape[1], k_smem.shape[4])
@@ -433,12 +392,9 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr, N
     else:
         _ds_buffer(ds_s, t, BIAS).slice(WG * KEYS, KEYS, dim=0).store(ds16)
     fence_async_shared()
-    if NAMED and not BY_KEYS:  # every warpgroup's stores are done
-        _named_sync(DS_BAR, 128 * k_smem.shape[0])
-    else:
-        gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
-        if not BY_KEYS:
-            mbarrier.arrive(ds_bar.index(t % 2), count=1)
+    gl.thread_barrier()  # this warpgroup's stores are done (a named barrier over the partition)
+    if not BY_KEYS:
+        mbarrier.arrive(ds_bar.index(t % 2), count=1)
 
 
 @gluon.jit
@@ -459,7 +415,7 @@ def _dq_wgmmas(dq_rows, dq_cols, block_m, head_d, split):
 
 @gluon.jit
 def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BIAS: gl.constexpr, NAMED: gl.constexpr = False):
+              BIAS: gl.constexpr):
     """DQ: issues this warpgroup's share of the step's dQ = dS K (unscaled) from the dS^T ``_stage_ds``
     staged: with dQ split by columns, once every warpgroup's dS^T is there (ds_bar),
     dQ[:, 64 WG : 64 WG + 64] over all the program's keys; split by rows, likewise
@@ -476,8 +432,7 @@ def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexp
         dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
                            use_acc=False, is_async=True)
     else:
-        if not NAMED:  # (NAMED: ``_stage_ds`` waited)
-            mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
+        mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
         ds_buf = _ds_buffer(ds_s, t, BIAS)
         dq = dq_zero
         for c in gl.static_range(SPLIT):
@@ -496,32 +451,27 @@ def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexp
 
 
 @gluon.jit
-def _dq_hand_off(t, dq, dq_state, scale, WG: gl.constexpr, NAMED: gl.constexpr = False):
-    """DQ: this warpgroup's finished dQ tile, scaled, into its staging tile for the drain's reduce-add,
-    once the drain has reduced the previous step's (NAMED: on the named barriers the drain arrives
-    at and waits on, ``_drain``; else on mbarriers)."""
+def _dq_hand_off(t, dq, dq_state, WG: gl.constexpr):
+    """DQ: this warpgroup's finished dQ tile into its staging tile for the drain's reduce-add, once
+    the drain has reduced the previous step's. Unscaled: the conversion of the sums to dQ multiplies
+    by the scale (and dropout's keep scale) once (``dispatch.gluon_dq_sum_scale``), not every step of
+    every program."""
     dq_s, dq_full, dq_empty = dq_state[1], dq_state[3], dq_state[4]
-    if NAMED:
-        _named_sync(DQ_EMPTY_BAR + WG, HAND_OFF_THREADS)
-    else:
-        mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
-    dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq * scale)
+    mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
+    dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq)
     fence_async_shared()
-    if NAMED:
-        _named_arrive(DQ_FULL_BAR + WG, HAND_OFF_THREADS)
-    else:
-        gl.thread_barrier()
-        mbarrier.arrive(dq_full.index(WG), count=1)
+    gl.thread_barrier()
+    mbarrier.arrive(dq_full.index(WG), count=1)
 
 
 @gluon.jit
-def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-             BIAS: gl.constexpr, NAMED: gl.constexpr = False):
+def _dq_tile(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+             BIAS: gl.constexpr):
     """DQ: this warpgroup's share of the step's dQ (``_dq_issue``), its wgmmas retired by one wait, then
     handed to the drain (``_dq_hand_off``)."""
-    dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS, NAMED)
+    dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    _dq_hand_off(t, dq, dq_state, scale, WG, NAMED)
+    _dq_hand_off(t, dq, dq_state, WG)
 
 
 @gluon.jit
@@ -557,7 +507,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
           LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr,
           ALIBI: gl.constexpr = False, alibi_slope=0.0, alibi_row0=0, DROPOUT: gl.constexpr = False,
-          drop=(0, 0, 0, 0, 0, 1.0), NAMED: gl.constexpr = False):
+          drop=(0, 0, 0, 0, 0, 1.0)):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only (RAGGED:
     keys past Sk are masked there too, ``_query_walk``). With
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
@@ -662,15 +612,15 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         # under dK.
         p_a = _dv_operand(p, a_layout, k_s.dtype, DROPOUT)
         dv = warpgroup_mma(p_a, do, dv, is_async=True)
-        _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS, NAMED)
-        dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS, NAMED)
+        _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
+        dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
         # dQ's chained wgmmas stay queued: dV alone is retired
         DQ_WGMMAS: gl.constexpr = _dq_wgmmas(dq_state[1].shape[3], dq_state[1].shape[4], BLOCK_M, HEAD_D, SPLIT)
         dv, _ = warpgroup_mma_wait(num_outstanding=DQ_WGMMAS, deps=[dv, p_a])
         ds_a = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
-        _dq_hand_off(t, dq, dq_state, scale, WG, NAMED)
+        _dq_hand_off(t, dq, dq_state, WG)
         dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
         mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
         return dk, dv
@@ -685,14 +635,14 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         dv = warpgroup_mma(p_a, do, dv, is_async=DQ)
     dk = warpgroup_mma(ds_a, q, dk, is_async=DQ)
     if DQ:
-        _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS, NAMED)
+        _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
         if SOFTCAP:
             dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
         else:
             dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p_a, ds_a])
     mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
     if DQ:
-        _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M, BIAS, NAMED)
+        _dq_tile(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
     return dk, dv
 
 
@@ -704,7 +654,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
               stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
               ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False,
-              MASKED_FIRST: gl.constexpr = False, NAMED: gl.constexpr = False):
+              MASKED_FIRST: gl.constexpr = False):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. MASKED_FIRST (with DQ, no lists or
     left window): the masked steps first, then the interior ones (the drain's ordered dQ). ALIBI
     (causal, no lists, bias or packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of
@@ -769,16 +719,13 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                                dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
                                BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG,
                                (phase == 0) == MASKED_FIRST, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope,
-                               row0, DROPOUT, drop, NAMED)
+                               row0, DROPOUT, drop)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
-            if NAMED:
-                _named_sync(DS_BAR, 128 * SPLIT)
-            else:
-                ds_bar = dq_state[2]
-                mbarrier.arrive(ds_bar.index(n_steps % 2), count=1)
-                mbarrier.wait(ds_bar.index(n_steps % 2), (n_steps // 2) & 1)
+            ds_bar = dq_state[2]
+            mbarrier.arrive(ds_bar.index(n_steps % 2), count=1)
+            mbarrier.wait(ds_bar.index(n_steps % 2), (n_steps // 2) & 1)
     else:
         active = nc < seq_k  # else its keys are all past Sk: every step is skipped and nothing is stored
         mbarrier.wait(kv_bars.index(WG), 0, pred=active)
@@ -789,7 +736,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
-                           RAGGED, ALIBI, slope, row0, DROPOUT, drop, NAMED)
+                           RAGGED, ALIBI, slope, row0, DROPOUT, drop)
         # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
         # (every step, when inactive): query blocks [w_begin, w_end) are visible.
         w_end = 2147483647
@@ -817,7 +764,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                                    dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale,
                                    softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
                                    PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0,
-                                   DROPOUT, drop, NAMED)
+                                   DROPOUT, drop)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
@@ -872,7 +819,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                    ORDERED: gl.constexpr = False, NAMED: gl.constexpr = False):
+                    ORDERED: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -1025,12 +972,12 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, NAMED)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, NAMED)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -1038,7 +985,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          VARLEN, ORDERED and CAUSAL)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
                       entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, NAMED)),
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1046,17 +993,17 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, NAMED)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, NAMED)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, NAMED)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -1064,7 +1011,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          VARLEN, ORDERED and CAUSAL)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
                       entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, NAMED)),
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
         ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -1103,7 +1050,8 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
               dq_lock: torch.Tensor | None = None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
-    zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
+    zeroed; ``computes_dq``) also dQ / ``dispatch.gluon_dq_sum_scale(spec)``, summed into it by TMA reduce-adds in no
+    fixed order.
     Returns False, launching nothing, where TMA cannot address a tensor (the caller then runs the
     Triton pass). The caller checked ``dispatch.gluon_support``; ``config.hopper_split`` (2 or 3) and
     ``hopper_pingpong`` (0, 1, 2) pick the schedule, ``block_m`` the query rows per step,
@@ -1191,14 +1139,7 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered,
-                    NAMED=_named_barriers())
-
-
-def _named_barriers() -> bool:
-    """The kernel's NAMED: the rule's unless an experiment forces it (``knobs``)."""
-    forced = knobs().named_barriers
-    return False if forced is None else forced
+                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered)
 
 
 def dq_lock_size(q_shape: tuple, config: KernelConfig) -> int:
@@ -1268,4 +1209,4 @@ def _packed_dkdv_launcher(q_shape: tuple, k_shape: tuple, dkv_strides: tuple, sp
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=False, DQ=dq, LISTS=False, GROUP_SUM=group_sum, BIAS=False, DBIAS=False, VARLEN=True,
                     PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
-                    ALIBI=False, DROPOUT=False, NAMED=_named_barriers())
+                    ALIBI=False, DROPOUT=False)
