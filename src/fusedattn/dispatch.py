@@ -638,8 +638,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     gluon_dkdv = plan.gluon_dkdv and _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan, dq_buffer,
                                                       mask, bias, dbias, packing, alibi, dropout_seed)
     if gluon_dkdv and plan.atomic_dq:  # the Gluon pass computed every gradient, the bias's too
-        dq = triton_bwd.dq_from_sums(dq_buffer, q, layout, gluon_dq_sum_scale(spec))
-        return dq, dk, dv, dbias, dsinks
+        return triton_bwd.dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
     if plan.ordered_dq:  # TMA could not address a tensor after all: the Triton programs' atomics add in no order
         plan = replace(plan, atomic_dq=False, ordered_dq=False)
     if gluon_dkdv and plan.gluon_dq:
@@ -650,14 +649,6 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     dq, dbias = triton_bwd.run_passes(q, k, v, dout, lse2, delta, dk, dv, dq_buffer, dbias, spec, configs, plan,
                                       dkdv_cfg, gluon_dkdv, mask, bias, dbias_mode, packing, alibi, dropout_seed)
     return dq, dk, dv, dbias, dsinks
-
-
-def gluon_dq_sum_scale(spec: AttentionSpec) -> float:
-    """What the Gluon dK/dV pass's dQ sums are multiplied by to give dQ: the softmax scale and, with
-    dropout, the keep scale. The pass adds each step's dS K unscaled, and the conversion of the sums
-    (``dq_from_sums``) multiplies once -- not every step of every program (a multiply per dQ element
-    and step on the consumers' path to the hand-off)."""
-    return spec.scale * triton_fwd.dropout_args(spec)[1]
 
 
 def _gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, config: KernelConfig,

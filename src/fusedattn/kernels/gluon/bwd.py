@@ -49,8 +49,8 @@ window with a right bound of 0).
 The dQ pass is another kernel's (``kernels/triton/bwd.py``, or the Gluon forward's dQ mode,
 ``gluon/fwd.py``) -- except with DQ (dQ by atomics, i.e. not deterministic; ``computes_dq``),
 FA3's 5-matmul form: every warpgroup runs every step and writes its dS^T to shared memory; at
-D=128 (two warpgroups), once both halves are there, each computes 64 columns of dS K (dQ before
-its scale, which the conversion of the sums applies once: ``dispatch.gluon_dq_sum_scale``) over the program's 128 keys; at D=64 with 128-row steps (two warpgroups) each computes 64 of the
+D=128 (two warpgroups), once both halves are there, each computes 64 columns of dQ = scale * dS K
+over the program's 128 keys; at D=64 with 128-row steps (two warpgroups) each computes 64 of the
 step's rows over the 128 keys (FA4's split: one fp32 tile of 2 bytes per query-key pair a step
 for the drain); at D=64 with 64-row steps each computes all columns over its own 64 keys, twice
 the reduce-add bytes (``_dq_tile``); a 1-warp drain partition (``_drain``) sums those into an fp32 accumulator by TMA
@@ -451,27 +451,25 @@ def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexp
 
 
 @gluon.jit
-def _dq_hand_off(t, dq, dq_state, WG: gl.constexpr):
-    """DQ: this warpgroup's finished dQ tile into its staging tile for the drain's reduce-add, once
-    the drain has reduced the previous step's. Unscaled: the conversion of the sums to dQ multiplies
-    by the scale (and dropout's keep scale) once (``dispatch.gluon_dq_sum_scale``), not every step of
-    every program."""
+def _dq_hand_off(t, dq, dq_state, scale, WG: gl.constexpr):
+    """DQ: this warpgroup's finished dQ tile, scaled, into its staging tile for the drain's reduce-add,
+    once the drain has reduced the previous step's."""
     dq_s, dq_full, dq_empty = dq_state[1], dq_state[3], dq_state[4]
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
-    dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq)
+    dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq * scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(WG), count=1)
 
 
 @gluon.jit
-def _dq_tile(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+def _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
              BIAS: gl.constexpr):
     """DQ: this warpgroup's share of the step's dQ (``_dq_issue``), its wgmmas retired by one wait, then
     handed to the drain (``_dq_hand_off``)."""
     dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
-    _dq_hand_off(t, dq, dq_state, WG)
+    _dq_hand_off(t, dq, dq_state, scale, WG)
 
 
 @gluon.jit
@@ -620,7 +618,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         ds_a = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
-        _dq_hand_off(t, dq, dq_state, WG)
+        _dq_hand_off(t, dq, dq_state, scale, WG)
         dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
         mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
         return dk, dv
@@ -642,7 +640,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
             dv, dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk, p_a, ds_a])
     mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
     if DQ:
-        _dq_tile(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
+        _dq_tile(t, k_smem, dq_state, dq_zero, scale, WG, SPLIT, BLOCK_M, BIAS)
     return dk, dv
 
 
@@ -1050,8 +1048,7 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
               dq_lock: torch.Tensor | None = None) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
-    zeroed; ``computes_dq``) also dQ / ``dispatch.gluon_dq_sum_scale(spec)``, summed into it by TMA reduce-adds in no
-    fixed order.
+    zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
     Returns False, launching nothing, where TMA cannot address a tensor (the caller then runs the
     Triton pass). The caller checked ``dispatch.gluon_support``; ``config.hopper_split`` (2 or 3) and
     ``hopper_pingpong`` (0, 1, 2) pick the schedule, ``block_m`` the query rows per step,

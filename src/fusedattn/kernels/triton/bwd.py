@@ -762,26 +762,25 @@ def _bias_grad_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str, scale: float = 1.0) -> torch.Tensor:
-    """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums times ``scale`` (1 for the Triton
-    programs' sums, which add scaled terms), in q's strides like dK and dV
+def dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str) -> torch.Tensor:
+    """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums, in q's strides like dK and dV
     (``attention_backward``): the strides the custom op's fake declares, and those AccumulateGrad
     keeps without a copy (a dQ with the sums' (B, H, S, D) strides was cloned every step where q's
     differ: bshd layout). By ``_convert_dq_kernel``: torch's copy into bshd strides measured much
     slower than into bhsd."""
     dq = gradient_like(q)
-    _dq_conversion(tuple(sums.shape), bhsd_stride(dq, layout), q.shape[-1], scale, q.device.index)(sums, dq)
+    _dq_conversion(tuple(sums.shape), bhsd_stride(dq, layout), q.shape[-1], q.device.index)(sums, dq)
     return dq
 
 
 @per_problem
-def _dq_conversion(sums_shape: tuple, dq_strides: tuple, head_dim: int, scale: float, device_index) -> Launcher:
+def _dq_conversion(sums_shape: tuple, dq_strides: tuple, head_dim: int, device_index) -> Launcher:
     """``_convert_dq_kernel``'s launch for one problem (``dq_strides``: dQ's in (B, H, S, D) order);
     each call passes the sums and dQ."""
     batch, heads, seqlen, sums_cols = sums_shape
     assert dq_strides[3] == 1
     return Launcher(_convert_dq_kernel, (cdiv(seqlen, DQ_CONVERT_ROWS), batch * heads),
-                    (SLOT, SLOT, scale, seqlen, heads, sums_cols, *dq_strides[:3]), HEAD_DIM=head_dim,
+                    (SLOT, SLOT, seqlen, heads, sums_cols, *dq_strides[:3]), HEAD_DIM=head_dim,
                     BLOCK_D=padded_dim(head_dim), BLOCK_M=DQ_CONVERT_ROWS, num_warps=4)
 
 
@@ -789,11 +788,11 @@ DQ_CONVERT_ROWS = 32  # rows of a conversion program: a (32, 128) fp32 tile, 16 
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "stride_b", "stride_h", "stride_s"])
-def _convert_dq_kernel(Sums, DQ, scale, seqlen_q, heads_q, sums_cols, stride_b, stride_h, stride_s,
+def _convert_dq_kernel(Sums, DQ, seqlen_q, heads_q, sums_cols, stride_b, stride_h, stride_s,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """dQ rows [BLOCK_M * pid0, + BLOCK_M) of head row pid1 (= batch * Hq + head) in DQ's dtype and
     (batch, head, row) strides, unit stride along D, from the contiguous fp32 (B * Hq, Sq, sums_cols)
-    sums times ``scale``: one read of the sums and one write of dQ, in either layout."""
+    sums: one read of the sums and one write of dQ, in either layout."""
     head_row = tl.program_id(1)
     batch = head_row // heads_q
     head = head_row - batch * heads_q
@@ -802,7 +801,7 @@ def _convert_dq_kernel(Sums, DQ, scale, seqlen_q, heads_q, sums_cols, stride_b, 
     inside = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
     sums = tl.load(Sums + (head_row.to(tl.int64) * seqlen_q + rows[:, None]) * sums_cols + cols[None, :], mask=inside)
     out = DQ + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_s
-    tl.store(out + cols[None, :], (sums * scale).to(DQ.dtype.element_ty), mask=inside)
+    tl.store(out + cols[None, :], sums.to(DQ.dtype.element_ty), mask=inside)
 
 
 def _kernel_flags(q, v, spec: AttentionSpec, mask, bias) -> dict:
