@@ -19,8 +19,6 @@ Forms (pinned configs; the forward is the heuristic's in every form):
   in a pass of its own, after the heuristic's dK/dV pass or the 3-warpgroup one;
   ``det-block-major``, ``det-chunks-16``: ``deterministic=True``, the dK/dV programs launched
   block-major or in chunks of 16 head rows (``Knobs.chunk_heads``).
-- ``dq-boxes-8``, ``det-dq-boxes-8``: the heuristic's configs (and deterministic mode) with dQ's tile
-  staged and reduce-added in 8-column boxes (``Knobs.dq_box_cols``).
 Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd). Writes
 ``<out>/backward-forms-D<head dim>-<gpu>.json`` and prints the medians.
 """
@@ -66,8 +64,6 @@ def forms_for(base, head_dim: int) -> dict:
         "det-dq-pass": (dq_pass, True),
         "det-block-major": (base, True, dict(chunk_heads=0)),
         "det-chunks-16": (base, True, dict(chunk_heads=16)),
-        "dq-boxes-8": (base, False, dict(dq_box_cols=8)),
-        "det-dq-boxes-8": (base, True, dict(dq_box_cols=8)),
     })
     return forms
 

@@ -353,7 +353,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
         constexprs.update(DK=None, DV=None)
-    dq_block = [1, 1, hopper_bwd.dq_tile_shape(cfg.block_m)[0], hopper_bwd.dq_box_cols()]
+    dq_block = [1, 1, *hopper_bwd.dq_tile_shape(cfg.block_m)]
     dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
     score_block = [1, 1, cfg.block_m, 64 * cfg.hopper_split]

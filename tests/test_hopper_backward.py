@@ -245,44 +245,6 @@ def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, config, gluon
     assert gluon_launches and all(gluon_launches)
 
 
-# dQ staged and reduce-added in 8-column boxes (Knobs.dq_box_cols = 8; the default is the whole
-# tile): every dQ split (columns at D=128, rows with 128-row steps and keys with 64-row steps at
-# D=64), with and without turns, ragged keys and rows, dropout, ALiBi, softcap, and deterministic
-# dQ's fixed order.
-BOX_CASES = [
-    Case(1, 4, 2, 333, 517, 128, causal=True, alibi="heads", dtype=torch.bfloat16),
-    Case(1, 2, 2, 200, 70, 128, layout="bhsd", dtype=torch.bfloat16),
-    Case(1, 4, 2, 700, 700, 128, causal=True, softcap=20.0, dropout=0.1, dtype=torch.bfloat16),
-    Case(2, 4, 1, 517, 333, 64, causal=True, dropout=0.3, layout="bhsd", lse_grad=True),
-    Case(1, 2, 2, 200, 70, 64, layout="bhsd", dtype=torch.float16),
-]
-BOX_SCHEDULES = [(case, config) for case in BOX_CASES
-                 for config in ([dkdv(2, 0), dkdv(2, 1)] if case.head_dim == 128
-                                else [dkdv(2, 0, 128), dkdv(2, 2, 128), dkdv(3, 1)])]
-
-
-@pytest.mark.parametrize("case,config", BOX_SCHEDULES,
-                         ids=[f"{case.id}-{schedule_id(config)}" for case, config in BOX_SCHEDULES])
-def test_dq_in_8_column_boxes_matches_reference(case, config, gluon_launches, monkeypatch):
-    set_knobs(monkeypatch, dq_box_cols=8)
-    with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
-        check_case(case, "triton", "cuda")
-    assert gluon_launches and all(gluon_launches)
-
-
-@pytest.mark.parametrize("case", [Case(1, 4, 4, 700, 700, 128, causal=True, deterministic=True, dtype=torch.bfloat16),
-                                  Case(2, 4, 1, 700, 700, 64, deterministic=True, dtype=torch.bfloat16)],
-                         ids=lambda c: c.id)
-def test_dq_in_8_column_boxes_keeps_deterministic_dq_in_order(case, monkeypatch):
-    from fusedattn.kernels.gluon import bwd as hopper_bwd
-
-    set_knobs(monkeypatch, dq_box_cols=8)
-    ordered = launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel, lambda c: c.get("ORDERED", False))
-    with ordered_configs(case):
-        check_case(case, "triton", "cuda")
-    assert ordered == [True]
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_by_atomics_with_128_row_steps(head_dim, gluon_launches, monkeypatch):
     """With 128-row steps the Gluon pass sums dQ at D=64 only (split by rows; at D=128 its tiles

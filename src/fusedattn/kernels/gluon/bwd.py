@@ -81,11 +81,8 @@ from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_row
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
 from ..shared import packed_tiles
-from ..shared.knobs import knobs
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
-DQ_COLS = 64  # columns of a warpgroup's dQ tile: half of D=128, all of D=64 (``computes_dq``)
-_DQ_COLS = gl.constexpr(DQ_COLS)
 
 
 # --------------------------------------------------------------------------- the walk
@@ -309,8 +306,7 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ or VARLEN, LISTS)
         ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-        BOX: gl.constexpr = dq_desc.block_type.shape[3]  # a tile's columns per reduce-add (``dq_box_cols``)
-        COLS: gl.constexpr = _DQ_COLS
+        COLS: gl.constexpr = dq_desc.block_type.shape[3]
         BY_KEYS: gl.constexpr = _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D)
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
@@ -323,9 +319,8 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
                     seen = _load_acquire(lock)
             for w in gl.static_range(SPLIT):
                 mbarrier.wait(dq_full.index(w), t & 1)
-                for g in gl.static_range(COLS // BOX):
-                    tma_reduce_add(dq_desc, [batch, first_head + member, q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M,
-                                             (w * COLS) % HEAD_D + g * BOX], dq_s.index(w * (COLS // BOX) + g))
+                tma_reduce_add(dq_desc, [batch, first_head + member, q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M,
+                                         (w * COLS) % HEAD_D], dq_s.index(w))
                 if ORDERED and BY_KEYS:  # every warpgroup's tile covers the same entries: one add at a time
                     _bulk_writes_done()
             if DBIAS:  # every warpgroup's dQ wgmma came after its dS store: the whole tile is there
@@ -389,7 +384,7 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
     bias gradient (TMA cannot transpose); dQ's wgmma then reads it K-major."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
-    BY_KEYS: gl.constexpr = _dq_by_keys(dq_s.shape[3], _DQ_COLS, ds16.shape[1], k_smem.shape[4])
+    BY_KEYS: gl.constexpr = _dq_by_keys(dq_s.shape[3], dq_s.shape[4], ds16.shape[1], k_smem.shape[4])
     if BY_KEYS:
         ds_s.index(WG).store(ds16)
     elif BIAS:
@@ -431,7 +426,7 @@ def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexp
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
     ROWS: gl.constexpr = dq_s.shape[3]
-    COLS: gl.constexpr = _DQ_COLS
+    COLS: gl.constexpr = dq_s.shape[4]
     if _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D):
         ds_own = ds_s.index(WG)
         dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
@@ -456,38 +451,12 @@ def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexp
 
 
 @gluon.jit
-def _stage_box_pair(dq_s, box, pair):
-    """Boxes ``box`` and ``box + 4`` of a staged dQ tile from ``pair`` (rows x 8 columns x 2)."""
-    lo, hi = gl.split(pair)
-    dq_s.index(box).reshape([lo.shape[0], lo.shape[1]]).store(lo)
-    dq_s.index(box + 4).reshape([hi.shape[0], hi.shape[1]]).store(hi)
-
-
-@gluon.jit
 def _dq_hand_off(t, dq, dq_state, scale, WG: gl.constexpr):
     """DQ: this warpgroup's finished dQ tile, scaled, into its staging tile for the drain's reduce-add,
     once the drain has reduced the previous step's."""
     dq_s, dq_full, dq_empty = dq_state[1], dq_state[3], dq_state[4]
-    ROWS: gl.constexpr = dq_s.shape[3]
-    BOX: gl.constexpr = dq_s.shape[4]
-    GROUPS: gl.constexpr = _DQ_COLS // BOX
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
-    gl.static_assert(GROUPS == 1 or GROUPS == 8, "the whole tile or 8-column boxes")
-    if GROUPS == 1:
-        dq_s.index(WG).reshape([ROWS, BOX]).store(dq * scale)
-    else:
-        # 8-column boxes, each (ROWS x 32 bytes) contiguous: a 64-bit store's half-warp (4 rows of one
-        # box) covers all 32 banks; in one 64-column tile, 128-byte swizzled, those 4 rows fall on 4 of
-        # the 8 16-byte chunks (2-way bank conflicts). Box g = 4 g2 + 2 g1 + g0 is split off the
-        # column bits each thread holds in registers (no data moves).
-        boxes = (dq * scale).reshape([ROWS, 2, 2, 2, BOX]).permute((0, 4, 1, 2, 3))
-        b0, b1 = gl.split(boxes)
-        b00, b01 = gl.split(b0)
-        b10, b11 = gl.split(b1)
-        _stage_box_pair(dq_s, WG * GROUPS + 0, b00)
-        _stage_box_pair(dq_s, WG * GROUPS + 2, b01)
-        _stage_box_pair(dq_s, WG * GROUPS + 1, b10)
-        _stage_box_pair(dq_s, WG * GROUPS + 3, b11)
+    dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq * scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(WG), count=1)
@@ -644,7 +613,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
         dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
         # dQ's chained wgmmas stay queued: dV alone is retired
-        DQ_WGMMAS: gl.constexpr = _dq_wgmmas(dq_state[1].shape[3], _DQ_COLS, BLOCK_M, HEAD_D, SPLIT)
+        DQ_WGMMAS: gl.constexpr = _dq_wgmmas(dq_state[1].shape[3], dq_state[1].shape[4], BLOCK_M, HEAD_D, SPLIT)
         dv, _ = warpgroup_mma_wait(num_outstanding=DQ_WGMMAS, deps=[dv, p_a])
         ds_a = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
@@ -715,7 +684,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     if DQ:  # this warpgroup's dQ tile (``_dq_tile``)
         DQ_ROWS: gl.constexpr = dq_state[1].shape[3]
-        DQ_COLS: gl.constexpr = _DQ_COLS
+        DQ_COLS: gl.constexpr = dq_state[1].shape[4]
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
         dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
@@ -948,8 +917,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         # dS (keys x queries, every warpgroup's part, double-buffered) and each warpgroup's dQ tile:
         # its columns or rows, or all of them over its own keys (``_dq_tile``).
         DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-        DQ_COLS: gl.constexpr = _DQ_COLS
-        DQ_BOX: gl.constexpr = dq_desc.block_type.shape[3]
+        DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
         gl.static_assert((DQ_ROWS == BLOCK_M and (DQ_COLS == HEAD_D or DQ_COLS * SPLIT == HEAD_D))
                          or (DQ_COLS == HEAD_D and DQ_ROWS * SPLIT == BLOCK_M and not BIAS),
                          "dQ tiles: split by keys, columns or rows")
@@ -961,8 +929,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         else:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT * (DQ_COLS // DQ_BOX), 1, 1, DQ_ROWS, DQ_BOX],
-                                         dq_desc.layout)
+        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, DQ_ROWS, DQ_COLS], dq_desc.layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
@@ -1060,24 +1027,18 @@ def computes_dq(head_dim: int, config: KernelConfig) -> bool:
     return config.block_m == 128 and head_dim == 64 and config.hopper_split == 2
 
 
+DQ_COLS = 64  # columns of a warpgroup's dQ tile: half of D=128, all of D=64 (``computes_dq``)
+
+
 def dq_tile_shape(block_m: int) -> tuple[int, int]:
     """(rows, columns) of one warpgroup's dQ tile: its rows a step's (``block_m`` = 64) or half of
     them (128-row steps, dQ split by rows)."""
     return min(block_m, 64), DQ_COLS
 
 
-def dq_box_cols() -> int:
-    """Columns of each box a warpgroup's dQ tile is staged and reduce-added in: the whole tile, or
-    (an experiment switch, ``Knobs.dq_box_cols``) 8-column boxes, whose staging stores are free of
-    bank conflicts."""
-    forced = knobs().dq_box_cols
-    return DQ_COLS if forced is None else forced
-
-
 def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
-    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, rows of ``dq_tile_shape``, ``dq_box_cols``):
-    one warpgroup's tile or a box of it."""
-    return Descriptor(dq_accum, (1, 1, dq_tile_shape(block_m)[0], dq_box_cols()))
+    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, ``dq_tile_shape``): one warpgroup's tile."""
+    return Descriptor(dq_accum, (1, 1, *dq_tile_shape(block_m)))
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,

@@ -22,8 +22,6 @@ class Knobs:
     group_sums: bool = True
     # Triton dK/dV programs: block-major (True) or head-major (False) launch order (None: the rule).
     dkdv_block_major: bool | None = None
-    # Gluon dK/dV pass: columns of each TMA box dQ's tile is staged and added in (None: the whole tile).
-    dq_box_cols: int | None = None
     # Cached kernels launched directly (False: through Triton's own launcher, as with hooks set).
     direct_launch: bool = True
     # KV cache: programmatic dependent launch of the split combination (None: on sm_90 and later).
