@@ -296,6 +296,32 @@ def test_a_lost_json_is_rebuilt_from_the_printed_tables():
     assert note["system"] == "flash-sparse-attn" and note["note"] == "skipped: no key lengths"
 
 
+def test_ncu_summary_reads_the_first_launch_and_counts_bank_conflicts(tmp_path):
+    """benchmarks/ncu_sass_summary.py: per kernel the first launch only (a report lists a kernel once
+    per launch), opcodes grouped, shared wavefronts and their excess summed by opcode, stall reasons
+    as shares of the samples."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from ncu_sass_summary import kernels, summary
+
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "L1 Wavefronts Shared", "L1 Wavefronts Shared Excessive", "stall_barrier", "stall_long_sb"]
+    lines = [["Kernel Name", "k"], header,
+             ["0x10", "STS.64 [R1+0x10], R2", "30", "2000000", "8000000", "4000000", "0", "30"],
+             ["0x20", "@!P0 BAR.SYNC.DEFER_BLOCKING 0x2, 0x80", "10", "1000000", "0", "0", "10", "0"],
+             ["0x30", "MUFU.EX2 R3, R3", "60", "3000000", "0", "0", "0", "0"],
+             ["Kernel Name", "k"], header,  # a second launch: not read
+             ["0x10", "STS.64 [R1+0x10], R2", "999", "9", "9", "9", "999", "0"]]
+    path = tmp_path / "report.csv"
+    path.write_text("\n".join(",".join(f'"{cell}"' for cell in line) for line in lines) + "\n")
+    found = kernels(str(path))
+    assert list(found) == ["k"] and len(found["k"]) == 3
+    text = summary("k", found["k"], top=2)
+    assert "long_sb 30.0%" in text and "barrier 10.0%" in text
+    assert "STS 2.0M" in text and "BAR.SYNC 1.0M" in text and "MUFU.EX2 3.0M" in text
+    assert "STS.64 8.0M (4.0M)" in text
+    assert text.splitlines()[4].strip().startswith("60.0% MUFU.EX2")
+
+
 def test_flaggems_takes_only_the_grouped_query_variant(tmp_path, monkeypatch):
     """FlagGems' attention backward drops the mask (its gradients with a bias or mask would be
     wrong): of the variant rows it runs GQA alone, causal, with fewer key/value heads."""
