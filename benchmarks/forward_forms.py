@@ -71,6 +71,7 @@ def main() -> None:
                 print(f"D={head_dim} {seqlen} {mask:6s} {name:14s} fwd {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s")
     gpu = torch.cuda.get_device_name().replace(" ", "-")
     out = Path(args.out) / f"forward-forms-{gpu}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
     print(f"wrote {out}")
 

@@ -23,24 +23,30 @@ SAMPLES = "Warp Stall Sampling (All Samples)"
 def kernels(path: str) -> dict[str, list[dict]]:
     """Kernel name -> its instruction rows (the first launch of each name)."""
     out: dict[str, list[dict]] = {}
-    name = header = None
+    header = None
     rows: list[dict] | None = None
-    for record in csv.reader(open(path)):
-        if not record:
-            continue
-        if record[0] == "Kernel Name":
-            name = record[1]
-            rows = None if name in out else out.setdefault(name, [])
-        elif record[0] == "Address":
-            header = record
-        elif rows is not None and record[0].startswith("0x"):
-            rows.append(dict(zip(header, record)))
+    with open(path) as f:
+        for record in csv.reader(f):
+            if not record:
+                continue
+            if record[0] == "Kernel Name":
+                rows = None if record[1] in out else out.setdefault(record[1], [])
+            elif record[0] == "Address":
+                header = record
+            elif rows is not None and record[0].startswith("0x"):
+                rows.append(dict(zip(header, record)))
     return out
 
 
-def opcode(row: dict) -> str:
+def full_opcode(row: dict) -> str:
+    """The instruction's opcode with its modifiers, past a predicate."""
     words = row["Source"].split()
-    op = words[1] if words[0].startswith("@") else words[0]
+    return words[1] if words[0].startswith("@") else words[0]
+
+
+def opcode(row: dict) -> str:
+    """The opcode grouped: its first part, or two for MUFU, WARPGROUP, SYNCS and BAR."""
+    op = full_opcode(row)
     keep = 2 if op.startswith(("MUFU", "WARPGROUP", "SYNCS", "BAR")) else 1
     return ".".join(op.split(".")[:keep])
 
@@ -57,7 +63,7 @@ def summary(name: str, rows: list[dict], top: int) -> str:
     wavefronts = collections.defaultdict(lambda: [0, 0])
     for r in rows:
         executed[opcode(r)] += number(r, "Instructions Executed")
-        w = wavefronts[r["Source"].split()[1 if r["Source"].split()[0].startswith("@") else 0]]
+        w = wavefronts[full_opcode(r)]
         w[0] += number(r, "L1 Wavefronts Shared")
         w[1] += number(r, "L1 Wavefronts Shared Excessive")
     lines = [f"== {name[:100]}",
