@@ -33,6 +33,7 @@ from fusedattn.kernels.gluon import bwd as hopper_bwd  # noqa: E402
 from fusedattn.kernels.gluon import common as hopper  # noqa: E402
 from fusedattn.kernels.gluon import fwd as hopper_fwd  # noqa: E402
 from fusedattn.kernels.triton import bwd, fwd, kvcache  # noqa: E402
+from fusedattn.kernels.shared import knobs  # noqa: E402
 from fusedattn.spec import UNBOUNDED, AttentionSpec  # noqa: E402
 from fusedattn.tuning.configs import KernelConfig, _cuda_configs  # noqa: E402
 
@@ -348,7 +349,8 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4)
+                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4,
+                      ABLATE=knobs.knobs().ablate)
     if varlen:
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
