@@ -358,6 +358,9 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     dq_block = [1, 1, *hopper_bwd.dq_tile_shape(cfg.block_m)]
     dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
+    if dq and knobs.knobs().ablate & 8:
+        from triton.experimental.gluon import language as gl
+        dq_desc = f"tensordesc<fp32[1,1,128,32],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)!r}>"
     score_block = [1, 1, cfg.block_m, 64 * cfg.hopper_split]
     score_layout = hopper.smem_layout(tuple(score_block), TYPES[dtype])
     score_tile = f"tensordesc<{dtype}[{','.join(map(str, score_block))}],{score_layout!r}>"

@@ -638,7 +638,8 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     gluon_dkdv = plan.gluon_dkdv and _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan, dq_buffer,
                                                       mask, bias, dbias, packing, alibi, dropout_seed)
     if gluon_dkdv and plan.atomic_dq:  # the Gluon pass computed every gradient, the bias's too
-        return triton_bwd.dq_from_sums(dq_buffer, q, layout), dk, dv, dbias, dsinks
+        return triton_bwd.dq_from_sums(dq_buffer, q, layout, bool(knobs().ablate & 8),
+                                         spec.scale if knobs().ablate & 16 else 1.0), dk, dv, dbias, dsinks
     if plan.ordered_dq:  # TMA could not address a tensor after all: the Triton programs' atomics add in no order
         plan = replace(plan, atomic_dq=False, ordered_dq=False)
     if gluon_dkdv and plan.gluon_dq:

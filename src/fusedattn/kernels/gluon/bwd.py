@@ -306,8 +306,8 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ or VARLEN, LISTS)
-        ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-        COLS: gl.constexpr = dq_desc.block_type.shape[3]
+        ROWS: gl.constexpr = _dq_tile_dim(dq_desc.block_type.shape, 0, ABLATE)
+        COLS: gl.constexpr = _dq_tile_dim(dq_desc.block_type.shape, 1, ABLATE)
         BY_KEYS: gl.constexpr = _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D)
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
@@ -320,7 +320,13 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
                     seen = _load_acquire(lock)
             for w in gl.static_range(SPLIT):
                 mbarrier.wait(dq_full.index(w), t & 1)
-                if not (ABLATE & 1):  # timing experiment: bit 1 drops the reduce-adds
+                if ABLATE & 8:  # the tile's flat run: (rows / 64 * D / 64 + columns / 64) * 128 rows of 32
+                    row0 = q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M
+                    tile = (row0 // ROWS) * (HEAD_D // COLS) + ((w * COLS) % HEAD_D) // COLS
+                    tma_reduce_add(dq_desc, [batch, first_head + member, tile * (ROWS * COLS // 32), 0],
+                                   dq_s.index(w)._reinterpret(gl.float32, [1, 1, ROWS * COLS // 32, 32],
+                                                              dq_desc.layout))
+                elif not (ABLATE & 1):  # timing experiment: bit 1 drops the reduce-adds
                     tma_reduce_add(dq_desc, [batch, first_head + member,
                                              q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M, (w * COLS) % HEAD_D],
                                    dq_s.index(w))
@@ -358,6 +364,23 @@ def _ds_buffer(ds_s, t, BIAS: gl.constexpr):
     if BIAS:
         buf = buf.reshape([ds_s.shape[3], ds_s.shape[4]])
     return buf
+
+
+@gluon.constexpr_function
+def _dq_tile_dim(block_dim, index, ablate):
+    """Rows (index 0) or columns (1) of a warpgroup's dQ tile: the descriptor's block, or with
+    register-order staging (``ablate`` bit 8; its block is then (128, 32) floats) 64 x 64."""
+    return 64 if ablate & 8 else block_dim[2 + index]
+
+
+@gluon.constexpr_function
+def _register_order_stage():
+    """A 64 x 64 fp32 dQ tile staged in the wgmma accumulator's register order: offset bit i holds
+    logical coordinate bases[i]. Each thread's (r, c), (r, c+1), (r+8, c), (r+8, c+1) are one 16-byte
+    vector (STS.128), and lanes 0-7 of a warp (c bits 1, 2 and r bit 0) eight different 16-byte
+    chunks of 128 bytes: no bank conflict in any phase."""
+    return gl.SharedLinearLayout(offset_bases=[[0, 1], [8, 0], [0, 2], [0, 4], [1, 0], [0, 8], [0, 16], [0, 32],
+                                               [2, 0], [4, 0], [16, 0], [32, 0]])
 
 
 @gluon.constexpr_function
@@ -459,7 +482,11 @@ def _dq_hand_off(t, dq, dq_state, scale, WG: gl.constexpr, ABLATE: gl.constexpr 
     once the drain has reduced the previous step's."""
     dq_s, dq_full, dq_empty = dq_state[1], dq_state[3], dq_state[4]
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
-    if ABLATE & 2:  # timing experiment: no staging store (a scale of -1 never runs)
+    if ABLATE & 16:  # the conversion scales the sums
+        dq_s.index(WG)._reinterpret(gl.float32, [dq.shape[0], dq.shape[1]], _register_order_stage()).store(dq)
+    elif ABLATE & 8:
+        dq_s.index(WG)._reinterpret(gl.float32, [dq.shape[0], dq.shape[1]], _register_order_stage()).store(dq * scale)
+    elif ABLATE & 2:  # timing experiment: no staging store (a scale of -1 never runs)
         if scale == -1.0:
             dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq * scale)
     else:
@@ -926,8 +953,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     if DQ:
         # dS (keys x queries, every warpgroup's part, double-buffered) and each warpgroup's dQ tile:
         # its columns or rows, or all of them over its own keys (``_dq_tile``).
-        DQ_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-        DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+        DQ_ROWS: gl.constexpr = _dq_tile_dim(dq_desc.block_type.shape, 0, ABLATE)
+        DQ_COLS: gl.constexpr = _dq_tile_dim(dq_desc.block_type.shape, 1, ABLATE)
         gl.static_assert((DQ_ROWS == BLOCK_M and (DQ_COLS == HEAD_D or DQ_COLS * SPLIT == HEAD_D))
                          or (DQ_COLS == HEAD_D and DQ_ROWS * SPLIT == BLOCK_M and not BIAS),
                          "dQ tiles: split by keys, columns or rows")
@@ -1046,6 +1073,25 @@ def dq_tile_shape(block_m: int) -> tuple[int, int]:
     return min(block_m, 64), DQ_COLS
 
 
+class _FlatDescriptor(Descriptor):
+    """A descriptor whose block is staged unswizzled (a flat run of floats in shared memory)."""
+
+    __slots__ = ()
+
+    def for_triton(self):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4))
+
+
+def flat_dq_descriptor(dq_accum: torch.Tensor):
+    """The fp32 (B, Hq, Sq, D) dQ accumulator as runs of 64 x 64 tiles in register order: (B, Hq,
+    Sq * D / 32, 32), block (1, 1, 128, 32) -- one tile. Sq a multiple of 64, D of 64."""
+    batch, heads, rows, cols = dq_accum.shape
+    assert rows % 64 == 0 and cols % 64 == 0 and dq_accum.is_contiguous()
+    return _FlatDescriptor(dq_accum.view(batch, heads, rows * cols // 32, 32), (1, 1, 128, 32))
+
+
 def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
     """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, ``dq_tile_shape``): one warpgroup's tile."""
     return Descriptor(dq_accum, (1, 1, *dq_tile_shape(block_m)))
@@ -1099,7 +1145,10 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
         sums = torch.zeros((2, batch, heads_kv, seqlen_k, head_dim), dtype=torch.float32, device=q.device)
         descs += [Descriptor(t, (1, 1, KEYS_PER_WG, head_dim)) for t in sums]
     descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
-    dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
+    if dq_accum is not None and knobs().ablate & 8:
+        dq_desc = flat_dq_descriptor(dq_accum)
+    else:
+        dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
     bias_slices = None
     if bias is not None:
         assert dq_accum is not None and head_dim == 128 and not spec.has_softcap
