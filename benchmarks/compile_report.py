@@ -27,13 +27,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon.language import NVMMASharedLayout  # noqa: E402
 
 from fusedattn import dispatch  # noqa: E402
 from fusedattn.kernels.gluon import bwd as hopper_bwd  # noqa: E402
 from fusedattn.kernels.gluon import common as hopper  # noqa: E402
 from fusedattn.kernels.gluon import fwd as hopper_fwd  # noqa: E402
 from fusedattn.kernels.triton import bwd, fwd, kvcache  # noqa: E402
-from fusedattn.kernels.shared import knobs  # noqa: E402
 from fusedattn.spec import UNBOUNDED, AttentionSpec  # noqa: E402
 from fusedattn.tuning.configs import KernelConfig, _cuda_configs  # noqa: E402
 
@@ -331,11 +331,12 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False,
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
                        bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False,
-                       dropout: bool = False, ordered: bool = False):
+                       dropout: bool = False, ordered: bool = False, register_order: bool | None = None):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
     (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
     ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
-    packed sequences, dK/dV stored by pointers)."""
+    packed sequences, dK/dV stored by pointers; ``register_order``: dQ staged as register-order runs,
+    by default as the planner stages it for lengths that are multiples of 64, i.e. without packing)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, ty: str = dtype) -> str:
@@ -349,18 +350,19 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4,
-                      ABLATE=knobs.knobs().ablate)
+                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4)
     if varlen:
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
         constexprs.update(DK=None, DV=None)
     dq_block = [1, 1, *hopper_bwd.dq_tile_shape(cfg.block_m)]
     dq_layout = hopper.smem_layout(tuple(dq_block), torch.float32)
+    if register_order is None:
+        register_order = dq and not varlen
+    if register_order:
+        dq_block = [1, 1, *hopper_bwd.RUN_BOX]
+        dq_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
-    if dq and knobs.knobs().ablate & 8:
-        from triton.experimental.gluon import language as gl
-        dq_desc = f"tensordesc<fp32[1,1,128,32],{gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)!r}>"
     score_block = [1, 1, cfg.block_m, 64 * cfg.hopper_split]
     score_layout = hopper.smem_layout(tuple(score_block), TYPES[dtype])
     score_tile = f"tensordesc<{dtype}[{','.join(map(str, score_block))}],{score_layout!r}>"

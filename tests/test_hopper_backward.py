@@ -245,6 +245,61 @@ def test_gluon_pass_with_dq_by_reduce_adds_matches_reference(case, config, gluon
     assert gluon_launches and all(gluon_launches)
 
 
+@pytest.fixture
+def dq_forms(monkeypatch):
+    """For every dQ accumulator the Gluon pass sums into: whether it stages dQ in register order."""
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
+
+    forms, real = [], hopper_bwd.dq_accumulator_descriptor
+
+    def spy(dq_accum, block_m, register_order=False):
+        forms.append(register_order)
+        return real(dq_accum, block_m, register_order)
+
+    monkeypatch.setattr(hopper_bwd, "dq_accumulator_descriptor", spy)
+    return forms
+
+
+# Query lengths that are multiples of 64: dQ staged and summed in register order (64 x 64 runs; key
+# lengths anything) with every feature the pass sums dQ with -- GQA (with group sums), causal with
+# rows that see no key, softcap, a window, ALiBi, dropout, deterministic mode (dQ in a fixed order), a
+# bias and its gradient, a mask's lists -- at D=128 (split by columns), D=64 with 64-row steps (by
+# keys, 2 or 3 warpgroups) and 128-row steps (by rows).
+REGISTER_ORDER_CASES = [
+    Case(2, 4, 4, 256, 300, 128, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 4, 2, 384, 384, 128, causal=True, dtype=torch.bfloat16),
+    Case(1, 2, 2, 512, 200, 64, causal=True, dtype=torch.float16),
+    Case(2, 4, 1, 128, 128, 64, softcap=5.0, lse_grad=True),
+    Case(1, 4, 2, 640, 640, 128, causal=True, window=(300, 0), dtype=torch.bfloat16),
+    Case(1, 4, 2, 320, 517, 128, causal=True, alibi="heads", dtype=torch.bfloat16),
+    Case(2, 4, 1, 256, 333, 64, causal=True, dropout=0.3, layout="bhsd", lse_grad=True),
+    Case(1, 4, 4, 1088, 1088, 64, causal=True, deterministic=True, dtype=torch.bfloat16),
+    Case(1, 3, 3, 192, 192, 128, deterministic=True, dtype=torch.bfloat16),
+    Case(1, 2, 2, 256, 256, 128, bias="full", dtype=torch.bfloat16),
+    Case(1, 2, 2, 256, 300, 128, mask="full", mask_blocks=(128, 128), dtype=torch.bfloat16),
+]
+REGISTER_ORDER_SCHEDULES = [(case, config) for case in REGISTER_ORDER_CASES
+                            for config in ((dkdv(2, 0), dkdv(2, 1)) if case.head_dim == 128 else
+                                           (dkdv(2, 0), dkdv(3, 1), dkdv(2, 0, 128), dkdv(2, 2, 128)))]
+
+
+@pytest.mark.parametrize("case,config", REGISTER_ORDER_SCHEDULES,
+                         ids=[f"{case.id}-{schedule_id(config)}" for case, config in REGISTER_ORDER_SCHEDULES])
+def test_dq_in_register_order_matches_reference(case, config, gluon_launches, dq_forms):
+    with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches and all(gluon_launches)
+    assert dq_forms and all(dq_forms), "dQ was not staged in register order"
+
+
+def test_dq_rows_past_a_whole_tile_keep_the_plain_layout(gluon_launches, dq_forms):
+    """Register order needs whole 64-row tiles: Sq = 300 sums dQ in the accumulator's own tiles."""
+    case = Case(1, 2, 2, 300, 300, 128, causal=True, dtype=torch.bfloat16)
+    with pinned_dkdv(case, dkdv(2, 0), atomic_dq=True, dq_tma=True):
+        check_case(case, "triton", "cuda")
+    assert gluon_launches == [True] and dq_forms == [False]
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_by_atomics_with_128_row_steps(head_dim, gluon_launches, monkeypatch):
     """With 128-row steps the Gluon pass sums dQ at D=64 only (split by rows; at D=128 its tiles

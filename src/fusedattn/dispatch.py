@@ -374,6 +374,10 @@ class BackwardPlan:
     gluon_dkdv: bool
     # dQ by the Gluon dQ pass (the warp-specialised forward's kernel in its dQ mode).
     gluon_dq: bool
+    # dQ summed by the Gluon dK/dV pass in register order (``gluon.bwd.RUN_BOX``): whole 64-row
+    # tiles (Sq a multiple of 64), no packing. Else, and wherever the Triton programs sum it after all,
+    # the accumulator's plain layout.
+    dq_register_order: bool
     # Why the dK/dV pass is not the Gluon one ("" where it is), and how dQ is summed and why.
     dkdv_why: str
     dq_why: str
@@ -438,6 +442,10 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     gluon_dkdv = support.ok
     gluon_dq = gluon_dkdv and not atomic_dq and takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing)
     dq_why = _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing)
+    # Where the Gluon pass sums dQ it stages it in register order (16-byte stores without bank
+    # conflicts, one reduce-add a tile): its runs are whole 64 x 64 tiles of a sequence's rows
+    dq_register_order = (gluon_dkdv and atomic_dq and packing is None and seqlen_q % 64 == 0
+                         and head_dim % 64 == 0)
     padded_d = cdiv(head_dim, 4) * 4 if atomic_dq else 0
     pre_block_m = configs.preprocess_block_m
     gluon_dq_rows = configs.gluon_dq.hopper_split * 64 if configs.gluon_dq is not None else 0
@@ -449,7 +457,7 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
                                                 total_q, pre_block_m, padded_rows, padded_d, zero_dq, packing)
     return BackwardPlan(dkdv_cfg, atomic_dq, ordered_dq, group_walk, bias_in_gluon,
                         dkdv_block_major(spec, heads_q // heads_kv),
-                        padded_d, padded_rows, zero_dq, preprocess, gluon_dkdv, gluon_dq,
+                        padded_d, padded_rows, zero_dq, preprocess, gluon_dkdv, gluon_dq, dq_register_order,
                         "" if gluon_dkdv else support.reason, dq_why)
 
 
@@ -638,8 +646,7 @@ def attention_backward(dout, dlse, q, k, v, out, lse, spec: AttentionSpec, confi
     gluon_dkdv = plan.gluon_dkdv and _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec, plan, dq_buffer,
                                                       mask, bias, dbias, packing, alibi, dropout_seed)
     if gluon_dkdv and plan.atomic_dq:  # the Gluon pass computed every gradient, the bias's too
-        return triton_bwd.dq_from_sums(dq_buffer, q, layout, bool(knobs().ablate & 8),
-                                         spec.scale if knobs().ablate & 16 else 1.0), dk, dv, dbias, dsinks
+        return triton_bwd.dq_from_sums(dq_buffer, q, layout, plan.dq_register_order), dk, dv, dbias, dsinks
     if plan.ordered_dq:  # TMA could not address a tensor after all: the Triton programs' atomics add in no order
         plan = replace(plan, atomic_dq=False, ordered_dq=False)
     if gluon_dkdv and plan.gluon_dq:
@@ -690,7 +697,7 @@ def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, pl
                                dq_accum if plan.atomic_dq else None, lists, group_sum, bias, dbias, packing,
                                alibi=alibi,
                                dropout=(dropout_seed, *triton_fwd.dropout_args(spec)) if spec.has_dropout else None,
-                               dq_lock=dq_lock)
+                               dq_lock=dq_lock, dq_register_order=plan.dq_register_order)
 
 
 def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec, configs: AttentionConfigs) -> None:

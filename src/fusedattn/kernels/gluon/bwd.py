@@ -74,14 +74,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ...spec import AttentionSpec, to_bhsd
 from ..shared.config import KernelConfig
 from ..shared.block_range import query_blocks_for_key_block
-from ..shared.constants import score_constants
-from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_mark_t,
-                     keep_scores, launch_order, log2_scores, packed_chunk_heads, packed_tile, row_stats_descriptor,
-                     store_sequence_rows, tma_reduce_add, turn_pass, turn_wait, ws_registers)
+from ..shared.constants import REGISTER_ORDER_BASES, score_constants
+from .common import (LOG2E, WG_ROWS, Descriptor, UnswizzledDescriptor, bias_slice_args, chunk_head_rows, descriptor,
+                     dropout_mark_t, keep_scores, launch_order, log2_scores, packed_chunk_heads, packed_tile,
+                     row_stats_descriptor, store_sequence_rows, tma_reduce_add, turn_pass, turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
 from ..shared import packed_tiles
-from ..shared.knobs import knobs
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -290,7 +289,7 @@ def _dq_turn(blk, pid_n, seq_q, seq_k, key_blocks, BLOCK_M: gl.constexpr, BLOCK_
 def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, bias_at,
            q_start, order_at, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
            HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
-           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr, ABLATE: gl.constexpr = 0):
+           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr):
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
     (D=128), its rows (D=64, 128-row steps) or all columns over its own keys (D=64, ``_dq_tile``).
@@ -306,8 +305,11 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ or VARLEN, LISTS)
-        ROWS: gl.constexpr = _dq_tile_dim(dq_desc.block_type.shape, 0, ABLATE)
-        COLS: gl.constexpr = _dq_tile_dim(dq_desc.block_type.shape, 1, ABLATE)
+        BOX_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
+        BOX_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+        ROWS: gl.constexpr = _dq_tile_rows(BOX_ROWS, BOX_COLS)
+        COLS: gl.constexpr = _dq_tile_cols(BOX_ROWS, BOX_COLS)
+        RUNS: gl.constexpr = _in_register_order(BOX_COLS)
         BY_KEYS: gl.constexpr = _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D)
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
@@ -320,16 +322,13 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
                     seen = _load_acquire(lock)
             for w in gl.static_range(SPLIT):
                 mbarrier.wait(dq_full.index(w), t & 1)
-                if ABLATE & 8:  # the tile's flat run: (rows / 64 * D / 64 + columns / 64) * 128 rows of 32
-                    row0 = q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M
-                    tile = (row0 // ROWS) * (HEAD_D // COLS) + ((w * COLS) % HEAD_D) // COLS
-                    tma_reduce_add(dq_desc, [batch, first_head + member, tile * (ROWS * COLS // 32), 0],
-                                   dq_s.index(w)._reinterpret(gl.float32, [1, 1, ROWS * COLS // 32, 32],
-                                                              dq_desc.layout))
-                elif not (ABLATE & 1):  # timing experiment: bit 1 drops the reduce-adds
-                    tma_reduce_add(dq_desc, [batch, first_head + member,
-                                             q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M, (w * COLS) % HEAD_D],
-                                   dq_s.index(w))
+                row0 = q_start + blk * BLOCK_M + (w * ROWS) % BLOCK_M
+                col0 = (w * COLS) % HEAD_D
+                if RUNS:  # the tile's run: run r of a head covers rows [64 (r // (D / 64)), + 64)
+                    run = (row0 // ROWS) * (HEAD_D // COLS) + col0 // COLS
+                    tma_reduce_add(dq_desc, [batch, first_head + member, run * BOX_ROWS, 0], dq_s.index(w))
+                else:
+                    tma_reduce_add(dq_desc, [batch, first_head + member, row0, col0], dq_s.index(w))
                 if ORDERED and BY_KEYS:  # every warpgroup's tile covers the same entries: one add at a time
                     _bulk_writes_done()
             if DBIAS:  # every warpgroup's dQ wgmma came after its dS store: the whole tile is there
@@ -366,21 +365,38 @@ def _ds_buffer(ds_s, t, BIAS: gl.constexpr):
     return buf
 
 
-@gluon.constexpr_function
-def _dq_tile_dim(block_dim, index, ablate):
-    """Rows (index 0) or columns (1) of a warpgroup's dQ tile: the descriptor's block, or with
-    register-order staging (``ablate`` bit 8; its block is then (128, 32) floats) 64 x 64."""
-    return 64 if ablate & 8 else block_dim[2 + index]
+# dQ's staging, two forms; the host picks one with the accumulator's descriptor
+# (``dq_accumulator_descriptor``), whose box the staging buffer takes:
+# - the accumulator's own (rows, 64) tile, 128-byte swizzled: 64-bit stores with 2-way bank conflicts
+#   (a half-warp's 4 rows of 32 bytes fall on 4 of the swizzle's 8 16-byte chunks);
+# - register order: the 64 x 64 tile as one run of 4096 floats in the wgmma accumulator's register
+#   order (``constants.REGISTER_ORDER_BASES``: each thread's (r, c), (r, c + 1), (r + 8, c), (r + 8,
+#   c + 1) one 16-byte vector, a warp's lanes 0-7 on 8 different 16-byte chunks), stored without bank
+#   conflicts and added with one reduce-add through a (128, 32) unswizzled box over the accumulator
+#   viewed as runs; ``triton_bwd._convert_dq_kernel`` puts the elements back in place. Whole 64-row
+#   tiles only.
+RUN_BOX = (128, 32)  # a 64 x 64 run as the reduce-add's box: 128 rows of 32 floats
 
 
 @gluon.constexpr_function
-def _register_order_stage():
-    """A 64 x 64 fp32 dQ tile staged in the wgmma accumulator's register order: offset bit i holds
-    logical coordinate bases[i]. Each thread's (r, c), (r, c+1), (r+8, c), (r+8, c+1) are one 16-byte
-    vector (STS.128), and lanes 0-7 of a warp (c bits 1, 2 and r bit 0) eight different 16-byte
-    chunks of 128 bytes: no bank conflict in any phase."""
-    return gl.SharedLinearLayout(offset_bases=[[0, 1], [8, 0], [0, 2], [0, 4], [1, 0], [0, 8], [0, 16], [0, 32],
-                                               [2, 0], [4, 0], [16, 0], [32, 0]])
+def _register_order_layout():
+    return gl.SharedLinearLayout(offset_bases=[list(b) for b in REGISTER_ORDER_BASES])
+
+
+@gluon.constexpr_function
+def _in_register_order(box_cols):
+    """Whether a dQ staging box of ``box_cols`` columns holds runs (a tile's own box is 64 wide)."""
+    return box_cols == RUN_BOX[1]
+
+
+@gluon.constexpr_function
+def _dq_tile_rows(box_rows, box_cols):
+    return 64 if _in_register_order(box_cols) else box_rows
+
+
+@gluon.constexpr_function
+def _dq_tile_cols(box_rows, box_cols):
+    return 64 if _in_register_order(box_cols) else box_cols
 
 
 @gluon.constexpr_function
@@ -410,7 +426,8 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
     bias gradient (TMA cannot transpose); dQ's wgmma then reads it K-major."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
-    BY_KEYS: gl.constexpr = _dq_by_keys(dq_s.shape[3], dq_s.shape[4], ds16.shape[1], k_smem.shape[4])
+    BY_KEYS: gl.constexpr = _dq_by_keys(_dq_tile_rows(dq_s.shape[3], dq_s.shape[4]),
+                                        _dq_tile_cols(dq_s.shape[3], dq_s.shape[4]), ds16.shape[1], k_smem.shape[4])
     if BY_KEYS:
         ds_s.index(WG).store(ds16)
     elif BIAS:
@@ -451,8 +468,8 @@ def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexp
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
-    ROWS: gl.constexpr = dq_s.shape[3]
-    COLS: gl.constexpr = dq_s.shape[4]
+    ROWS: gl.constexpr = _dq_tile_rows(dq_s.shape[3], dq_s.shape[4])
+    COLS: gl.constexpr = _dq_tile_cols(dq_s.shape[3], dq_s.shape[4])
     if _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D):
         ds_own = ds_s.index(WG)
         dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
@@ -477,20 +494,17 @@ def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexp
 
 
 @gluon.jit
-def _dq_hand_off(t, dq, dq_state, scale, WG: gl.constexpr, ABLATE: gl.constexpr = 0):
+def _dq_hand_off(t, dq, dq_state, scale, WG: gl.constexpr):
     """DQ: this warpgroup's finished dQ tile, scaled, into its staging tile for the drain's reduce-add,
-    once the drain has reduced the previous step's."""
+    once the drain has reduced the previous step's: in register order where the staging buffer holds
+    runs (16-byte stores without bank conflicts), else as the accumulator's own (rows, 64) tile."""
     dq_s, dq_full, dq_empty = dq_state[1], dq_state[3], dq_state[4]
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
-    if ABLATE & 16:  # the conversion scales the sums
-        dq_s.index(WG)._reinterpret(gl.float32, [dq.shape[0], dq.shape[1]], _register_order_stage()).store(dq)
-    elif ABLATE & 8:
-        dq_s.index(WG)._reinterpret(gl.float32, [dq.shape[0], dq.shape[1]], _register_order_stage()).store(dq * scale)
-    elif ABLATE & 2:  # timing experiment: no staging store (a scale of -1 never runs)
-        if scale == -1.0:
-            dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq * scale)
+    if _in_register_order(dq_s.shape[4]):
+        tile = dq_s.index(WG)._reinterpret(gl.float32, [dq.shape[0], dq.shape[1]], _register_order_layout())
     else:
-        dq_s.index(WG).reshape([dq_s.shape[3], dq_s.shape[4]]).store(dq * scale)
+        tile = dq_s.index(WG).reshape([dq.shape[0], dq.shape[1]])
+    tile.store(dq * scale)
     fence_async_shared()
     gl.thread_barrier()
     mbarrier.arrive(dq_full.index(WG), count=1)
@@ -539,7 +553,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
           LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr,
           ALIBI: gl.constexpr = False, alibi_slope=0.0, alibi_row0=0, DROPOUT: gl.constexpr = False,
-          drop=(0, 0, 0, 0, 0, 1.0), ABLATE: gl.constexpr = 0):
+          drop=(0, 0, 0, 0, 0, 1.0)):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only (RAGGED:
     keys past Sk are masked there too, ``_query_walk``). With
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
@@ -608,10 +622,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
     lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
     if ALIBI:
         lse2 = lse2 + alibi_slope * gl.arange(0, BLOCK_M, layout=col_layout).to(gl.float32)
-    if ABLATE & 4:  # timing experiment: no exponentials
-        p = s * qk_scale - gl.expand_dims(lse2, 0)
-    else:
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
     if DROPOUT:
         # The keep bit rides in p's sign bit (a dropped p is stored negated, -0.0 included), so no
         # tile of bits stays live across dP^T: p >= 0, and the cap's derivative below keeps the sign.
@@ -650,12 +661,14 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
         dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
         # dQ's chained wgmmas stay queued: dV alone is retired
-        DQ_WGMMAS: gl.constexpr = _dq_wgmmas(dq_state[1].shape[3], dq_state[1].shape[4], BLOCK_M, HEAD_D, SPLIT)
+        DQ_WGMMAS: gl.constexpr = _dq_wgmmas(_dq_tile_rows(dq_state[1].shape[3], dq_state[1].shape[4]),
+                                             _dq_tile_cols(dq_state[1].shape[3], dq_state[1].shape[4]), BLOCK_M,
+                                             HEAD_D, SPLIT)
         dv, _ = warpgroup_mma_wait(num_outstanding=DQ_WGMMAS, deps=[dv, p_a])
         ds_a = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
-        _dq_hand_off(t, dq, dq_state, scale, WG, ABLATE)
+        _dq_hand_off(t, dq, dq_state, scale, WG)
         dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
         mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
         return dk, dv
@@ -689,7 +702,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
               stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
               ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False,
-              MASKED_FIRST: gl.constexpr = False, ABLATE: gl.constexpr = 0):
+              MASKED_FIRST: gl.constexpr = False):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. MASKED_FIRST (with DQ, no lists or
     left window): the masked steps first, then the interior ones (the drain's ordered dQ). ALIBI
     (causal, no lists, bias or packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of
@@ -720,8 +733,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     dv = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     if DQ:  # this warpgroup's dQ tile (``_dq_tile``)
-        DQ_ROWS: gl.constexpr = dq_state[1].shape[3]
-        DQ_COLS: gl.constexpr = dq_state[1].shape[4]
+        DQ_ROWS: gl.constexpr = _dq_tile_rows(dq_state[1].shape[3], dq_state[1].shape[4])
+        DQ_COLS: gl.constexpr = _dq_tile_cols(dq_state[1].shape[3], dq_state[1].shape[4])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
         dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
@@ -754,7 +767,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                                dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
                                BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG,
                                (phase == 0) == MASKED_FIRST, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope,
-                               row0, DROPOUT, drop, ABLATE)
+                               row0, DROPOUT, drop)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -771,7 +784,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
             dk, dv = _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state, dk,
                            dv, s_zero, dq_zero, keys, 0, rule, seq_k, qk_scale, softcap_log2, scale, BLOCK_M, HEAD_D,
                            NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, False, CAUSAL, LEFT, SOFTCAP, DQ, BIAS,
-                           RAGGED, ALIBI, slope, row0, DROPOUT, drop, ABLATE)
+                           RAGGED, ALIBI, slope, row0, DROPOUT, drop)
         # Masked steps: run those whose query block sees some key of this warpgroup, skip the others
         # (every step, when inactive): query blocks [w_begin, w_end) are visible.
         w_end = 2147483647
@@ -799,7 +812,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                                    dq_state, dk, dv, s_zero, dq_zero, keys, blk * BLOCK_M, rule, seq_k, qk_scale,
                                    softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
                                    PINGPONG, True, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope, row0,
-                                   DROPOUT, drop, ABLATE)
+                                   DROPOUT, drop)
                 else:
                     _skip(t, ready, empty, turn_bars, WG, NUM_STAGES, PINGPONG)
         else:
@@ -854,7 +867,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                    ORDERED: gl.constexpr = False, ABLATE: gl.constexpr = 0):
+                    ORDERED: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -953,8 +966,10 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     if DQ:
         # dS (keys x queries, every warpgroup's part, double-buffered) and each warpgroup's dQ tile:
         # its columns or rows, or all of them over its own keys (``_dq_tile``).
-        DQ_ROWS: gl.constexpr = _dq_tile_dim(dq_desc.block_type.shape, 0, ABLATE)
-        DQ_COLS: gl.constexpr = _dq_tile_dim(dq_desc.block_type.shape, 1, ABLATE)
+        DQ_BOX_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
+        DQ_BOX_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+        DQ_ROWS: gl.constexpr = _dq_tile_rows(DQ_BOX_ROWS, DQ_BOX_COLS)
+        DQ_COLS: gl.constexpr = _dq_tile_cols(DQ_BOX_ROWS, DQ_BOX_COLS)
         gl.static_assert((DQ_ROWS == BLOCK_M and (DQ_COLS == HEAD_D or DQ_COLS * SPLIT == HEAD_D))
                          or (DQ_COLS == HEAD_D and DQ_ROWS * SPLIT == BLOCK_M and not BIAS),
                          "dQ tiles: split by keys, columns or rows")
@@ -966,7 +981,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         else:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, DQ_ROWS, DQ_COLS], dq_desc.layout)
+        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, DQ_BOX_ROWS, DQ_BOX_COLS], dq_desc.layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
@@ -1007,12 +1022,12 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, ABLATE)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, ABLATE)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -1020,7 +1035,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          VARLEN, ORDERED and CAUSAL)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
                       entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, ABLATE)),
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1028,17 +1043,17 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, ABLATE)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, ABLATE)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, ABLATE)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -1046,7 +1061,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          VARLEN, ORDERED and CAUSAL)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
                       entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, ABLATE)),
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
         ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -1073,35 +1088,22 @@ def dq_tile_shape(block_m: int) -> tuple[int, int]:
     return min(block_m, 64), DQ_COLS
 
 
-class _FlatDescriptor(Descriptor):
-    """A descriptor whose block is staged unswizzled (a flat run of floats in shared memory)."""
-
-    __slots__ = ()
-
-    def for_triton(self):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
-                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4))
-
-
-def flat_dq_descriptor(dq_accum: torch.Tensor):
-    """The fp32 (B, Hq, Sq, D) dQ accumulator as runs of 64 x 64 tiles in register order: (B, Hq,
-    Sq * D / 32, 32), block (1, 1, 128, 32) -- one tile. Sq a multiple of 64, D of 64."""
+def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int, register_order: bool = False):
+    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, ``dq_tile_shape``): one warpgroup's tile;
+    or, ``register_order`` (Sq and D multiples of 64), viewed as runs of 64 x 64 tiles, (B, Hq, Sq *
+    D / 32, 32), block (1, 1, ``RUN_BOX``), unswizzled."""
+    if not register_order:
+        return Descriptor(dq_accum, (1, 1, *dq_tile_shape(block_m)))
     batch, heads, rows, cols = dq_accum.shape
     assert rows % 64 == 0 and cols % 64 == 0 and dq_accum.is_contiguous()
-    return _FlatDescriptor(dq_accum.view(batch, heads, rows * cols // 32, 32), (1, 1, 128, 32))
-
-
-def dq_accumulator_descriptor(dq_accum: torch.Tensor, block_m: int):
-    """The fp32 (B, Hq, Sq, D) dQ accumulator, block (1, 1, ``dq_tile_shape``): one warpgroup's tile."""
-    return Descriptor(dq_accum, (1, 1, *dq_tile_shape(block_m)))
+    return UnswizzledDescriptor(dq_accum.view(batch, heads, rows * cols // RUN_BOX[1], RUN_BOX[1]), (1, 1, *RUN_BOX))
 
 
 def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: KernelConfig,
               dq_accum=None, tile_lists: tuple | None = None, group_sum: bool = False,
               bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None, packing=None,
               alibi: torch.Tensor | None = None, dropout: tuple | None = None,
-              dq_lock: torch.Tensor | None = None) -> bool:
+              dq_lock: torch.Tensor | None = None, dq_register_order: bool = False) -> bool:
     """dK, dV into ``dk``, ``dv`` (user layout) from the pre-pass's ``lse2``, ``delta`` ((B*Hq,
     padded rows), rows a multiple of ``config.block_m``); with ``dq_accum`` (fp32 (B, Hq, Sq, D),
     zeroed; ``computes_dq``) also dQ (scaled), summed into it by TMA reduce-adds in no fixed order.
@@ -1119,7 +1121,11 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
     sequences, the row statistics (sequences * Hq, padded rows) (``_packed_dkdv``). ``dq_lock``
     (with ``dq_accum``; no lists, left window, bias, group sums or packing): zeroed int32 turn
     counters, ``dq_lock_size`` of them, with which dQ is summed in a fixed order instead
-    (deterministic mode, ``_drain``)."""
+    (deterministic mode, ``_drain``). ``dq_register_order`` (with ``dq_accum``, whose rows are then a
+    multiple of 64; no packing): dQ's tiles staged and summed as register-order runs (the
+    conversion takes ``triton_bwd.dq_from_sums(..., register_order=True)``)."""
+    assert not dq_register_order or (dq_accum is not None and packing is None), \
+        "dQ in register order: the pass with dQ, without packing"
     assert dq_lock is None or (dq_accum is not None and tile_lists is None and not group_sum and bias is None
                                and packing is None and not spec.has_window_left), \
         "dQ in a fixed order: the pass with dQ, without lists, window, bias, group sums or packing"
@@ -1145,10 +1151,10 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
         sums = torch.zeros((2, batch, heads_kv, seqlen_k, head_dim), dtype=torch.float32, device=q.device)
         descs += [Descriptor(t, (1, 1, KEYS_PER_WG, head_dim)) for t in sums]
     descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
-    if dq_accum is not None and knobs().ablate & 8:
-        dq_desc = flat_dq_descriptor(dq_accum)
+    if dq_accum is not None:
+        dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m, dq_register_order)
     else:
-        dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
+        dq_desc = descs[-1]
     bias_slices = None
     if bias is not None:
         assert dq_accum is not None and head_dim == 128 and not spec.has_softcap
@@ -1195,8 +1201,7 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered,
-                    ABLATE=knobs().ablate)
+                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered)
 
 
 def dq_lock_size(q_shape: tuple, config: KernelConfig) -> int:

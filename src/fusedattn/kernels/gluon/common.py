@@ -46,6 +46,17 @@ class Descriptor(descriptors.Descriptor):
                                 smem_layout(self.block_shape, self.base.dtype))
 
 
+class UnswizzledDescriptor(Descriptor):
+    """A descriptor whose block lands in shared memory unswizzled: a contiguous run of elements."""
+
+    __slots__ = ()
+
+    def for_triton(self) -> TensorDescriptor:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=self.base.element_size() * 8,
+                                      rank=len(self.block_shape))
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape), layout)
+
+
 @functools.lru_cache(maxsize=None)
 def smem_layout(block_shape: tuple, torch_dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_TYPES[torch_dtype])

@@ -28,9 +28,6 @@ class Knobs:
     pdl: bool | None = None
     # KV cache: the decoding kernel launched early too (None: wherever ``pdl`` is on).
     early_start: bool | None = None
-    # Gluon dK/dV+dQ pass, timing experiments only (wrong gradients): bit 1 drops dQ's reduce-adds,
-    # bit 2 its staging stores, bit 4 the exponentials.
-    ablate: int = 0
 
 
 _current = Knobs()

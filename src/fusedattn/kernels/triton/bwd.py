@@ -46,7 +46,7 @@ from ..shared import tile_lists
 from .dropout import dropout_keep
 from .fwd import (bhs_strides, broadcast_args, chunk_arg, dot_precision, dropout_args, mask_args, mask_descriptor, padded_dim, padded_dims,
                   row_list_args, sequence_args, softcap_mode)
-from ..shared.constants import score_constants
+from ..shared.constants import register_order_permutation, score_constants
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from .masking import (ALIBI_KEY_TERM, adjust_scores, alibi_distance, alibi_in_scores, alibi_mode, alibi_slope,
                       broadcast_tile_offsets, slice_indices)
@@ -762,31 +762,32 @@ def _bias_grad_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str, register_order: bool = False,
-                 scale: float = 1.0) -> torch.Tensor:
-    """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums, in q's strides like dK and dV
+def dq_from_sums(sums: torch.Tensor, q: torch.Tensor, layout: str, register_order: bool = False) -> torch.Tensor:
+    """dQ in q's dtype from the fp32 (B, Hq, Sq, padded D) sums -- ``register_order``: summed as the
+    Gluon pass's register-order runs (``constants.REGISTER_ORDER_BASES``) --, in q's strides like dK and dV
     (``attention_backward``): the strides the custom op's fake declares, and those AccumulateGrad
     keeps without a copy (a dQ with the sums' (B, H, S, D) strides was cloned every step where q's
     differ: bshd layout). By ``_convert_dq_kernel``: torch's copy into bshd strides measured much
     slower than into bhsd."""
     dq = gradient_like(q)
-    _dq_conversion(tuple(sums.shape), bhsd_stride(dq, layout), q.shape[-1], q.device.index, register_order,
-                   scale)(sums, dq)
+    _dq_conversion(tuple(sums.shape), bhsd_stride(dq, layout), q.shape[-1], q.device.index, register_order)(sums, dq)
     return dq
 
 
 @per_problem
-def _dq_conversion(sums_shape: tuple, dq_strides: tuple, head_dim: int, device_index, register_order=False,
-                   scale=1.0) -> Launcher:
+def _dq_conversion(sums_shape: tuple, dq_strides: tuple, head_dim: int, device_index, register_order: bool) -> Launcher:
     """``_convert_dq_kernel``'s launch for one problem (``dq_strides``: dQ's in (B, H, S, D) order);
     each call passes the sums and dQ."""
     batch, heads, seqlen, sums_cols = sums_shape
     assert dq_strides[3] == 1
-    rows = 64 if register_order else DQ_CONVERT_ROWS
+    if register_order:  # a program per 64-row tile: its runs (one per 64 columns)
+        assert seqlen % 64 == 0 and head_dim in (64, 128) and sums_cols == head_dim
+        rows, permutation = 64, register_order_permutation()
+    else:
+        rows, permutation = DQ_CONVERT_ROWS, None
     return Launcher(_convert_dq_kernel, (cdiv(seqlen, rows), batch * heads),
                     (SLOT, SLOT, seqlen, heads, sums_cols, *dq_strides[:3]), HEAD_DIM=head_dim,
-                    BLOCK_D=padded_dim(head_dim), BLOCK_M=rows, REGISTER_ORDER=register_order, SCALE=scale,
-                    num_warps=4)
+                    BLOCK_D=padded_dim(head_dim), BLOCK_M=rows, RUN_PERMUTATION=permutation, num_warps=4)
 
 
 DQ_CONVERT_ROWS = 32  # rows of a conversion program: a (32, 128) fp32 tile, 16 KB in flight
@@ -795,33 +796,29 @@ DQ_CONVERT_ROWS = 32  # rows of a conversion program: a (32, 128) fp32 tile, 16 
 @triton.jit(do_not_specialize=["seqlen_q", "stride_b", "stride_h", "stride_s"])
 def _convert_dq_kernel(Sums, DQ, seqlen_q, heads_q, sums_cols, stride_b, stride_h, stride_s,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       REGISTER_ORDER: tl.constexpr = False, SCALE: tl.constexpr = 1.0):
+                       RUN_PERMUTATION: tl.constexpr = None):
     """dQ rows [BLOCK_M * pid0, + BLOCK_M) of head row pid1 (= batch * Hq + head) in DQ's dtype and
     (batch, head, row) strides, unit stride along D, from the contiguous fp32 (B * Hq, Sq, sums_cols)
-    sums: one read of the sums and one write of dQ, in either layout."""
+    sums: one read of the sums and one write of dQ, in either layout. ``RUN_PERMUTATION``
+    (``constants.register_order_permutation``; BLOCK_M = 64, Sq a multiple of 64): the sums are the
+    Gluon pass's register-order runs, read whole and permuted back into rows and columns."""
     head_row = tl.program_id(1)
     batch = head_row // heads_q
     head = head_row - batch * heads_q
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     inside = (rows[:, None] < seqlen_q) & (cols[None, :] < HEAD_DIM)
-    if REGISTER_ORDER:
-        # 64-row tiles of (B * Hq, Sq, D) sums staged as the Gluon pass's 64 x 64 register-order runs
-        # (gluon.bwd._register_order_stage): flat bit i of a run is logical coordinate bit PERM's
-        TILES: tl.constexpr = HEAD_DIM // 64
-        flat = tl.arange(0, TILES * 4096)
-        base = Sums + (head_row.to(tl.int64) * seqlen_q + tl.program_id(0) * 64) * sums_cols
-        sums = tl.load(base + flat)
-        # dims (most significant first): tile, r5, r4, r2, r1, c5, c4, c3, r0, c2, c1, r3, c0
-        sums = tl.reshape(sums, [TILES, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
-        sums = tl.permute(sums, (1, 2, 11, 3, 4, 8, 0, 5, 6, 7, 9, 10, 12))
+    if RUN_PERMUTATION is not None:
+        runs = tl.arange(0, BLOCK_D * 64)  # this row tile's BLOCK_D / 64 runs, contiguous
+        sums = tl.load(Sums + (head_row.to(tl.int64) * seqlen_q + tl.program_id(0) * 64) * sums_cols + runs)
+        sums = tl.reshape(sums, [BLOCK_D // 64, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        P: tl.constexpr = RUN_PERMUTATION
+        sums = tl.permute(sums, (P[0], P[1], P[2], P[3], P[4], P[5], P[6], P[7], P[8], P[9], P[10], P[11], P[12]))
         sums = tl.reshape(sums, [BLOCK_M, BLOCK_D])
     else:
         sums = tl.load(Sums + (head_row.to(tl.int64) * seqlen_q + rows[:, None]) * sums_cols + cols[None, :],
                        mask=inside)
     out = DQ + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_s
-    if SCALE != 1.0:
-        sums = sums * SCALE
     tl.store(out + cols[None, :], sums.to(DQ.dtype.element_ty), mask=inside)
 
 
