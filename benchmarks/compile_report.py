@@ -27,7 +27,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.experimental.gluon.language import NVMMASharedLayout  # noqa: E402
 
 from fusedattn import dispatch  # noqa: E402
 from fusedattn.kernels.gluon import bwd as hopper_bwd  # noqa: E402
@@ -361,7 +360,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
         register_order = dq and not varlen
     if register_order:
         dq_block = [1, 1, *hopper_bwd.RUN_BOX]
-        dq_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+        dq_layout = hopper.unswizzled_layout(len(dq_block), torch.float32)
     dq_desc = f"tensordesc<fp32[{','.join(map(str, dq_block))}],{dq_layout!r}>" if dq else stats_desc
     score_block = [1, 1, cfg.block_m, 64 * cfg.hopper_split]
     score_layout = hopper.smem_layout(tuple(score_block), TYPES[dtype])

@@ -305,11 +305,9 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ or VARLEN, LISTS)
-        BOX_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-        BOX_COLS: gl.constexpr = dq_desc.block_type.shape[3]
-        ROWS: gl.constexpr = _dq_tile_rows(BOX_ROWS, BOX_COLS)
-        COLS: gl.constexpr = _dq_tile_cols(BOX_ROWS, BOX_COLS)
-        RUNS: gl.constexpr = _in_register_order(BOX_COLS)
+        ROWS: gl.constexpr = _dq_tile_rows(dq_desc.block_type.shape)
+        COLS: gl.constexpr = _dq_tile_cols(dq_desc.block_type.shape)
+        RUNS: gl.constexpr = _in_register_order(dq_desc.block_type.shape)
         BY_KEYS: gl.constexpr = _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D)
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
@@ -326,7 +324,8 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
                 col0 = (w * COLS) % HEAD_D
                 if RUNS:  # the tile's run: run r of a head covers rows [64 (r // (D / 64)), + 64)
                     run = (row0 // ROWS) * (HEAD_D // COLS) + col0 // COLS
-                    tma_reduce_add(dq_desc, [batch, first_head + member, run * BOX_ROWS, 0], dq_s.index(w))
+                    tma_reduce_add(dq_desc, [batch, first_head + member, run * dq_desc.block_type.shape[2], 0],
+                                   dq_s.index(w))
                 else:
                     tma_reduce_add(dq_desc, [batch, first_head + member, row0, col0], dq_s.index(w))
                 if ORDERED and BY_KEYS:  # every warpgroup's tile covers the same entries: one add at a time
@@ -384,19 +383,21 @@ def _register_order_layout():
 
 
 @gluon.constexpr_function
-def _in_register_order(box_cols):
-    """Whether a dQ staging box of ``box_cols`` columns holds runs (a tile's own box is 64 wide)."""
-    return box_cols == RUN_BOX[1]
+def _in_register_order(box):
+    """Whether a dQ staging box (its shape: the descriptor's block or the staging buffer, last two
+    dims) holds runs: a tile's own box is 64 columns wide."""
+    return box[-1] == RUN_BOX[1]
 
 
 @gluon.constexpr_function
-def _dq_tile_rows(box_rows, box_cols):
-    return 64 if _in_register_order(box_cols) else box_rows
+def _dq_tile_rows(box):
+    """Rows of the warpgroup's dQ tile staged in ``box`` (as ``_in_register_order``)."""
+    return 64 if _in_register_order(box) else box[-2]
 
 
 @gluon.constexpr_function
-def _dq_tile_cols(box_rows, box_cols):
-    return 64 if _in_register_order(box_cols) else box_cols
+def _dq_tile_cols(box):
+    return 64 if _in_register_order(box) else box[-1]
 
 
 @gluon.constexpr_function
@@ -426,8 +427,8 @@ def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
     bias gradient (TMA cannot transpose); dQ's wgmma then reads it K-major."""
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
-    BY_KEYS: gl.constexpr = _dq_by_keys(_dq_tile_rows(dq_s.shape[3], dq_s.shape[4]),
-                                        _dq_tile_cols(dq_s.shape[3], dq_s.shape[4]), ds16.shape[1], k_smem.shape[4])
+    BY_KEYS: gl.constexpr = _dq_by_keys(_dq_tile_rows(dq_s.shape), _dq_tile_cols(dq_s.shape), ds16.shape[1],
+                                        k_smem.shape[4])
     if BY_KEYS:
         ds_s.index(WG).store(ds16)
     elif BIAS:
@@ -468,8 +469,8 @@ def _dq_issue(t, k_smem, dq_state, dq_zero, WG: gl.constexpr, SPLIT: gl.constexp
     ds_s, dq_s, ds_bar, dq_full, dq_empty, _ = dq_state
     KEYS: gl.constexpr = k_smem.shape[3]
     HEAD_D: gl.constexpr = k_smem.shape[4]
-    ROWS: gl.constexpr = _dq_tile_rows(dq_s.shape[3], dq_s.shape[4])
-    COLS: gl.constexpr = _dq_tile_cols(dq_s.shape[3], dq_s.shape[4])
+    ROWS: gl.constexpr = _dq_tile_rows(dq_s.shape)
+    COLS: gl.constexpr = _dq_tile_cols(dq_s.shape)
     if _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D):
         ds_own = ds_s.index(WG)
         dq = warpgroup_mma(ds_own.permute((1, 0)), k_smem.index(WG).reshape([KEYS, HEAD_D]), dq_zero,
@@ -500,7 +501,7 @@ def _dq_hand_off(t, dq, dq_state, scale, WG: gl.constexpr):
     runs (16-byte stores without bank conflicts), else as the accumulator's own (rows, 64) tile."""
     dq_s, dq_full, dq_empty = dq_state[1], dq_state[3], dq_state[4]
     mbarrier.wait(dq_empty.index(WG), (t & 1) ^ 1)
-    if _in_register_order(dq_s.shape[4]):
+    if _in_register_order(dq_s.shape):
         tile = dq_s.index(WG)._reinterpret(gl.float32, [dq.shape[0], dq.shape[1]], _register_order_layout())
     else:
         tile = dq_s.index(WG).reshape([dq.shape[0], dq.shape[1]])
@@ -661,9 +662,8 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         _stage_ds(t, ds16, k_smem, dq_state, WG, BIAS)
         dq = _dq_issue(t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
         # dQ's chained wgmmas stay queued: dV alone is retired
-        DQ_WGMMAS: gl.constexpr = _dq_wgmmas(_dq_tile_rows(dq_state[1].shape[3], dq_state[1].shape[4]),
-                                             _dq_tile_cols(dq_state[1].shape[3], dq_state[1].shape[4]), BLOCK_M,
-                                             HEAD_D, SPLIT)
+        DQ_WGMMAS: gl.constexpr = _dq_wgmmas(_dq_tile_rows(dq_state[1].shape), _dq_tile_cols(dq_state[1].shape),
+                                             BLOCK_M, HEAD_D, SPLIT)
         dv, _ = warpgroup_mma_wait(num_outstanding=DQ_WGMMAS, deps=[dv, p_a])
         ds_a = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
@@ -733,8 +733,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     dv = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     if DQ:  # this warpgroup's dQ tile (``_dq_tile``)
-        DQ_ROWS: gl.constexpr = _dq_tile_rows(dq_state[1].shape[3], dq_state[1].shape[4])
-        DQ_COLS: gl.constexpr = _dq_tile_cols(dq_state[1].shape[3], dq_state[1].shape[4])
+        DQ_ROWS: gl.constexpr = _dq_tile_rows(dq_state[1].shape)
+        DQ_COLS: gl.constexpr = _dq_tile_cols(dq_state[1].shape)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
         dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
@@ -966,10 +966,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     if DQ:
         # dS (keys x queries, every warpgroup's part, double-buffered) and each warpgroup's dQ tile:
         # its columns or rows, or all of them over its own keys (``_dq_tile``).
-        DQ_BOX_ROWS: gl.constexpr = dq_desc.block_type.shape[2]
-        DQ_BOX_COLS: gl.constexpr = dq_desc.block_type.shape[3]
-        DQ_ROWS: gl.constexpr = _dq_tile_rows(DQ_BOX_ROWS, DQ_BOX_COLS)
-        DQ_COLS: gl.constexpr = _dq_tile_cols(DQ_BOX_ROWS, DQ_BOX_COLS)
+        DQ_ROWS: gl.constexpr = _dq_tile_rows(dq_desc.block_type.shape)
+        DQ_COLS: gl.constexpr = _dq_tile_cols(dq_desc.block_type.shape)
         gl.static_assert((DQ_ROWS == BLOCK_M and (DQ_COLS == HEAD_D or DQ_COLS * SPLIT == HEAD_D))
                          or (DQ_COLS == HEAD_D and DQ_ROWS * SPLIT == BLOCK_M and not BIAS),
                          "dQ tiles: split by keys, columns or rows")
@@ -981,7 +979,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         else:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             ds_s = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, DQ_BOX_ROWS, DQ_BOX_COLS], dq_desc.layout)
+        DQ_BOX: gl.constexpr = dq_desc.block_type.shape  # the staging buffer takes the reduce-add's box
+        dq_s = gl.allocate_shared_memory(gl.float32, [SPLIT, 1, 1, DQ_BOX[2], DQ_BOX[3]], dq_desc.layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         dq_full = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [SPLIT, 1], mbarrier.MBarrierLayout())

@@ -52,9 +52,13 @@ class UnswizzledDescriptor(Descriptor):
     __slots__ = ()
 
     def for_triton(self) -> TensorDescriptor:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=self.base.element_size() * 8,
-                                      rank=len(self.block_shape))
-        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape), layout)
+        return TensorDescriptor(self.base, list(self.shape), list(self.strides), list(self.block_shape),
+                                unswizzled_layout(len(self.block_shape), self.base.dtype))
+
+
+def unswizzled_layout(rank: int, torch_dtype):
+    """The shared-memory layout of an ``UnswizzledDescriptor``'s block."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=torch_dtype.itemsize * 8, rank=rank)
 
 
 @functools.lru_cache(maxsize=None)
