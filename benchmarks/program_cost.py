@@ -1,0 +1,127 @@
+"""Split each kernel's time into a per-program fixed cost and a per-step cost, fusedattn beside
+FlashAttention-4 (or alone), from per-kernel times (torch.profiler, CUPTI) at several sequence
+lengths whose launches have the same number of programs.
+
+    python benchmarks/program_cost.py [--systems fusedattn,fa4] [--head-dims 64,128] \\
+        [--seqlens 512,1024,2048,4096,8192] [--out program-cost.json]
+
+The standard shapes hold tokens (B * S = 16k) and B * H * D fixed, so a backward launch has
+B * H * S / 128 = the same number of 128-key programs at every S, and a program's steps grow
+with S: a kernel's time is waves * (fixed + steps * per_step). A least-squares line of the
+kernel's time against S, per system, D and mask, gives the intercept (the fixed cost of all
+the programs an SM runs, in microseconds) and the slope. Two kernels with the same slope and
+different intercepts differ per program (prologue, first loads, epilogue), not per step.
+Timing only; each system's output is the one the bench checks (fusedattn.bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+
+import torch
+
+import fusedattn
+from fusedattn.bench.systems import fa4_attn_func, fa4_call, stored_as
+
+ROLES = [  # kernel name pattern -> role, first match wins
+    ("pre", r"_preprocess_kernel|BackwardPreprocess"),
+    ("post", r"_convert_dq|BackwardPostprocess"),
+    ("forward", r"_attn_fwd|_forward|ForwardSm90"),
+    ("dkdv", r"_dkdv|_backward_kernel|BackwardSm90"),
+]
+
+
+def role(name: str) -> str:
+    for r, pattern in ROLES:
+        if re.search(pattern, name):
+            return r
+    return "other"
+
+
+def kernel_times(fn, iters: int) -> dict[str, float]:
+    """Mean microseconds per call of each kernel ``fn`` launches (the profiler's device times)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.time_range.elapsed_us()
+    return {name: t / iters for name, t in totals.items()}
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - slope * mx, slope
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--systems", default="fusedattn,fa4")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--seqlens", default="512,1024,2048,4096,8192")
+    p.add_argument("--masks", default="causal,full")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default="program-cost.json")
+    args = p.parse_args()
+    seqlens = [int(s) for s in args.seqlens.split(",")]
+    rows = []
+    for d in (int(x) for x in args.head_dims.split(",")):
+        for mask in args.masks.split(","):
+            causal = mask == "causal"
+            for system in args.systems.split(","):
+                per_role: dict[str, list[float]] = collections.defaultdict(list)
+                for s in seqlens:
+                    gen = torch.Generator(device="cuda").manual_seed(0)
+                    size = (16384 // s, 2048 // d, s, d)
+                    q, k, v, dout = (torch.randn(size, device="cuda", dtype=torch.bfloat16, generator=gen)
+                                     for _ in range(4))
+                    if system == "fa4":
+                        fa4 = fa4_attn_func()
+                        leaves = [stored_as(t, "bshd").requires_grad_() for t in (q, k, v)]
+                        grad = stored_as(dout, "bshd")
+                        call = lambda: fa4_call(fa4, *leaves, causal=causal)  # noqa: E731
+                    else:
+                        leaves = [t.requires_grad_() for t in (q, k, v)]
+                        grad = dout
+                        call = lambda: fusedattn.attention(*leaves, layout="bhsd", causal=causal)  # noqa: E731
+
+                    def step():
+                        for t in leaves:
+                            t.grad = None
+                        call().backward(grad)
+
+                    times = kernel_times(step, args.iters)
+                    by_role: dict[str, float] = collections.defaultdict(float)
+                    for name, t in times.items():
+                        by_role[role(name)] += t
+                    for r, t in by_role.items():
+                        per_role[r].append(t)
+                    row = {"system": system, "head_dim": d, "causal": causal, "seqlen": s,
+                           "roles_us": dict(by_role), "kernels_us": times}
+                    rows.append(row)
+                    print(f"{system:10s} D={d} {mask:6s} S={s:5d} " +
+                          " ".join(f"{r}={t:8.1f}" for r, t in sorted(by_role.items())), flush=True)
+                for r, ts in per_role.items():
+                    if len(ts) == len(seqlens) and r in ("forward", "dkdv"):
+                        a, b = fit([float(s) for s in seqlens], ts)
+                        print(f"  fit {system} D={d} {mask} {r}: {a:8.1f} us + {b * 1024:8.1f} us per 1k", flush=True)
+                        rows.append({"system": system, "head_dim": d, "causal": causal, "role": r,
+                                     "intercept_us": a, "slope_us_per_1k": b * 1024})
+    device = torch.cuda.get_device_name()
+    with open(args.out, "w") as f:
+        json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
