@@ -81,7 +81,6 @@ from .common import (LOG2E, WG_ROWS, Descriptor, UnswizzledDescriptor, bias_slic
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
 from ..shared import packed_tiles
-from ..shared.knobs import knobs
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -172,9 +171,19 @@ def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr, MASKED_FIRST:
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, batch, head_kv, k_start, n0, seq_k, SPLIT: gl.constexpr,
-             DQ: gl.constexpr):
-    """Each consumer warpgroup's K and V tiles (keys [n0 + 64 c, + 64)) onto kv_bars[c]."""
+def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem, v_smem, q_ring,
+              do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch, head_kv, first_head, n0, seq_q,
+              seq_k, heads_q, group, window_left, entries, bias_at, packed, SPLIT: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr,
+              VARLEN: gl.constexpr, MASKED_FIRST: gl.constexpr):
+    """``group``: the query heads the walk covers, from ``first_head`` on (1 with GROUP_SUM). BIAS:
+    each step's bias tile (queries x the program's keys) lands in the ring slot with Q and dO, read
+    in the bias's own shape at batch ``bias_at[0]``, head ``head // bias_at[1]``. ``packed``
+    (``_dkdv_ws_kernel``): the first query and key rows of the program's sequence and its first row
+    of the row statistics (and what the consumers take); with VARLEN the consumers store dK, dV
+    themselves, but for the group sums."""
+    q_start, k_start, stats_row0 = packed[0], packed[1], packed[2]
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
@@ -187,61 +196,25 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, batch, head_kv, k_start, n
                                         pred=live)
         tma.async_copy_global_to_shared(v_desc, [batch, head_kv, k_start + nc, 0], kv_bars.index(c), v_smem.index(c),
                                         pred=live)
-
-
-@gluon.jit
-def _load_step(t, walk, pred, q_desc, do_desc, lse_desc, dl_desc, bias_desc, q_ring, do_ring, lse_ring, dl_ring,
-               bias_ring, ready, batch, first_head, q_start, stats_row0, bias_at, n0, BLOCK_M: gl.constexpr,
-               NUM_STAGES: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-               MASKED_FIRST: gl.constexpr):
-    """Step t's Q, dO, row statistics (and bias tile) into its ring slot, onto ready[slot] (its slot
-    free), where ``pred``."""
-    slot = t % NUM_STAGES
-    member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
-    head = first_head + member
-    row = stats_row0 + head
-    bar = ready.index(slot)
-    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
-                            + dl_desc.block_type.nbytes + (bias_desc.block_type.nbytes if BIAS else 0))
-    mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [batch, head, q_start + blk * BLOCK_M, 0], bar, q_ring.index(slot),
-                                    pred=pred)
-    tma.async_copy_global_to_shared(do_desc, [batch, head, q_start + blk * BLOCK_M, 0], bar, do_ring.index(slot),
-                                    pred=pred)
-    tma.async_copy_global_to_shared(lse_desc, [row, blk * BLOCK_M], bar, lse_ring.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(dl_desc, [row, blk * BLOCK_M], bar, dl_ring.index(slot), pred=pred)
-    if BIAS:
-        tma.async_copy_global_to_shared(bias_desc, [bias_at[0], head // bias_at[1], blk * BLOCK_M, n0], bar,
-                                        bias_ring.index(slot), pred=pred)
-
-
-@gluon.jit
-def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem, v_smem, q_ring,
-              do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch, head_kv, first_head, n0, seq_q,
-              seq_k, heads_q, group, window_left, entries, bias_at, packed, SPLIT: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr,
-              VARLEN: gl.constexpr, MASKED_FIRST: gl.constexpr, ABLATE: gl.constexpr = 0, stamp_at=(0, 0)):
-    """``group``: the query heads the walk covers, from ``first_head`` on (1 with GROUP_SUM). BIAS:
-    each step's bias tile (queries x the program's keys) lands in the ring slot with Q and dO, read
-    in the bias's own shape at batch ``bias_at[0]``, head ``head // bias_at[1]``. ``packed``
-    (``_dkdv_ws_kernel``): the first query and key rows of the program's sequence and its first row
-    of the row statistics (and what the consumers take); with VARLEN the consumers store dK, dV
-    themselves, but for the group sums."""
-    q_start, k_start, stats_row0 = packed[0], packed[1], packed[2]
-    KEYS: gl.constexpr = k_desc.block_type.shape[2]
-    if ABLATE & 128:  # timing experiment: the producer issues K, V and step 0 itself
-        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, batch, head_kv, k_start, n0, seq_k, SPLIT, DQ)
-    _stamp(stamp_at, 3, 1, ABLATE)
     n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                 DQ or VARLEN, LISTS)
-    first = 0 if ABLATE & 384 else 1  # step 0 was issued before the warps went their ways (the kernel)
-    for t in range(first, n_steps):
-        mbarrier.wait(empty.index(t % NUM_STAGES), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
-        _load_step(t, walk, True, q_desc, do_desc, lse_desc, dl_desc, bias_desc, q_ring, do_ring, lse_ring, dl_ring,
-                   bias_ring, ready, batch, first_head, q_start, stats_row0, bias_at, n0, BLOCK_M, NUM_STAGES,
-                   LEFT, LISTS, BIAS, MASKED_FIRST)
-    _stamp(stamp_at, 4, 1, ABLATE)
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                            + dl_desc.block_type.nbytes + (bias_desc.block_type.nbytes if BIAS else 0))
+    for t in range(n_steps):
+        slot = t % NUM_STAGES
+        mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
+        member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
+        head = first_head + member
+        row = stats_row0 + head
+        bar = ready.index(slot)
+        mbarrier.expect(bar, nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, q_start + blk * BLOCK_M, 0], bar, q_ring.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [batch, head, q_start + blk * BLOCK_M, 0], bar, do_ring.index(slot))
+        tma.async_copy_global_to_shared(lse_desc, [row, blk * BLOCK_M], bar, lse_ring.index(slot))
+        tma.async_copy_global_to_shared(dl_desc, [row, blk * BLOCK_M], bar, dl_ring.index(slot))
+        if BIAS:
+            tma.async_copy_global_to_shared(bias_desc, [bias_at[0], head // bias_at[1], blk * BLOCK_M, n0], bar,
+                                            bias_ring.index(slot))
     # Each consumer's dK, dV out by TMA, rows past Sk clipped: stored (16-bit, in its K/V buffers),
     # or with GROUP_SUM added into the fp32 group sums (staged by ``_group_sum_staging``). The
     # producer issues them so that no consumer touches a descriptor: in a consumer, ptxas kept the
@@ -258,11 +231,10 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
                     dk_buf, dv_buf = _group_sum_staging(k_smem, v_smem, q_ring, do_ring, c, STAGE_LAYOUT)
                     tma_reduce_add(dk_desc, [batch, head_kv, k_start + nc, 0], dk_buf)
                     tma_reduce_add(dv_desc, [batch, head_kv, k_start + nc, 0], dv_buf)
-                elif not (ABLATE & 1):
+                else:
                     tma.async_copy_shared_to_global(dk_desc, [batch, head_kv, nc, 0], k_smem.index(c))
                     tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], v_smem.index(c))
         tma.store_wait(pendings=0)
-    _stamp(stamp_at, 10, 1, ABLATE)
 
 
 @gluon.jit
@@ -299,22 +271,6 @@ def _bulk_writes_done():
 
 
 @gluon.jit
-def _stamp(stamp_at, EVENT: gl.constexpr, NW: gl.constexpr, ABLATE: gl.constexpr):
-    """Timing experiment (ABLATE bit 32): the SM clock (event 0: the SM id) into slot EVENT of this
-    program's 16 in the int32 buffer ``stamp_at[0]``."""
-    if ABLATE & 32:
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        offs = gl.arange(0, 32 * NW, layout=layout)
-        if EVENT == 0:
-            value = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [offs], dtype=gl.int32, is_pure=False,
-                                              pack=1)
-        else:
-            value = gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [offs], dtype=gl.int32, is_pure=False,
-                                              pack=1)
-        gl.store(stamp_at[0] + stamp_at[1].to(gl.int64) * 16 + EVENT + offs * 0, value, mask=offs == 0)
-
-
-@gluon.jit
 def _dq_turn(blk, pid_n, seq_q, seq_k, key_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              CAUSAL: gl.constexpr):
     """ORDERED: how many programs add into query block ``blk``'s dQ before program ``pid_n``. Without
@@ -333,8 +289,7 @@ def _dq_turn(blk, pid_n, seq_q, seq_k, key_blocks, BLOCK_M: gl.constexpr, BLOCK_
 def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, bias_at,
            q_start, order_at, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
            HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
-           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr, MASKED_FIRST: gl.constexpr = False,
-           ABLATE: gl.constexpr = 0, stamp_at=(0, 0)):
+           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr):
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
     (D=128), its rows (D=64, 128-row steps) or all columns over its own keys (D=64, ``_dq_tile``).
@@ -355,7 +310,7 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         RUNS: gl.constexpr = _in_register_order(dq_desc.block_type.shape)
         BY_KEYS: gl.constexpr = _dq_by_keys(ROWS, COLS, BLOCK_M, HEAD_D)
         for t in range(n_steps):
-            member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
+            member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
             if ORDERED:
                 lock_index = (batch * order_at[1] + first_head + member).to(gl.int64) * gl.cdiv(seq_q, BLOCK_M) + blk
                 lock = order_at[0] + lock_index
@@ -383,7 +338,6 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
                 mbarrier.arrive(dq_empty.index(w), count=1)
             if ORDERED:  # the next program's turn once the adds are in memory
                 gl.atomic_add(lock, 1 + _bulk_writes_done(), sem="release", scope="gpu")
-        _stamp(stamp_at, 11, 1, ABLATE)
 
 
 # --------------------------------------------------------------------------- consumers
@@ -600,7 +554,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
           LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr,
           ALIBI: gl.constexpr = False, alibi_slope=0.0, alibi_row0=0, DROPOUT: gl.constexpr = False,
-          drop=(0, 0, 0, 0, 0, 1.0), ABLATE: gl.constexpr = 0):
+          drop=(0, 0, 0, 0, 0, 1.0)):
     """One query block against this warpgroup's keys; first_row is used on MASK steps only (RAGGED:
     keys past Sk are masked there too, ``_query_walk``). With
     SOFTCAP the scores are capped before the mask, and dS^T takes the cap's derivative 1 - tanh^2.
@@ -662,7 +616,7 @@ def _step(t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn
         key_part = alibi_slope * (keys - (alibi_row0 + rule[0])).to(gl.float32)
         s = s * qk_scale + gl.expand_dims(key_part, 1)
         qk_scale = 1.0
-    if MASK and not (ABLATE & 8):  # bit 8: timing experiment, no mask
+    if MASK:
         # keys past Sk reach dQ or are another sequence's: RAGGED gives them p = 0 exactly
         rows = first_row + gl.arange(0, BLOCK_M, layout=col_layout)
         s = keep_scores(s, rows, keys, seq_k, rule, CAUSAL, LEFT, RAGGED, True)
@@ -748,7 +702,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
               stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
               ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False,
-              MASKED_FIRST: gl.constexpr = False, ABLATE: gl.constexpr = 0, stamp_at=(0, 0)):
+              MASKED_FIRST: gl.constexpr = False):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. MASKED_FIRST (with DQ, no lists or
     left window): the masked steps first, then the interior ones (the drain's ordered dQ). ALIBI
     (causal, no lists, bias or packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of
@@ -792,8 +746,6 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         active = nc >= 0
         for c in gl.static_range(SPLIT):
             mbarrier.wait(kv_bars.index(c), 0)
-        if WG == 0:
-            _stamp(stamp_at, 5, 4, ABLATE)
         # Two phases, interior steps then masked ones -- or, MASKED_FIRST, the other way round (a
         # phase's MASK is ``(phase == 0) == MASKED_FIRST``, written out: an unrolled constexpr cannot
         # be bound to a name twice).
@@ -815,17 +767,13 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                                dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
                                BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG,
                                (phase == 0) == MASKED_FIRST, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope,
-                               row0, DROPOUT, drop, ABLATE)
+                               row0, DROPOUT, drop)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
             ds_bar = dq_state[2]
             mbarrier.arrive(ds_bar.index(n_steps % 2), count=1)
             mbarrier.wait(ds_bar.index(n_steps % 2), (n_steps // 2) & 1)
-        if WG == 0:
-            _stamp(stamp_at, 6, 4, ABLATE)
-        else:
-            _stamp(stamp_at, 8, 4, ABLATE)
     else:
         active = nc < seq_k  # else its keys are all past Sk: every step is skipped and nothing is stored
         mbarrier.wait(kv_bars.index(WG), 0, pred=active)
@@ -895,14 +843,11 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     elif active:
         # dK (* scale) and dV into this warpgroup's K/V buffers (its wgmmas have all retired); the
         # producer stores them (those of keys past Sk are not stored).
-        if not (ABLATE & 1) or scale == -1.0:  # bit 1: never stored (a scale of -1 never runs)
-            k_s.store((dk * scale).to(dtype))
-            v_s.store(dv.to(dtype))
-            fence_async_shared()
+        k_s.store((dk * scale).to(dtype))
+        v_s.store(dv.to(dtype))
+        fence_async_shared()
         gl.thread_barrier()  # a named barrier over this partition's warps
         mbarrier.arrive(done.index(WG), count=1)
-        if WG == 0:
-            _stamp(stamp_at, 7, 4, ABLATE)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -922,7 +867,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                    ORDERED: gl.constexpr = False, ABLATE: gl.constexpr = 0):
+                    ORDERED: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -950,10 +895,6 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 2, "at least two ring slots")
 
-    MASKED_FIRST: gl.constexpr = (ORDERED or (ABLATE & 4) != 0) and CAUSAL
-    stamp_at = (DqLock, gl.program_id(0) + gl.program_id(1) * gl.num_programs(0))
-    _stamp(stamp_at, 0, 4, ABLATE)
-    _stamp(stamp_at, 1, 4, ABLATE)
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     gl.static_assert(not GROUP_SUM or (SPLIT == 2 and NUM_STAGES * BLOCK_M >= 2 * KEYS and not LISTS),
                      "group sums: staged in two warpgroups' K/V tiles and a ring of >= 128 rows; no lists")
@@ -1059,16 +1000,6 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         dq_state = (ready, ready, ready, ready, ready, ready)  # never read
     bias_at = (batch * bias_batches, bias_head_div)
     fence_async_shared()
-    # K, V and step 0's operands issued now, before the warps go their ways: the loads are in flight
-    # while the workers are dispatched (the producer starts at step 1).
-    if not (ABLATE & 128):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bars, batch, head_kv, k_start, n0, seq_k, SPLIT, DQ)
-    if not (ABLATE & 384):
-        n_steps, walk = _query_walk(n0, seq_q, seq_k, walk_group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL,
-                                    LEFT, DQ or VARLEN, LISTS)
-        _load_step(0, walk, n_steps > 0, q_desc, do_desc, lse_desc, dl_desc, bias_desc, q_ring, do_ring, lse_ring,
-                   dl_ring, bias_ring, ready, batch, first_head, q_start, stats_row0, bias_at, n0, BLOCK_M, NUM_STAGES,
-                   LEFT, LISTS, BIAS, MASKED_FIRST)
 
     # Constexprs go inline in the argument tuples (a tuple bound to a name first makes them tensors).
     # The 1-warp drain partition runs (and does nothing) without DQ too: one list per warpgroup count.
@@ -1084,54 +1015,52 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     # entry and on exit: each store is ordered before the load it feeds, and no load can be overtaken
     # by the next store. So they cannot race. Memcheck and synccheck find nothing, and results are
     # bitwise repeatable (tests/test_semantics.py).
-    _stamp(stamp_at, 2, 4, ABLATE)
     if SPLIT == 2:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, MASKED_FIRST, ABLATE, stamp_at)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, MASKED_FIRST, ABLATE, stamp_at)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
                          packed, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS,
-                         VARLEN, MASKED_FIRST, ABLATE, stamp_at)),
+                         VARLEN, ORDERED and CAUSAL)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
                       entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, MASKED_FIRST, ABLATE, stamp_at)),
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-        _stamp(stamp_at, 12, 4, ABLATE)
     else:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, MASKED_FIRST, ABLATE, stamp_at)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, MASKED_FIRST, ABLATE, stamp_at)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, MASKED_FIRST, ABLATE, stamp_at)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
                          packed, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS,
-                         VARLEN, MASKED_FIRST, ABLATE, stamp_at)),
+                         VARLEN, ORDERED and CAUSAL)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
                       entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, MASKED_FIRST, ABLATE, stamp_at)),
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
         ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -1240,22 +1169,11 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
                               tuple(lists[1:]), tile_lists is not None, group_sum, bias_slices, dbias is not None,
                               q.device.index, (0, 1.0) if dropout is None else tuple(dropout[1:]), dq_lock is not None)
     launcher(*descs, dq_desc, lists[0], *bias_descs, alibi if alibi is not None else lse2,
-             lse2 if dropout is None else dropout[0],
-             dq_lock if dq_lock is not None else (timeline(q.device) if knobs().ablate & 32 else lse2))
+             lse2 if dropout is None else dropout[0], dq_lock if dq_lock is not None else lse2)
     if group_sum:
         to_bhsd(dk, layout).copy_(sums[0])
         to_bhsd(dv, layout).copy_(sums[1])
     return True
-
-
-_TIMELINE = {}
-
-
-def timeline(device) -> torch.Tensor:
-    """Timing experiment: the int32 buffer of ``_stamp`` (16 slots a program)."""
-    if device not in _TIMELINE:
-        _TIMELINE[device] = torch.zeros(1 << 22, dtype=torch.int32, device=device)
-    return _TIMELINE[device]
 
 
 @per_problem
@@ -1282,8 +1200,7 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
-                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered,
-                    ABLATE=knobs().ablate)
+                    maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered)
 
 
 def dq_lock_size(q_shape: tuple, config: KernelConfig) -> int:

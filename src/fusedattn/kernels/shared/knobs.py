@@ -28,9 +28,6 @@ class Knobs:
     pdl: bool | None = None
     # KV cache: the decoding kernel launched early too (None: wherever ``pdl`` is on).
     early_start: bool | None = None
-    # Gluon dK/dV pass, timing experiments only: bit 1 drops the dK/dV stores (wrong dK, dV), bit 2
-    # the last ds_bar round, bit 4 walks the masked steps first under a causal bound.
-    ablate: int = 0
 
 
 _current = Knobs()
