@@ -242,7 +242,7 @@ def log2_scores(s, qk_scale, softcap_log2, SOFTCAP: gl.constexpr, RCP_ON_FMA: gl
 def window_bounds(rows, diag, window_left, seq_k, CAUSAL: gl.constexpr):
     """(first, last) key that each query row keeps under a left window (bottom-right
     aligned: ``diag`` = Sk - Sq), the right bound causal or none, keys past Sk excluded: the
-    bounds ``in_window`` takes, for the forward (rows along dim 0) and the dK/dV pass (along 1)."""
+    bounds ``_where_in_window`` takes, for the forward (rows along dim 0) and the dK/dV pass (along 1)."""
     last = rows * 0 + (seq_k - 1)
     if CAUSAL:
         last = gl.minimum(rows + diag, seq_k - 1)
@@ -250,13 +250,25 @@ def window_bounds(rows, diag, window_left, seq_k, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def in_window(keys, first, last):
-    """keys in [first, last] (broadcastable tensors: key indices and each query's bounds) by one
-    unsigned compare, (keys - first) < (last - first + 1); a query whose bounds cross keeps nothing.
-    One compare and one subtraction per score instead of two compares and an and: the sliding-window
-    tiles spilled with those."""
+def _where_le(s, a, b):
+    """``s`` where a <= b, else -inf (broadcastable int32 tensors): one compare and one select a
+    score, in PTX. Written as a compare and ``gl.where`` over a tile, LLVM vectorises the compare into
+    a (64 x i1) vector that the backend packs into bit fields and unpacks again -- about six
+    instructions a score, and spills in the dK/dV pass, which runs at its register limit."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred keep; setp.le.s32 keep, $2, $3; selp.f32 $0, $1, 0fFF800000, keep; }",
+        "=r,r,r,r", [s, a, b], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _where_in_window(s, keys, first, last):
+    """``s`` where first <= keys <= last, else -inf (``_where_le``'s form): one unsigned compare of
+    keys - first against the span last - first + 1 (a query whose bounds cross keeps nothing)."""
     span = gl.maximum(last - first + 1, 0)
-    return (keys - first).to(gl.uint32, bitcast=True) < span.to(gl.uint32, bitcast=True)
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred keep; .reg .b32 d; sub.s32 d, $2, $3; setp.lt.u32 keep, d, $4; "
+        "selp.f32 $0, $1, 0fFF800000, keep; }",
+        "=r,r,r,r,r", [s, keys, first, span], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -266,35 +278,39 @@ def keep_scores(s, rows, keys, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.const
     ``s`` with the (query, key) pairs the causal and window bounds drop set to -inf, and keys past Sk
     where ``RAGGED`` (a left window's bounds exclude those already). ``rows``, ``keys``: the tile's
     query and key indices (1-D slices of s's layout); ``rule`` = (Sk - Sq, left window).
-    ``TRANSPOSED``: keys along dim 0 (the dK/dV pass holds S^T), else queries along dim 0 (the forward)."""
+    ``TRANSPOSED``: keys along dim 0 (the dK/dV pass holds S^T), else queries along dim 0 (the forward).
+    Each query keeps the keys in [first, last]: last = its diagonal (causal) capped at Sk - 1 (keys past
+    Sk), first = last's window bound (a left window)."""
     diag, window_left = rule
     if TRANSPOSED:
         keys2 = gl.expand_dims(keys, 1)
+        rows2 = gl.expand_dims(rows, 0)
     else:
         keys2 = gl.expand_dims(keys, 0)
+        rows2 = gl.expand_dims(rows, 1)
     if LEFT:
-        first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
-        if TRANSPOSED:
-            keep = in_window(keys2, gl.expand_dims(first, 0), gl.expand_dims(last, 0))
-        else:
-            keep = in_window(keys2, gl.expand_dims(first, 1), gl.expand_dims(last, 1))
-    elif TRANSPOSED:
-        # The same predicate in the order each kernel was tuned with: the dK/dV pass runs at its
-        # register limit, and another order of these compares changed what it spills.
-        if CAUSAL:
-            keep = keys2 <= gl.expand_dims(rows, 0) + diag
-        else:
-            keep = keys2 >= 0
+        first, last = window_bounds(rows2, diag, window_left, seq_k, CAUSAL)
+        kept = _where_in_window(s, keys2, first, last)
+    elif CAUSAL:
+        last = rows2 + diag
         if RAGGED:
-            keep = keep & gl.expand_dims(keys < seq_k, 1)
+            last = gl.minimum(last, seq_k - 1)
+        kept = _where_le(s, keys2, last)
     else:
-        if RAGGED:
+        # Keys past Sk alone: a compare per key, broadcast over the queries. Kept in the form the
+        # non-causal kernels were measured with: ptxas schedules their step loops by the whole
+        # kernel, this branch included (the compare-and-select form slowed D=64's full dK/dV pass
+        # by 2.5% through its unmasked loop).
+        if TRANSPOSED:
+            keep = keys2 >= 0
+            if RAGGED:
+                keep = keep & gl.expand_dims(keys < seq_k, 1)
+        elif RAGGED:
             keep = keys2 < seq_k
         else:
             keep = keys2 >= 0
-        if CAUSAL:
-            keep = keep & (keys2 <= gl.expand_dims(rows, 1) + diag)
-    return gl.where(keep, s, -float("inf"))
+        kept = gl.where(keep, s, -float("inf"))
+    return kept
 
 
 # --------------------------------------------------------------------------- dropout
