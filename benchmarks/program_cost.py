@@ -11,7 +11,7 @@ with S: a kernel's time is waves * (fixed + steps * per_step). A least-squares l
 kernel's time against S, per system, D and mask, gives the intercept (the fixed cost of all
 the programs an SM runs, in microseconds) and the slope. Two kernels with the same slope and
 different intercepts differ per program (prologue, first loads, epilogue), not per step.
-Timing only; each system's output is the one the bench checks (fusedattn.bench).
+Timing only: outputs are not compared here (``python -m fusedattn.bench`` checks each system's).
 """
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ def main() -> None:
         for mask in args.masks.split(","):
             causal = mask == "causal"
             for system in args.systems.split(","):
+                fa4 = fa4_attn_func() if system == "fa4" else None
                 per_role: dict[str, list[float]] = collections.defaultdict(list)
                 for s in seqlens:
                     gen = torch.Generator(device="cuda").manual_seed(0)
                     size = (16384 // s, 2048 // d, s, d)
                     q, k, v, dout = (torch.randn(size, device="cuda", dtype=torch.bfloat16, generator=gen)
                                      for _ in range(4))
-                    if system == "fa4":
-                        fa4 = fa4_attn_func()
+                    if fa4 is not None:
                         leaves = [stored_as(t, "bshd").requires_grad_() for t in (q, k, v)]
                         grad = stored_as(dout, "bshd")
                         call = lambda: fa4_call(fa4, *leaves, causal=causal)  # noqa: E731
