@@ -330,12 +330,14 @@ def _report_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
 def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool = False,
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
                        bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False,
-                       dropout: bool = False, ordered: bool = False, register_order: bool | None = None):
+                       dropout: bool = False, ordered: bool = False, register_order: bool | None = None,
+                       persistent: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
     (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
     ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
     packed sequences, dK/dV stored by pointers; ``register_order``: dQ staged as register-order runs,
-    by default as the planner stages it for lengths that are multiples of 64, i.e. without packing)."""
+    by default as the planner stages it for lengths that are multiples of 64, i.e. without packing;
+    ``persistent``: a program per SM walking tiles, ``hopper_bwd.persistent_dkdv_programs``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, ty: str = dtype) -> str:
@@ -349,7 +351,8 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
                       SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
-                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4)
+                      CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4,
+                      PERSISTENT=persistent)
     if varlen:
         constexprs["CHUNKED"] = False
     else:  # the launcher passes no dK/dV pointers
@@ -372,7 +375,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                      heads_kv="i32", group="i32", window_left="i32", qk_scale="fp32", softcap_log2="fp32", scale="fp32",
                      tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_n="i32",
                      bias_desc=score_tile if bias else dq_desc, dbias_desc=score_tile if dbias else dq_desc,
-                     bias_batches="i32", bias_head_div="i32", key_blocks="i32", chunk_heads="i32",
+                     bias_batches="i32", bias_head_div="i32", key_blocks="i32", chunk_heads="i32", tiles="i32",
                      stride_kv_row="i32", stride_kv_head="i32", Alibi="*fp32", DropoutSeed="*i64",
                      dropout_threshold="i32", dropout_scale="fp32", DqLock="*i32",
                      **{name: "constexpr" for name in constexprs})
@@ -399,16 +402,21 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
     group_sums = ((False, True) if causal and not ordered and dispatch.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists)
                   else (False,))
-    for group_sum in group_sums:
+    forms = [(group_sum, False) for group_sum in group_sums]
+    # the persistent pass where the planner may run it (hopper_bwd.persistent_dkdv_programs: short causal rows)
+    if causal and hopper_bwd.persistent_dkdv_fits(head_dim, cfg, dq, lists or bias or ordered or varlen or alibi
+                                                  or dropout):
+        forms.append((False, True))
+    for group_sum, persistent in forms:
         try:
             r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,
-                                    bias, bias, varlen, alibi, dropout, ordered)
+                                    bias, bias, varlen, alibi, dropout, ordered, persistent=persistent)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
         serial = f"  WGMMA SERIALIZED: {r['serialized']}" if r["serialized"] else ""
         spilled = "  SPILLS" if r["spills"] else ""
-        print(f"  {shown}{' group sums' if group_sum else ''}  "
+        print(f"  {shown}{' group sums' if group_sum else ''}{' persistent' if persistent else ''}  "
               f"regs={r['regs']} stack={r['spills']} smem={r['shared']}{serial}{spilled}")
         # The 5-matmul form spills 80-96 bytes and still beat everything else (NOTES.md v19); the
         # sliding-window pass 40-48 bytes at D=128 and still beat the Triton one it replaced (v25),

@@ -521,3 +521,54 @@ def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
     assert gluon_launches == [True] * 6
     assert triton_launches == [(False, True)] * 2  # the dQ pass alone: D=64 softcap, D=64 deterministic
     assert gluon_dq_launches == [True]  # deterministic mode at D=128
+
+
+@pytest.fixture
+def persistent_launches(monkeypatch):
+    """PERSISTENT of every Gluon dK/dV launch (True: a program per SM walking tiles)."""
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
+
+    return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel, lambda constexprs: constexprs["PERSISTENT"])
+
+
+# The persistent pass (D=64's default: 128-row steps over two warpgroups, dQ split by rows and summed
+# by the pass), each program walking several tiles -- so that a tile's K/V load, dK/dV staging and
+# stores overlap its neighbours': odd lengths (a ragged last key block, Sk=70 leaving a warpgroup
+# no key), causal with Sq > Sk (tiles whose rows see few keys) and Sq < Sk, a KV group walked whole,
+# left windows (key blocks no query sees: tiles without steps), an lse gradient; 1, 3 and 5
+# programs for 8 to 24 tiles.
+PERSISTENT_CASES = [
+    Case(2, 4, 4, 1000, 1000, 64, causal=True, dtype=torch.bfloat16),
+    Case(1, 4, 2, 517, 333, 64, causal=True, layout="bhsd", lse_grad=True),
+    Case(1, 4, 2, 333, 517, 64, causal=True, dtype=torch.bfloat16),
+    Case(2, 2, 2, 700, 700, 64, dtype=torch.bfloat16),
+    Case(2, 4, 4, 200, 70, 64, scale=0.3, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 4, 2, 1000, 1000, 64, causal=True, window=(300, 0), dtype=torch.bfloat16),
+    Case(1, 2, 2, 100, 1200, 64, window=(100, -1), layout="bhsd"),
+]
+
+
+@pytest.mark.parametrize("programs", [1, 3, 5])
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=[c.id for c in PERSISTENT_CASES])
+def test_persistent_dkdv_matches_reference_and_the_one_tile_launch(case, programs, persistent_launches,
+                                                                   monkeypatch):
+    """Every gradient against the float64 reference, and dK, dV bit for bit those of one program per
+    tile (each key's sums run in the same order; only dQ's reduce-adds may come in another)."""
+    set_knobs(monkeypatch, group_sums=False)
+    config = KernelConfig(128, 128, 4, 2, True, 0, 2, 0)
+    q, k, v, dout, dlse = make_inputs(case, "cuda")
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fusedattn.attention(*leaves, **case.options())
+        out.backward(dout)
+        return [t.grad for t in leaves]
+
+    with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
+        set_knobs(monkeypatch, group_sums=False, dkdv_programs=0)
+        one_tile = grads()
+        set_knobs(monkeypatch, group_sums=False, dkdv_programs=programs)
+        check_case(case, "triton", "cuda")
+        walked = grads()
+    assert persistent_launches == [False, True, True]
+    assert torch.equal(walked[1], one_tile[1]) and torch.equal(walked[2], one_tile[2])

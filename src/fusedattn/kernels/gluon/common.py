@@ -100,6 +100,19 @@ def launch_order(pid, head_rows, blocks, chunk_heads):
     return first_row + within - block * rows, block
 
 
+@gluon.jit
+def snake_tile(round_index, total_tiles):
+    """The tile this program takes in round ``round_index`` of a launch of fewer programs than tiles
+    (a persistent launch): tiles are handed out in launch order (heaviest first in each chunk), each
+    round one per program, even rounds in program order and odd ones reversed, so that a program
+    given one of a round's heavy tiles gets a light one of the next. ``total_tiles`` or more: none
+    (the last round's spare programs)."""
+    programs = gl.num_programs(0)
+    pid = gl.program_id(0)
+    within = gl.where((round_index & 1) == 0, pid, programs - 1 - pid)
+    return round_index * programs + within
+
+
 # Fields of a packed-sequence tile map (packed_tiles.py), as the kernels read them.
 MAP_SEQUENCE: gl.constexpr = gl.constexpr(packed_tiles.SEQUENCE)
 MAP_BLOCK: gl.constexpr = gl.constexpr(packed_tiles.BLOCK)

@@ -63,8 +63,8 @@ from ..shared.block_range import key_blocks_for_query_block
 from . import common as hopper
 from ..shared.constants import score_constants
 from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_zero,
-                     keep_scores, launch_order, log2_scores, packed_tile, sm_count, store_sequence_rows, turn_pass,
-                     turn_wait, ws_registers)
+                     keep_scores, launch_order, log2_scores, packed_tile, sm_count, snake_tile, store_sequence_rows,
+                     turn_pass, turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared import packed_tiles
 from ..shared.knobs import knobs
@@ -445,19 +445,6 @@ def _tile_key(tiles, j, BLOCK_N: gl.constexpr, LISTS: gl.constexpr):
 
 
 @gluon.jit
-def _snake_tile(round_index, total_tiles):
-    """The tile this program takes in round ``round_index`` of a launch of fewer programs than tiles
-    (``PERSISTENT``): tiles are handed out in launch order (``_ws_tile``: heaviest first in each
-    chunk), each round one per program, even rounds in program order and odd ones reversed, so
-    that a program given one of a round's heavy tiles gets a light one of the next. ``total_tiles``
-    or more: none (the last round's spare programs)."""
-    programs = gl.num_programs(0)
-    pid = gl.program_id(0)
-    within = gl.where((round_index & 1) == 0, pid, programs - 1 - pid)
-    return round_index * programs + within
-
-
-@gluon.jit
 def _ws_tile(t, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
              LISTS: gl.constexpr, VARLEN: gl.constexpr):
     """Where tile ``t`` (``_tile_block``) lies: (batch * heads + head, batch, head, KV head, first
@@ -503,7 +490,7 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_ba
                  LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr, VARLEN: gl.constexpr,
                  GRAD_Q: gl.constexpr):
     """The program's tile (``own_tile``, ``_ws_tile`` of its id), or with PERSISTENT each of its tiles
-    in turn (``_snake_tile``)."""
+    in turn (``common.snake_tile``)."""
     if PERSISTENT:
         # Rounds in pairs, Q of even rounds in buffer 0 and of odd ones in buffer 1 -- static indices:
         # a buffer index computed from the round made the Q K^T wgmma read out of bounds.
@@ -511,7 +498,7 @@ def _ws_producer(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_ba
         loaded = 0  # key blocks loaded so far, over every tile
         for r in range(0, gl.cdiv(total_tiles, gl.num_programs(0)), 2):
             for qbuf in gl.static_range(2):
-                t = _snake_tile(r + qbuf, total_tiles)
+                t = snake_tile(r + qbuf, total_tiles)
                 if t < total_tiles:
                     tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
                     loaded = _ws_produce_tile(q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars,
@@ -704,13 +691,13 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                  SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                  VARLEN: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
                  SINKS: gl.constexpr):
-    """The program's tile, or with PERSISTENT each of its tiles in turn (``_snake_tile``)."""
+    """The program's tile, or with PERSISTENT each of its tiles in turn (``common.snake_tile``)."""
     if PERSISTENT:  # rounds in pairs, as the producer: Q buffer 0 for even rounds, 1 for odd ones
         total_tiles = sched[0] * sched[1]
         done = 0  # key blocks consumed so far, over every tile: the ring's slot and phase counter
         for r in range(0, gl.cdiv(total_tiles, gl.num_programs(0)), 2):
             for qbuf in gl.static_range(2):
-                t = _snake_tile(r + qbuf, total_tiles)
+                t = snake_tile(r + qbuf, total_tiles)
                 if t < total_tiles:
                     tile = _ws_tile(t, sched, NQ * ROWS, BLOCK_N, CAUSAL, LEFT, LISTS, VARLEN)
                     done = _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready,
@@ -873,7 +860,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
-    (``_snake_tile``), the producer loading the next tile's first key blocks while the consumers
+    (``common.snake_tile``), the producer loading the next tile's first key blocks while the consumers
     finish one; Q has two buffers per warpgroup there, taken by the round's parity with static
     indices (rounds run in pairs), since the consumers stage a tile's output in its Q buffer (a
     buffer index computed from the round made the Q K^T wgmma read shared memory out of bounds,
