@@ -720,6 +720,12 @@ def _step(t, ds_t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty
     return dk, dv
 
 
+@gluon.constexpr_function
+def _consumer_layout(columns):
+    """A consumer warpgroup's wgmma accumulator layout for 64 keys x ``columns``."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
+
+
 @gluon.jit
 def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked, turn_bars,
               dq_state, n0, seq_q, seq_k, group, window_left, entries, qk_scale, softcap_log2, scale, WG: gl.constexpr,
@@ -737,10 +743,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     inside the sequence go out by pointer stores (``packed`` = (first query row, first key row,
     first statistics row, KV head, dK, dV, their row and head strides))."""
     RAGGED: gl.constexpr = DQ or VARLEN
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = _consumer_layout(BLOCK_M)  # S^T, dP^T: keys x queries
+    acc_layout: gl.constexpr = _consumer_layout(HEAD_D)  # dK, dV: keys x D
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     dtype: gl.constexpr = k_smem.dtype
     KEYS: gl.constexpr = k_smem.shape[3]
@@ -1021,10 +1025,8 @@ def _consumer_tiles(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars,
     (``kv_free``: the producer may load the next ones) and the dS buffer of that round is free to
     stage dK and dV (``_dkdv_staging``). The next tile's step 1 (or, with fewer steps, its staging)
     writes that buffer again: it waits until the stores have read it (``staged_free``)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = _consumer_layout(BLOCK_M)  # S^T, dP^T: keys x queries
+    acc_layout: gl.constexpr = _consumer_layout(HEAD_D)  # dK, dV: keys x D
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     dtype: gl.constexpr = k_smem.dtype
     KEYS: gl.constexpr = k_smem.shape[3]
