@@ -433,8 +433,9 @@ def _dq_by_keys(dq_rows, dq_cols, block_m, head_d):
 
 @gluon.jit
 def _stage_ds(t, ds16, k_smem, dq_state, WG: gl.constexpr, BIAS: gl.constexpr):
-    """DQ: this warpgroup's dS^T of dS round t (a step's index in ds_bar's rounds) into shared memory for the dQ wgmmas of ``_dq_tile``,
-    fenced for the async proxy and, with dQ split by columns, announced to the other warpgroups.
+    """DQ: this warpgroup's dS^T of dS round t (the step's round of ds_bar) into shared memory for the
+    dQ wgmmas of ``_dq_tile``, fenced for the async proxy and, with dQ split by columns, announced to
+    the other warpgroups.
     ``_step`` calls it while this warpgroup's dV and dK wgmmas run.
 
     Split by columns (``dq_cols`` < D: D=128, two warpgroups): a slice of the step's shared dS
@@ -722,7 +723,8 @@ def _step(t, ds_t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty
 
 @gluon.constexpr_function
 def _consumer_layout(columns):
-    """A consumer warpgroup's wgmma accumulator layout for 64 keys x ``columns``."""
+    """A consumer warpgroup's wgmma accumulator layout, ``columns`` wide (64 rows: S^T, dP^T, dK, dV
+    over its keys; its dQ tile)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, columns, 16])
 
 
@@ -765,8 +767,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
     if DQ:  # this warpgroup's dQ tile (``_dq_tile``)
         DQ_ROWS: gl.constexpr = _dq_tile_rows(dq_state[1].shape)
         DQ_COLS: gl.constexpr = _dq_tile_cols(dq_state[1].shape)
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
+        dq_layout: gl.constexpr = _consumer_layout(DQ_COLS)
         dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     else:
         dq_zero = s_zero  # never read
@@ -887,8 +888,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 # barriers' set-up, the warps' dispatch, its K/V loads, its dK/dV stores -- then runs under the
 # neighbouring tiles' work: the next tile's K and V are loaded as soon as every warpgroup has read
 # the last ones, while dK and dV are staged and stored from the dS buffer that neither tile is using
-# (a tile takes one dS round more than it has steps, ``_consumer_tiles``). The K/V tiles cannot stage dK/dV here: the next
-# tile's K and V land in them. Where it runs: ``persistent_dkdv_programs``.
+# (a tile takes one dS round more than it has steps, ``_consumer_tiles``). The K/V tiles cannot
+# stage dK/dV here: the next tile's K and V land in them. Where it runs: ``persistent_dkdv_programs``.
 
 
 @gluon.jit
@@ -956,8 +957,7 @@ def _producer_tiles(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     step after)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     group = schedule[4]
-    ring = 0  # steps loaded so far: the ring's rounds
-    rounds = 0  # dS rounds so far: a tile's steps and one
+    ring = 0  # steps loaded so far; tile i - 1's last dS round is ring + i - 1 (``_consumer_tiles``)
     prev_batch = 0
     prev_head = 0
     prev_n0 = 0
@@ -974,23 +974,22 @@ def _producer_tiles(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                                     False)
         for t in range(n_steps):
             if (t == 1) & (i > 0):
-                _store_tile(i - 1, rounds - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s, done,
-                            staged_free, SPLIT)
+                _store_tile(i - 1, ring + i - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s,
+                            done, staged_free, SPLIT)
             _load_step(ring + t, t, walk, q_desc, do_desc, lse_desc, dl_desc, q_desc, q_ring, do_ring, lse_ring,
                        dl_ring, q_ring, ready, empty, batch, first_head, batch * heads_q, 0, n0, (0, 1), BLOCK_M,
                        NUM_STAGES, LEFT, False, False, False)
         if (n_steps < 2) & (i > 0):
-            _store_tile(i - 1, rounds - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s, done,
+            _store_tile(i - 1, ring + i - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s, done,
                         staged_free, SPLIT)
         ring += n_steps
-        rounds += n_steps + 1
         prev_batch = batch
         prev_head = head_kv
         prev_n0 = n0
     n_tiles = _tiles_of_program(schedule)
     if n_tiles > 0:
-        _store_tile(n_tiles - 1, rounds - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s, done,
-                    staged_free, SPLIT)
+        _store_tile(n_tiles - 1, ring + n_tiles - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s,
+                    done, staged_free, SPLIT)
 
 
 @gluon.jit
@@ -1032,8 +1031,7 @@ def _consumer_tiles(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars,
     KEYS: gl.constexpr = k_smem.shape[3]
     DQ_ROWS: gl.constexpr = _dq_tile_rows(dq_state[1].shape)
     DQ_COLS: gl.constexpr = _dq_tile_cols(dq_state[1].shape)
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_COLS, 16])
+    dq_layout: gl.constexpr = _consumer_layout(DQ_COLS)
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     rule = (seq_k - seq_q, window_left)
@@ -1063,6 +1061,7 @@ def _consumer_tiles(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars,
                     first_row = blk * BLOCK_M
                 else:
                     first_row = 0
+                # (no dropout: ``_dropout_step`` gives its zero arguments, as tensors)
                 dk, dv = _step(ring + t, ring + t + i, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty,
                                ready, dq_state, dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale,
                                softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
@@ -1119,8 +1118,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     (int32 (B * Hq, query blocks), zeroed); causal programs then start in descending key-block
     order and walk their masked steps first.
     PERSISTENT (with DQ split by rows, two warpgroups without turns; no lists, bias, group sums,
-    packing, ALiBi, dropout or fixed order): a program per SM walks ``tiles`` tiles round robin
-    (``_consumer_tiles``)."""
+    packing, ALiBi, dropout or fixed order): a program per SM walks the launch's ``tiles`` tiles in
+    rounds (``_consumer_tiles``)."""
     gl.static_assert(not (VARLEN and (LISTS or BIAS)), "packed sequences: no mask, no bias")
     gl.static_assert(not ORDERED or (DQ and not (LISTS or LEFT or BIAS or GROUP_SUM or VARLEN)),
                      "dQ in a fixed order: with DQ; no lists, left window, bias, group sums or packing")

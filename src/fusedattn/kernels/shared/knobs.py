@@ -18,7 +18,8 @@ class Knobs:
     chunk_heads: int | None = None
     # Gluon warp-specialised forward: persistent programs (None: the rule, 0: one program per tile).
     programs: int | None = None
-    # Gluon dK/dV pass: persistent programs where it can run so (None: one per SM, 0: one program per tile).
+    # Gluon dK/dV pass: persistent programs (None: the rule; 0: one program per tile; n: n programs
+    # wherever the persistent form can run).
     dkdv_programs: int | None = None
     # Gluon dK/dV pass: False keeps one program per query head where the rule would sum a KV group.
     group_sums: bool = True
