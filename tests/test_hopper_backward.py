@@ -531,13 +531,12 @@ def persistent_launches(monkeypatch):
     return launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel, lambda constexprs: constexprs["PERSISTENT"])
 
 
-# The persistent pass (the default configs at D=64 and 128 without softcap: two warpgroups of 64 keys
-# without turns, dQ summed by the pass, split by rows of 128-row steps at D=64 and by columns of
-# 64-row steps at D=128), each program walking several tiles -- so that a tile's K/V load, dK/dV
-# staging and stores overlap its neighbours': odd lengths (a ragged last key block, Sk=70 leaving a
-# warpgroup no key), causal with Sq > Sk (tiles whose rows see few keys) and Sq < Sk, a KV group
-# walked whole, left windows (key blocks no query sees: tiles without steps), an lse gradient; 1, 3
-# and 5 programs for 8 to 24 tiles.
+# The persistent pass (D=64's default: 128-row steps over two warpgroups, dQ split by rows and summed
+# by the pass), each program walking several tiles -- so that a tile's K/V load, dK/dV staging and
+# stores overlap its neighbours': odd lengths (a ragged last key block, Sk=70 leaving a warpgroup
+# no key), causal with Sq > Sk (tiles whose rows see few keys) and Sq < Sk, a KV group walked whole,
+# left windows (key blocks no query sees: tiles without steps), an lse gradient; 1, 3 and 5
+# programs for 8 to 24 tiles.
 PERSISTENT_CASES = [
     Case(2, 4, 4, 1000, 1000, 64, causal=True, dtype=torch.bfloat16),
     Case(1, 4, 2, 517, 333, 64, causal=True, layout="bhsd", lse_grad=True),
@@ -546,13 +545,6 @@ PERSISTENT_CASES = [
     Case(2, 4, 4, 200, 70, 64, scale=0.3, layout="bhsd", dtype=torch.bfloat16),
     Case(1, 4, 2, 1000, 1000, 64, causal=True, window=(300, 0), dtype=torch.bfloat16),
     Case(1, 2, 2, 100, 1200, 64, window=(100, -1), layout="bhsd"),
-    Case(2, 4, 4, 1000, 1000, 128, causal=True, dtype=torch.bfloat16),
-    Case(1, 4, 2, 517, 333, 128, causal=True, layout="bhsd", lse_grad=True),
-    Case(1, 4, 2, 333, 517, 128, causal=True, dtype=torch.bfloat16),
-    Case(2, 2, 2, 700, 700, 128, dtype=torch.bfloat16),
-    Case(2, 4, 4, 200, 70, 128, scale=0.3, layout="bhsd", dtype=torch.bfloat16),
-    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), dtype=torch.bfloat16),
-    Case(1, 2, 2, 100, 1200, 128, window=(100, -1), layout="bhsd"),
 ]
 
 
@@ -563,7 +555,7 @@ def test_persistent_dkdv_matches_reference_and_the_one_tile_launch(case, program
     """Every gradient against the float64 reference, and dK, dV bit for bit those of one program per
     tile (each key's sums run in the same order; only dQ's reduce-adds may come in another)."""
     set_knobs(monkeypatch, group_sums=False)
-    config = KernelConfig(128 if case.head_dim == 64 else 64, 128, 4, 2, True, 0, 2, 0)
+    config = KernelConfig(128, 128, 4, 2, True, 0, 2, 0)
     q, k, v, dout, dlse = make_inputs(case, "cuda")
 
     def grads():

@@ -886,11 +886,10 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 # One program per SM walks tiles (key blocks of a (batch, KV head)) in turn, in rounds over the
 # launch order (``common.snake_tile``). What a tile costs beside its steps -- the launch, the
 # barriers' set-up, the warps' dispatch, its K/V loads, its dK/dV stores -- then runs under the
-# neighbouring tiles' work: the next tile's K and V are loaded as soon as every warpgroup's last
-# wgmma has read the last ones, while dK and dV are staged and stored from the dS buffers, which no
-# wgmma reads between two tiles (``_dkdv_staging``). The K/V tiles cannot stage dK/dV here: the next
-# tile's K and V land in them. The step loop is the one-tile pass's, its ring and dS rounds counted
-# on across tiles. Where it runs: ``persistent_dkdv_programs``.
+# neighbouring tiles' work: the next tile's K and V are loaded as soon as every warpgroup has read
+# the last ones, while dK and dV are staged and stored from the dS buffer that neither tile is using
+# (a tile takes one dS round more than it has steps, ``_consumer_tiles``). The K/V tiles cannot
+# stage dK/dV here: the next tile's K and V land in them. Where it runs: ``persistent_dkdv_programs``.
 
 
 @gluon.jit
@@ -918,62 +917,47 @@ def _tile_at(i, schedule, BLOCK_N: gl.constexpr, CHUNKED: gl.constexpr):
     return batch, head_kv, head_kv * group, pid_n * BLOCK_N
 
 
-@gluon.constexpr_function
-def _staging_fits_one_ds_buffer(ds_shape, split, keys, head_d):
-    """Whether one dS buffer (``ds_shape``: 2 x keys x queries) holds every warpgroup's dK tile:
-    D=64's 128-row steps, not D=128's 64-row ones."""
-    return ds_shape[1] * ds_shape[2] >= split * keys * head_d
+@gluon.jit
+def _dkdv_staging(ds_s, end, dtype: gl.constexpr, layout: gl.constexpr, SPLIT: gl.constexpr, KEYS: gl.constexpr,
+                  HEAD_D: gl.constexpr):
+    """The persistent pass's dK, dV staging: the dS buffer of round ``end`` (a tile's extra round,
+    read by no dQ wgmma), as 2 * SPLIT tiles of (KEYS, HEAD_D) -- warpgroup w's dK at w, its dV at
+    SPLIT + w -- in the dK/dV descriptors' layout."""
+    return ds_s.index(end % 2)._reinterpret(dtype, [2 * SPLIT, 1, 1, KEYS, HEAD_D], layout)
 
 
 @gluon.jit
-def _dkdv_staging(ds_s, dv_extra, dtype: gl.constexpr, layout: gl.constexpr, SPLIT: gl.constexpr,
-                  KEYS: gl.constexpr, HEAD_D: gl.constexpr):
-    """The persistent pass's dK and dV staging, (dK tiles, dV tiles), SPLIT tiles of (KEYS, HEAD_D)
-    each in the dK/dV descriptors' layout: both dS buffers are free once every warpgroup has retired
-    a tile's last wgmmas (``kv_free``). Where one buffer holds every warpgroup's dK (D=64), dK goes
-    in buffer 0 and dV in buffer 1; else (D=128) dK fills both and dV has a buffer of its own
-    (``dv_extra``, allocated by the kernel only there)."""
-    tiles: gl.constexpr = [SPLIT, 1, 1, KEYS, HEAD_D]
-    if _staging_fits_one_ds_buffer(ds_s.shape, SPLIT, KEYS, HEAD_D):
-        return ds_s.index(0)._reinterpret(dtype, tiles, layout), ds_s.index(1)._reinterpret(dtype, tiles, layout)
-    else:
-        return ds_s._reinterpret(dtype, tiles, layout), dv_extra
-
-
-@gluon.jit
-def _store_tile(i, batch, head_kv, n0, seq_k, dk_desc, dv_desc, staging, done, staged_free, SPLIT: gl.constexpr):
+def _store_tile(i, end, batch, head_kv, n0, seq_k, dk_desc, dv_desc, ds_s, done, staged_free, SPLIT: gl.constexpr):
     """The producer's stores of tile i's dK and dV (keys past Sk clipped, tiles wholly past it not
-    stored) once every consumer has staged them, then the staging buffers handed back."""
+    stored) once every consumer has staged them, then the staging buffer handed back."""
     KEYS: gl.constexpr = dk_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = dk_desc.block_type.shape[3]
+    DTYPE: gl.constexpr = dk_desc.dtype
+    LAYOUT: gl.constexpr = dk_desc.layout
+    staging = _dkdv_staging(ds_s, end, DTYPE, LAYOUT, SPLIT, KEYS, HEAD_D)
     for c in gl.static_range(SPLIT):
         nc = n0 + c * KEYS
         mbarrier.wait(done.index(c), i & 1)
         if nc < seq_k:
-            tma.async_copy_shared_to_global(dk_desc, [batch, head_kv, nc, 0], staging[0].index(c))
-            tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], staging[1].index(c))
-    tma.store_wait(pendings=0)  # the staging buffers read
+            tma.async_copy_shared_to_global(dk_desc, [batch, head_kv, nc, 0], staging.index(c))
+            tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], staging.index(SPLIT + c))
+    tma.store_wait(pendings=0)  # the staging buffer read
     mbarrier.arrive(staged_free, count=1)
-
-
-# The producer stores the previous tile's dK/dV before it loads this step of the tile (the first
-# steps' loads go first, so that the consumers find them there): at most the ring's depth, since
-# loading step NUM_STAGES waits for the consumers to release step 0, which waits for the stores.
-STORE_BEFORE_STEP = gl.constexpr(2)
 
 
 @gluon.jit
 def _producer_tiles(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem, q_ring,
-                    do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, kv_free, staged_free, staging, schedule,
+                    do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, kv_free, staged_free, ds_s, schedule,
                     seq_q, seq_k, heads_q, window_left, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                     CHUNKED: gl.constexpr):
     """The persistent pass's loads and stores, tile after tile: K and V once the consumers have read
-    the last tile's (``kv_free``), the ring's steps, and the previous tile's dK/dV stores once its
-    first steps are issued (``_store_tile``, ``STORE_BEFORE_STEP``)."""
+    the last tile's (``kv_free``), the ring's steps, and the previous tile's dK/dV stores after
+    the tile's first step is issued (``_store_tile``; the consumers need the buffer back only at the
+    step after)."""
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
-    STORE_AT: gl.constexpr = min(STORE_BEFORE_STEP, NUM_STAGES)
     group = schedule[4]
-    ring = 0  # steps loaded so far
+    ring = 0  # steps loaded so far; tile i - 1's last dS round is ring + i - 1 (``_consumer_tiles``)
     prev_batch = 0
     prev_head = 0
     prev_n0 = 0
@@ -989,23 +973,23 @@ def _producer_tiles(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, 0, BLOCK_M, BLOCK_N, CAUSAL, LEFT, True,
                                     False)
         for t in range(n_steps):
-            if (t == STORE_AT) & (i > 0):
-                _store_tile(i - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, staging, done,
-                            staged_free, SPLIT)
+            if (t == 1) & (i > 0):
+                _store_tile(i - 1, ring + i - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s,
+                            done, staged_free, SPLIT)
             _load_step(ring + t, t, walk, q_desc, do_desc, lse_desc, dl_desc, q_desc, q_ring, do_ring, lse_ring,
                        dl_ring, q_ring, ready, empty, batch, first_head, batch * heads_q, 0, n0, (0, 1), BLOCK_M,
                        NUM_STAGES, LEFT, False, False, False)
-        if (n_steps <= STORE_AT) & (i > 0):
-            _store_tile(i - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, staging, done, staged_free,
-                        SPLIT)
+        if (n_steps < 2) & (i > 0):
+            _store_tile(i - 1, ring + i - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s, done,
+                        staged_free, SPLIT)
         ring += n_steps
         prev_batch = batch
         prev_head = head_kv
         prev_n0 = n0
     n_tiles = _tiles_of_program(schedule)
     if n_tiles > 0:
-        _store_tile(n_tiles - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, staging, done,
-                    staged_free, SPLIT)
+        _store_tile(n_tiles - 1, ring + n_tiles - 1, prev_batch, prev_head, prev_n0, seq_k, dk_desc, dv_desc, ds_s,
+                    done, staged_free, SPLIT)
 
 
 @gluon.jit
@@ -1031,16 +1015,15 @@ def _drain_tiles(dq_desc, dq_state, schedule, seq_q, seq_k, window_left, SPLIT: 
 
 @gluon.jit
 def _consumer_tiles(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, kv_free,
-                    staged_free, dq_state, staging, schedule, seq_q, seq_k, window_left, qk_scale, softcap_log2,
-                    scale, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                    SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, CHUNKED: gl.constexpr):
-    """The persistent pass's warpgroup WG (``_consumer``'s with dQ, tile after tile). The steps of all
-    tiles are one run of ring steps and dS rounds. After a tile's last step the warpgroup arrives on
-    ``kv_free`` (its dQ wgmmas, which read every K tile, have retired: the producer may load the next
-    K and V), and once every warpgroup has, no wgmma reads the dS buffers: dK and dV are staged
-    there (``_dkdv_staging``). The next tile waits for the stores to have read them (``staged_free``)
-    before its first step, which writes a dS buffer."""
+                    staged_free, dq_state, schedule, seq_q, seq_k, window_left, qk_scale, softcap_log2, scale,
+                    stage_layout: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    LEFT: gl.constexpr, SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, CHUNKED: gl.constexpr):
+    """The persistent pass's warpgroup WG (``_consumer``'s with dQ, tile after tile). A tile's dS
+    rounds are its steps and one more: after it every warpgroup's dQ wgmmas have read the K tiles
+    (``kv_free``: the producer may load the next ones) and the dS buffer of that round is free to
+    stage dK and dV (``_dkdv_staging``). The next tile's step 1 (or, with fewer steps, its staging)
+    writes that buffer again: it waits until the stores have read it (``staged_free``)."""
     s_layout: gl.constexpr = _consumer_layout(BLOCK_M)  # S^T, dP^T: keys x queries
     acc_layout: gl.constexpr = _consumer_layout(HEAD_D)  # dK, dV: keys x D
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
@@ -1052,8 +1035,10 @@ def _consumer_tiles(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars,
     dq_zero = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     s_zero = gl.zeros([KEYS, BLOCK_M], gl.float32, layout=s_layout)
     rule = (seq_k - seq_q, window_left)
+    k_s = k_smem.index(WG).reshape([KEYS, HEAD_D])
     v_s = v_smem.index(WG).reshape([KEYS, HEAD_D])
-    ring = 0  # steps walked so far: step t of the tile is ring step and dS round ring + t
+    ds_s, ds_bar = dq_state[0], dq_state[2]
+    ring = 0  # steps walked so far; a tile's dS rounds are its steps and one, so dS round = ring step + i
     for i in range(_tiles_of_program(schedule)):
         _, _, _, n0 = _tile_at(i, schedule, BLOCK_N, CHUNKED)
         n_steps, walk = _query_walk(n0, seq_q, seq_k, schedule[4], window_left, 0, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
@@ -1064,28 +1049,32 @@ def _consumer_tiles(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars,
         dv = gl.zeros([KEYS, HEAD_D], gl.float32, layout=acc_layout)
         for c in gl.static_range(SPLIT):
             mbarrier.wait(kv_bars.index(c), i & 1)
-        mbarrier.wait(staged_free, (i - 1) & 1, pred=i > 0)
         for phase in gl.static_range(2):  # interior steps, then masked ones (``_consumer``)
             if phase == 0:
-                g_begin, g_end = ring, ring + n_interior_steps
+                t_begin, t_end = 0, n_interior_steps
             else:
-                g_begin, g_end = ring + n_interior_steps, ring + n_steps
-            for g in range(g_begin, g_end):
+                t_begin, t_end = n_interior_steps, n_steps
+            for t in range(t_begin, t_end):
+                mbarrier.wait(staged_free, (i - 1) & 1, pred=(t == 1) & (i > 0))
                 if phase == 1:
-                    member, blk = _step_coords(g - ring, walk, LEFT, False)
+                    member, blk = _step_coords(t, walk, LEFT, False)
                     first_row = blk * BLOCK_M
                 else:
                     first_row = 0
                 # (no dropout: ``_dropout_step`` gives its zero arguments, as tensors)
-                dk, dv = _step(g, g, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, ready, dq_state,
-                               dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
-                               BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG, phase == 1,
-                               CAUSAL, LEFT, SOFTCAP, True, False, True, False, 0.0, 0, False,
-                               _dropout_step(g, walk, 0, 0, BLOCK_M, LEFT, False, False))
+                dk, dv = _step(ring + t, ring + t + i, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty,
+                               ready, dq_state, dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale,
+                               softcap_log2, scale, BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT,
+                               PINGPONG, phase == 1, CAUSAL, LEFT, SOFTCAP, True, False, True, False, 0.0, 0, False,
+                               _dropout_step(t, walk, 0, 0, BLOCK_M, LEFT, False, False))
+        end = ring + n_steps + i
+        mbarrier.arrive(ds_bar.index(end % 2), count=1)
+        mbarrier.wait(ds_bar.index(end % 2), (end // 2) & 1)
         mbarrier.arrive(kv_free, count=1)
-        mbarrier.wait(kv_free, i & 1)
-        staging[0].index(WG).reshape([KEYS, HEAD_D]).store((dk * scale).to(dtype))
-        staging[1].index(WG).reshape([KEYS, HEAD_D]).store(dv.to(dtype))
+        mbarrier.wait(staged_free, (i - 1) & 1, pred=(n_steps < 2) & (i > 0))
+        staging = _dkdv_staging(ds_s, end, dtype, stage_layout, SPLIT, KEYS, HEAD_D)
+        staging.index(WG).reshape([KEYS, HEAD_D]).store((dk * scale).to(dtype))
+        staging.index(SPLIT + WG).reshape([KEYS, HEAD_D]).store(dv.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(done.index(WG), count=1)
@@ -1128,8 +1117,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     query block's dQ summed in a fixed order of programs (``_drain``), ``DqLock`` its turn counters
     (int32 (B * Hq, query blocks), zeroed); causal programs then start in descending key-block
     order and walk their masked steps first.
-    PERSISTENT (with DQ split by rows or columns, two warpgroups without turns; no lists, bias, group
-    sums, packing, ALiBi, dropout or fixed order): a program per SM walks the launch's ``tiles`` tiles in
+    PERSISTENT (with DQ split by rows, two warpgroups without turns; no lists, bias, group sums,
+    packing, ALiBi, dropout or fixed order): a program per SM walks the launch's ``tiles`` tiles in
     rounds (``_consumer_tiles``)."""
     gl.static_assert(not (VARLEN and (LISTS or BIAS)), "packed sequences: no mask, no bias")
     gl.static_assert(not ORDERED or (DQ and not (LISTS or LEFT or BIAS or GROUP_SUM or VARLEN)),
@@ -1139,12 +1128,10 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
     gl.static_assert(NUM_STAGES >= 2, "at least two ring slots")
-    gl.static_assert(not PERSISTENT or (DQ and SPLIT == 2 and PINGPONG == 0
-                                        and (BLOCK_M >= 2 * HEAD_D or (HEAD_D == 128 and BLOCK_M == 64))
+    gl.static_assert(not PERSISTENT or (DQ and SPLIT == 2 and PINGPONG == 0 and BLOCK_M >= 2 * HEAD_D
                                         and not (LISTS or BIAS or GROUP_SUM or VARLEN or ALIBI or DROPOUT
                                                  or ORDERED)),
-                     "persistent: dQ split by rows or columns (dK/dV staged in the dS buffers), 2 warpgroups, "
-                     "no turns, plain")
+                     "persistent: dQ split by rows (a dS buffer holds dK and dV), 2 warpgroups, no turns, plain")
 
     KEYS: gl.constexpr = k_desc.block_type.shape[2]
     gl.static_assert(not GROUP_SUM or (SPLIT == 2 and NUM_STAGES * BLOCK_M >= 2 * KEYS and not LISTS),
@@ -1271,25 +1258,20 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         staged_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_free, count=SPLIT)
         mbarrier.init(staged_free, count=1)
-        if _staging_fits_one_ds_buffer(dq_state[0].shape, SPLIT, KEYS, HEAD_D):
-            dv_extra = dq_state[0]  # never read
-        else:  # D=128: the dS buffers hold dK only
-            dv_extra = gl.allocate_shared_memory(dtype, [SPLIT, 1, 1, KEYS, HEAD_D], STAGE_LAYOUT)
-        staging = _dkdv_staging(dq_state[0], dv_extra, dtype, STAGE_LAYOUT, SPLIT, KEYS, HEAD_D)
         fence_async_shared()
         schedule = (tiles, key_blocks, chunk_heads, heads_kv, group)
         gl.warp_specialize([
             (_consumer_tiles, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, kv_free,
-                               staged_free, dq_state, staging, schedule, seq_q, seq_k, window_left, qk_scale,
-                               softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT,
+                               staged_free, dq_state, schedule, seq_q, seq_k, window_left, qk_scale, softcap_log2,
+                               scale, STAGE_LAYOUT, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT,
                                SOFTCAP, PINGPONG, CHUNKED)),
             (_consumer_tiles, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, kv_free,
-                               staged_free, dq_state, staging, schedule, seq_q, seq_k, window_left, qk_scale,
-                               softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT,
+                               staged_free, dq_state, schedule, seq_q, seq_k, window_left, qk_scale, softcap_log2,
+                               scale, STAGE_LAYOUT, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT,
                                SOFTCAP, PINGPONG, CHUNKED)),
             (_producer_tiles, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, k_smem, v_smem,
                                q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, kv_free, staged_free,
-                               staging, schedule, seq_q, seq_k, heads_q, window_left, SPLIT, BLOCK_M, BLOCK_N,
+                               dq_state[0], schedule, seq_q, seq_k, heads_q, window_left, SPLIT, BLOCK_M, BLOCK_N,
                                NUM_STAGES, CAUSAL, LEFT, CHUNKED)),
             (_drain_tiles, (dq_desc, dq_state, schedule, seq_q, seq_k, window_left, SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
                             CAUSAL, LEFT, CHUNKED)),
@@ -1491,15 +1473,12 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
 
 
 def persistent_dkdv_fits(head_dim: int, config: KernelConfig, dq: bool, extras: bool) -> bool:
-    """Whether the persistent dK/dV pass can run (``_dkdv_ws_kernel``'s PERSISTENT): two warpgroups
-    without turns sharing the dS buffers that stage dK and dV between tiles (``_dkdv_staging``) -- dQ
-    split by rows (D=64's 128-row steps) or by columns (D=128's 64-row steps, with a 32 KB buffer
-    more for dV: shared memory fits it beside a ring of two slots only) -- and no per-program
-    ``extras`` (a mask's lists, group sums, a fixed dQ order, a bias, packing, ALiBi, dropout)."""
-    split_rows = config.block_m >= 2 * head_dim
-    split_columns = head_dim == 128 and config.block_m == 64 and config.num_stages == 2
+    """Whether the persistent dK/dV pass can run (``_dkdv_ws_kernel``'s PERSISTENT): a dS buffer stages
+    both warpgroups' dK and dV (dQ split by rows: D=64's 128-row steps over two warpgroups without
+    turns), and no per-program ``extras`` (a mask's lists, group sums, a fixed dQ order, a bias, packing,
+    ALiBi, dropout)."""
     return (dq and not extras and config.hopper_split == 2 and config.hopper_pingpong == 0
-            and (split_rows or split_columns))
+            and config.block_m >= 2 * head_dim)
 
 
 PERSISTENT_DKDV_MAX_KEYS = 4096  # the most keys a query may see for the persistent dK/dV pass to run
