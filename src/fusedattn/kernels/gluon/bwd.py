@@ -82,7 +82,7 @@ from .common import (LOG2E, WG_ROWS, Descriptor, UnswizzledDescriptor, bias_slic
 from ..shared.knobs import knobs
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
-from ..shared import packed_tiles
+from ..shared import packed_tiles, rounds
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
 
@@ -1454,7 +1454,8 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
     tiles = heads * key_blocks
     programs = persistent_dkdv_programs(tiles, head_dim, seqlen_k, spec, config, dq,
                                         has_lists or group_sum or ordered or bias_slices is not None,
-                                        torch.device("cuda", device_index))
+                                        torch.device("cuda", device_index),
+                                        rounds_work=(seqlen_q, heads_q // heads_kv, heads, chunk))
     args = ((SLOT,) * 9 + (seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
                            *score_constants(spec), spec.scale, SLOT, *list_strides, SLOT, SLOT,
                            *(bias_slices or (0, 1)), key_blocks, chunk, tiles, None, None, 0, 0, SLOT, SLOT,
@@ -1485,23 +1486,33 @@ PERSISTENT_DKDV_MAX_KEYS = 4096  # the most keys a query may see for the persist
 
 
 def persistent_dkdv_programs(tiles: int, head_dim: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
-                             dq: bool, extras: bool, device: torch.device) -> int:
+                             dq: bool, extras: bool, device: torch.device, rounds_work: tuple) -> int:
     """Programs of a persistent dK/dV pass (one per SM, ``_consumer_tiles``), or 0 for one program a
     tile. Where it can run (``persistent_dkdv_fits``; ``extras``: a mask's lists, group sums, a fixed
     dQ order, a bias), the rule runs it where tiles are short: a causal bound (a window's right edge
     at the diagonal) and at most PERSISTENT_DKDV_MAX_KEYS keys seen per query -- measured (the dK/dV
     pass, one H200): S=1k causal -6.6%, 4k causal -1.5%, a 1024-key window at 4k -7.5%; but 16k
     causal +8.9%, and without a bound +5.7% at 4k (its step loop spills), so not there. And only
-    with more tiles than SMs."""
+    with more tiles than SMs, and where the model has the static rounds ending no later than one
+    program per tile (``rounds.persistent_wins``; ``rounds_work`` = (Sq, query heads per KV head,
+    head rows, head rows per chunk of the launch order)): at some head counts the rounds
+    give one program far more than its share (B=1, H=32, S=4k: 576 us against 361 one tile a
+    program)."""
     forced = knobs().dkdv_programs
     if not persistent_dkdv_fits(head_dim, config, dq, extras or spec.alibi or spec.has_dropout) or forced == 0:
         return 0
-    if forced is None:
-        seen = seqlen_k if not spec.has_window_left else min(seqlen_k, spec.window_left + 1)
-        if spec.window_right != 0 or seen > PERSISTENT_DKDV_MAX_KEYS:
-            return 0
-    programs = sm_count(device) if forced is None else forced
-    return programs if programs < tiles else 0
+    if forced is not None:
+        return forced if forced < tiles else 0
+    seen = seqlen_k if not spec.has_window_left else min(seqlen_k, spec.window_left + 1)
+    if spec.window_right != 0 or seen > PERSISTENT_DKDV_MAX_KEYS:
+        return 0
+    programs = sm_count(device)
+    if programs >= tiles:
+        return 0
+    seqlen_q, group, head_rows, chunk = rounds_work
+    work = rounds.dkdv_tile_work(seqlen_q, seqlen_k, spec.window_left if spec.has_window_left else None, group,
+                                 head_rows, chunk, config.block_m, KEYS_PER_WG * config.hopper_split)
+    return programs if rounds.persistent_wins(work, programs, programs) else 0
 
 
 def dq_lock_size(q_shape: tuple, config: KernelConfig) -> int:

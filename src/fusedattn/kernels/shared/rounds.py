@@ -1,0 +1,133 @@
+"""Whether a persistent launch's static rounds beat one program per tile: the host's model, asked by
+the planner.
+
+A persistent Gluon launch (one program per SM) hands its tiles out in rounds over the launch order
+(``gluon.common.snake_tile``): each round one tile per program, even rounds in program order, odd
+ones reversed, so that a program given a heavy tile in one round gets a light one in the next.
+That pairing holds only where the tiles' lengths, read in launch order, repeat with the rounds:
+the launch order runs in chunks of head rows, heaviest block first (``gluon.common.launch_order``),
+and where a chunk's length and the number of programs do not line up, every round puts its heavy
+tiles on the same programs. One program per tile has no such failure: the hardware starts each tile
+on the first SM that frees up (a greedy list schedule in launch order). Persistence hides part of
+each tile's fixed cost (loads before its first step, stores after its last) and nothing else, so a
+launch runs persistent only where the model says its busiest program ends no later than the greedy
+schedule (``persistent_wins``).
+
+The model counts a tile's work in steps (query blocks of a dK/dV tile, key blocks of a forward
+tile) plus a fixed cost. Fitted and checked on one H200 (kernel times, one process): the D=64 causal
+dK/dV pass of one program per tile at S=1k and 4k (488 and 1368 us for 4096 tiles of 4.5 and 16.5
+steps on average) gives ~2 steps of fixed cost; the persistent pass's gain there (-6.6% at 1k)
+~0.5 of them hidden. It then predicts persistent / one tile as 0.94 (measured 0.94) and 1.00
+(0.98) at the standard shapes, 1.67 (1.60) at B=1, H=32, S=4k and 1.39 (1.30) at B=4, H=32, S=1k;
+for the D=128 causal forward 0.90 (0.86) at the standard S=1k, 0.88 (0.91) at B=1, H=16, S=2k and
+1.08 (1.19) at B=2, H=18, S=1k.
+
+Pure torch on the CPU: the kernels' launch order and rounds written out for the host (tests check
+them against a tile-by-tile walk); the block ranges are ``block_range.py``'s under a causal bound.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+FIXED_STEPS = 2.0  # a tile's cost beyond its steps with one program per tile, in steps
+PERSISTENT_FIXED_STEPS = 1.5  # the same in a persistent program: part of it runs under the neighbours
+TOLERANCE = 0.01  # persistent where the model has it at most this much slower (the standard shapes: 1.00)
+GREEDY_TILES_PER_SM = 64  # more tiles than this a SM: the greedy schedule is taken as an even share
+
+
+def launch_order_blocks(head_rows: int, blocks: int, chunk_heads: int) -> torch.Tensor:
+    """The block of every tile, in launch order (``gluon.common.launch_order``): chunks of
+    ``chunk_heads`` head rows, within a chunk every row's block 0, then every row's block 1, ..."""
+    tile = torch.arange(head_rows * blocks)
+    chunk_tiles = chunk_heads * blocks
+    chunk = tile // chunk_tiles
+    rows = (head_rows - chunk * chunk_heads).clamp(max=chunk_heads)
+    return (tile - chunk * chunk_tiles) // rows
+
+
+def snake_programs(tiles: int, programs: int) -> torch.Tensor:
+    """The program that walks each tile (``gluon.common.snake_tile``'s rounds)."""
+    tile = torch.arange(tiles)
+    rounds, within = tile // programs, tile % programs
+    return torch.where(rounds % 2 == 0, within, programs - 1 - within)
+
+
+def rounds_finish(work: torch.Tensor, programs: int) -> float:
+    """When the busiest program of a persistent launch ends: the largest sum of ``work`` (each tile's,
+    in launch order) over the tiles the rounds give one program."""
+    return float(torch.bincount(snake_programs(work.numel(), programs), weights=work.double(),
+                                minlength=programs).max())
+
+
+def greedy_finish(work: torch.Tensor, sms: int) -> float:
+    """When a launch of one program per tile ends: each tile, in launch order, starts on the SM that
+    frees up first. With many tiles a SM, the even share (the schedule's lower bound; the last
+    tiles' spread is a small part of it)."""
+    if work.numel() > GREEDY_TILES_PER_SM * sms:
+        return float(work.double().sum()) / sms
+    finish = [0.0] * sms
+    for cost in work.tolist():
+        heapq.heapreplace(finish, finish[0] + cost)
+    return max(finish)
+
+
+def persistent_wins(work: torch.Tensor, programs: int, sms: int) -> bool:
+    """Whether a persistent launch of ``programs`` programs is modelled to end no later (within
+    TOLERANCE) than one program per tile for tiles of ``work`` steps each (in launch order)."""
+    persistent = rounds_finish(work + PERSISTENT_FIXED_STEPS, programs)
+    return persistent <= (1.0 + TOLERANCE) * greedy_finish(work + FIXED_STEPS, sms)
+
+
+def _cdiv(a: torch.Tensor, b: int) -> torch.Tensor:
+    return torch.div(a + b - 1, b, rounding_mode="floor")
+
+
+def causal_key_block_steps(seqlen_q: int, seqlen_k: int, window_left: int | None, block_m: int,
+                           block_n: int) -> torch.Tensor:
+    """Query blocks the dK/dV pass walks for each key block under a causal bound (bottom-right
+    aligned) and an optional left window (``block_range.query_blocks_for_key_block``)."""
+    diag = seqlen_k - seqlen_q
+    first_col = torch.arange(_cdiv(torch.tensor(seqlen_k), block_n).item()) * block_n
+    last_col = (first_col + block_n).clamp(max=seqlen_k) - 1
+    row_begin = (first_col - diag).clamp(min=0)
+    row_end = torch.full_like(first_col, seqlen_q)
+    if window_left is not None:
+        row_end = torch.minimum(row_end, last_col - diag + window_left + 1)
+    begin = torch.div(row_begin, block_m, rounding_mode="floor")
+    end = torch.maximum(_cdiv(row_end.clamp(min=0), block_m), begin)
+    return end - begin
+
+
+def causal_query_block_steps(seqlen_q: int, seqlen_k: int, window_left: int | None, block_m: int,
+                             block_n: int) -> torch.Tensor:
+    """Key blocks the forward walks for each query block under a causal bound (bottom-right aligned)
+    and an optional left window (``block_range.key_blocks_for_query_block``)."""
+    diag = seqlen_k - seqlen_q
+    first_row = torch.arange(_cdiv(torch.tensor(seqlen_q), block_m).item()) * block_m
+    last_row = (first_row + block_m).clamp(max=seqlen_q) - 1
+    key_end = (last_row + diag + 1).clamp(max=seqlen_k)
+    key_begin = torch.zeros_like(first_row)
+    if window_left is not None:
+        key_begin = (first_row + diag - window_left).clamp(min=0)
+    begin = torch.div(key_begin, block_n, rounding_mode="floor")
+    end = torch.maximum(_cdiv(key_end.clamp(min=0), block_n), begin)
+    return end - begin
+
+
+def dkdv_tile_work(seqlen_q: int, seqlen_k: int, window_left: int | None, group: int, head_rows: int,
+                   chunk_heads: int, block_m: int, block_n: int) -> torch.Tensor:
+    """Steps of every tile of a causal dK/dV launch, in launch order: its key block's query blocks
+    for each of the ``group`` query heads it walks."""
+    steps = causal_key_block_steps(seqlen_q, seqlen_k, window_left, block_m, block_n)
+    return group * steps[launch_order_blocks(head_rows, steps.numel(), chunk_heads)]
+
+
+def forward_tile_work(seqlen_q: int, seqlen_k: int, window_left: int | None, head_rows: int, chunk_heads: int,
+                      block_m: int, block_n: int) -> torch.Tensor:
+    """Key blocks of every tile of a causal forward launch, in launch order: its launch block 0 is
+    the last query block, which sees the most keys (``gluon.fwd._tile_block``)."""
+    steps = causal_query_block_steps(seqlen_q, seqlen_k, window_left, block_m, block_n)
+    return steps.flip(0)[launch_order_blocks(head_rows, steps.numel(), chunk_heads)]

@@ -1,0 +1,107 @@
+"""The host's model of persistent launches (kernels/shared/rounds.py): the launch order, the rounds and
+the block ranges it reads, each against a tile-by-tile walk written from its definition, and its
+decisions at the shapes where both launches were timed on one H200."""
+
+import pytest
+import torch
+
+from fusedattn.kernels.shared import rounds
+
+
+def walk_launch_order(head_rows, blocks, chunk_heads):
+    """Blocks in launch order: chunk after chunk of head rows, within each every row's block 0, then
+    every row's block 1, ..."""
+    order = []
+    for first in range(0, head_rows, chunk_heads):
+        rows = range(first, min(first + chunk_heads, head_rows))
+        for block in range(blocks):
+            order += [block for _ in rows]
+    return order
+
+
+def walk_rounds(tiles, programs):
+    """Program of each tile: round after round one tile per program, odd rounds in reverse."""
+    owner = []
+    for first in range(0, tiles, programs):
+        round_programs = list(range(programs))
+        if (first // programs) % 2:
+            round_programs.reverse()
+        owner += round_programs[:tiles - first]
+    return owner
+
+
+def kept(seqlen_q, seqlen_k, window_left):
+    """Query i keeps key j under a causal bound, bottom-right aligned, and an optional left window."""
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    keep = j <= i + seqlen_k - seqlen_q
+    if window_left is not None:
+        keep &= j >= i + seqlen_k - seqlen_q - window_left
+    return keep
+
+
+def blocks_touched(keep, block_rows, block_cols):
+    """For each column block, the row blocks holding a kept pair."""
+    rows, cols = keep.shape
+    return [sum(bool(keep[r:r + block_rows, c:c + block_cols].any()) for r in range(0, rows, block_rows))
+            for c in range(0, cols, block_cols)]
+
+
+@pytest.mark.parametrize("head_rows,blocks,chunk_heads", [(7, 5, 3), (12, 8, 4), (5, 4, 1), (6, 3, 6), (9, 2, 16)])
+def test_launch_order_blocks_follow_the_launch_order(head_rows, blocks, chunk_heads):
+    chunk_heads = min(chunk_heads, head_rows)
+    assert rounds.launch_order_blocks(head_rows, blocks, chunk_heads).tolist() == walk_launch_order(
+        head_rows, blocks, chunk_heads)
+
+
+@pytest.mark.parametrize("tiles,programs", [(10, 3), (12, 4), (7, 7), (5, 8), (131, 13)])
+def test_snake_programs_follow_the_rounds(tiles, programs):
+    assert rounds.snake_programs(tiles, programs).tolist() == walk_rounds(tiles, programs)
+
+
+LENGTHS = [(1000, 1000, None), (517, 333, None), (333, 517, None), (1000, 1000, 300), (700, 1200, 100), (64, 64, None),
+           (200, 70, 0)]
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,window_left", LENGTHS)
+@pytest.mark.parametrize("block_m,block_n", [(128, 128), (64, 128)])
+def test_block_steps_are_the_blocks_holding_kept_pairs(seqlen_q, seqlen_k, window_left, block_m, block_n):
+    keep = kept(seqlen_q, seqlen_k, window_left)
+    assert rounds.causal_key_block_steps(seqlen_q, seqlen_k, window_left, block_m, block_n).tolist() == \
+        blocks_touched(keep, block_m, block_n)
+    assert rounds.causal_query_block_steps(seqlen_q, seqlen_k, window_left, block_m, block_n).tolist() == \
+        blocks_touched(keep.T, block_n, block_m)
+
+
+def test_greedy_finish_starts_each_tile_on_the_first_free_sm():
+    assert rounds.greedy_finish(torch.tensor([4.0, 1, 1, 1]), 2) == 4.0  # three short tiles beside the long one
+    assert rounds.greedy_finish(torch.tensor([4.0, 1, 1, 1, 1, 1]), 2) == 5.0  # the fifth waits for a free SM
+    assert rounds.greedy_finish(torch.tensor([1.0, 1, 1, 1, 4]), 2) == 6.0  # the long one last
+    assert rounds.greedy_finish(torch.ones(1000), 10) == pytest.approx(100.0)  # the even share, many tiles an SM
+
+
+def test_rounds_finish_is_the_busiest_programs_sum():
+    work = torch.tensor([5.0, 4, 3, 2, 1, 0])  # rounds of 3: programs 0, 1, 2 then 2, 1, 0
+    assert rounds.rounds_finish(work, 3) == 5.0  # program 0: 5 + 0, 1: 4 + 1, 2: 3 + 2
+
+
+SMS = 132
+# (batch, heads, length, persistent / one program per tile measured on one H200 (kernel time), shape name):
+# causal, D=64 dK/dV pass (128-row steps over 128-key tiles; launch chunks of round(SMs / key blocks)
+# head rows) and D=128 forward (128-row tiles over 128-key blocks, head-major).
+DKDV_TIMED = [(16, 32, 1024, 457 / 488), (4, 32, 4096, 1354 / 1378), (1, 32, 4096, 576 / 361), (4, 32, 1024, 172 / 132)]
+FORWARD_TIMED = [(16, 16, 1024, 160 / 187), (1, 16, 2048, 51 / 56), (2, 18, 1024, 44 / 37)]
+
+
+@pytest.mark.parametrize("batch,heads,length,measured", DKDV_TIMED)
+def test_dkdv_decisions_follow_the_measurements(batch, heads, length, measured):
+    key_blocks = length // 128
+    chunk = max(1, min(batch * heads, round(SMS / key_blocks)))
+    work = rounds.dkdv_tile_work(length, length, None, 1, batch * heads, chunk, 128, 128)
+    assert rounds.persistent_wins(work, SMS, SMS) == (measured < 1.0)
+
+
+@pytest.mark.parametrize("batch,heads,length,measured", FORWARD_TIMED)
+def test_forward_decisions_follow_the_measurements(batch, heads, length, measured):
+    work = rounds.forward_tile_work(length, length, None, batch * heads, 1, 128, 128)
+    assert rounds.persistent_wins(work, SMS, SMS) == (measured < 1.0)
