@@ -1495,9 +1495,8 @@ def persistent_dkdv_programs(tiles: int, head_dim: int, seqlen_k: int, spec: Att
     causal +8.9%, and without a bound +5.7% at 4k (its step loop spills), so not there. And only
     with more tiles than SMs, and where the model has the static rounds ending no later than one
     program per tile (``rounds.persistent_wins``; ``rounds_work`` = (Sq, query heads per KV head,
-    head rows, head rows per chunk of the launch order)): at some head counts the rounds
-    give one program far more than its share (B=1, H=32, S=4k: 576 us against 361 one tile a
-    program)."""
+    head rows, head rows per chunk of the launch order)): at some head counts the rounds give one
+    program far more than its share (one sequence of 4k keys and 32 heads among them)."""
     forced = knobs().dkdv_programs
     if not persistent_dkdv_fits(head_dim, config, dq, extras or spec.alibi or spec.has_dropout) or forced == 0:
         return 0

@@ -1006,7 +1006,7 @@ def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: b
     much slower than one program per tile, at 4k the fastest) -- and there only where the model has
     the static rounds ending no later than one program per tile (``rounds.persistent_wins``;
     ``rounds_work`` = (Sq, head rows, head rows per chunk of the launch order, the left window or
-    None); B=2, H=18, S=1k: 44 us persistent against 37). Also a mask's tile lists without a bias
+    None)). Also a mask's tile lists without a bias
     where they are about equally long (``even_lists``: tile_lists.rows_even), whatever the turns:
     short lists of whole tiles -- a block-sparse top-k mask -- spend much of a program on its fixed
     part (a block-sparse forward at S=4k measured faster persistent)."""

@@ -14,13 +14,10 @@ launch runs persistent only where the model says its busiest program ends no lat
 schedule (``persistent_wins``).
 
 The model counts a tile's work in steps (query blocks of a dK/dV tile, key blocks of a forward
-tile) plus a fixed cost. Fitted and checked on one H200 (kernel times, one process): the D=64 causal
-dK/dV pass of one program per tile at S=1k and 4k (488 and 1368 us for 4096 tiles of 4.5 and 16.5
-steps on average) gives ~2 steps of fixed cost; the persistent pass's gain there (-6.6% at 1k)
-~0.5 of them hidden. It then predicts persistent / one tile as 0.94 (measured 0.94) and 1.00
-(0.98) at the standard shapes, 1.67 (1.60) at B=1, H=32, S=4k and 1.39 (1.30) at B=4, H=32, S=1k;
-for the D=128 causal forward 0.90 (0.86) at the standard S=1k, 0.88 (0.91) at B=1, H=16, S=2k and
-1.08 (1.19) at B=2, H=18, S=1k.
+tile) plus a fixed cost a tile, fitted from the one-program-per-tile D=64 causal dK/dV pass at two
+lengths (same tiles, different step counts), of which a persistent program hides about a quarter
+(what the persistent pass gained at short rows). It predicted the persistent / one-tile ratio of
+every launch timed against it within ~0.1, on both sides of 1 (benchmarks/NOTES.md).
 
 Pure torch on the CPU: the kernels' launch order and rounds written out for the host (tests check
 them against a tile-by-tile walk); the block ranges are ``block_range.py``'s under a causal bound.
