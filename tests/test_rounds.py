@@ -105,3 +105,36 @@ def test_dkdv_decisions_follow_the_measurements(batch, heads, length, measured):
 def test_forward_decisions_follow_the_measurements(batch, heads, length, measured):
     work = rounds.forward_tile_work(length, length, None, batch * heads, 1, 128, 128)
     assert rounds.persistent_wins(work, SMS, SMS) == (measured < 1.0)
+
+
+@pytest.fixture
+def launchers_on_132_sms(monkeypatch):
+    """The Gluon launchers' host side with 132 SMs (the launch is built, never run: no GPU needed)."""
+    from fusedattn.kernels.gluon import bwd, common, fwd
+
+    for module in (bwd, fwd, common):
+        monkeypatch.setattr(module, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return bwd, fwd
+
+
+def test_the_launchers_ask_the_model(launchers_on_132_sms):
+    """The dK/dV pass's and the forward's launches at the timed shapes: one program per SM where the
+    model says persistent, one program per tile where it does not."""
+    from fusedattn.spec import AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    bwd, fwd = launchers_on_132_sms
+    causal = AttentionSpec("bhsd", -1, 0, 0.125, 0.0, False)
+    dkdv_config = KernelConfig(128, 128, 4, 2, True, 0, 2, 0)  # D=64: dQ split by rows, no turns
+    for batch, heads, length, measured in DKDV_TIMED:
+        launcher = bwd._dkdv_launcher.__wrapped__((batch, heads, length, 64), heads, length, causal, dkdv_config,
+                                                  True, (0, 0, 0), False, False, None, False, 0)
+        tiles = batch * heads * (length // 128)
+        assert launcher.grid == ((SMS,) if measured < 1.0 else (tiles,)), (batch, heads, length)
+    forward_config = KernelConfig(128, 128, 4, 2, True, 0, 2, 0)  # D=128 short causal: two warpgroups
+    for batch, heads, length, measured in FORWARD_TIMED:
+        launcher = fwd._forward_launcher.__wrapped__((batch, heads, length, 128), heads, length, causal,
+                                                     forward_config, (0, 0, 0, 0), False, None, 0)
+        tiles = batch * heads * (length // 128)
+        assert launcher.grid == ((SMS,) if measured < 1.0 else (tiles,)), (batch, heads, length)
