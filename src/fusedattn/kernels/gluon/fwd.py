@@ -995,7 +995,7 @@ PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``persis
 
 
 def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device,
-                        seqlen_k: int, even_lists: bool = False, rounds_work: tuple | None = None) -> int:
+                        seqlen_k: int, rounds_work: tuple, even_lists: bool = False) -> int:
     """Programs of a persistent launch of the warp-specialised forward (one per SM, each walking
     its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (forward
     GPU time): persistent is faster at D=128 S=1k causal (two warpgroups: short tiles, their fixed
@@ -1006,16 +1006,16 @@ def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: b
     much slower than one program per tile, at 4k the fastest) -- and there only where the model has
     the static rounds ending no later than one program per tile (``rounds.persistent_wins``;
     ``rounds_work`` = (Sq, head rows, head rows per chunk of the launch order, the left window or
-    None)). Also a mask's tile lists without a bias
-    where they are about equally long (``even_lists``: tile_lists.rows_even), whatever the turns:
-    short lists of whole tiles -- a block-sparse top-k mask -- spend much of a program on its fixed
-    part (a block-sparse forward at S=4k measured faster persistent)."""
+    None)). Also a mask's tile lists without a bias where they are about equally long
+    (``even_lists``: tile_lists.rows_even), whatever the turns: short lists of whole tiles -- a
+    block-sparse top-k mask -- spend much of a program on its fixed part (a block-sparse forward at
+    S=4k measured faster persistent)."""
     if knobs().programs is not None:
         programs = knobs().programs
     else:
         fits = seqlen_k <= PERSISTENT_MAX_KEYS
         programs = sm_count(device) if runs_persistent(config, causal, plain, even_lists) and fits else 0
-        if 0 < programs < tiles and plain and rounds_work is not None:
+        if 0 < programs < tiles and plain:
             seqlen_q, head_rows, chunk, window_left = rounds_work
             work = rounds.forward_tile_work(seqlen_q, seqlen_k, window_left, head_rows, chunk,
                                             WG_ROWS * config.hopper_split, config.block_n)
@@ -1118,9 +1118,10 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
                         CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                         OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
     programs = 0 if grad_q else persistent_programs(tiles, config, causal, not has_lists and bias_slices is None,
-                                                    device, seqlen_k, even_lists,
+                                                    device, seqlen_k,
                                                     (seqlen_q, batch * heads_q, chunk,
-                                                     spec.window_left if spec.has_window_left else None))
+                                                     spec.window_left if spec.has_window_left else None),
+                                                    even_lists)
     persistent = programs > 0
     if persistent:
         grid = (programs,)

@@ -29,6 +29,8 @@ import heapq
 
 import torch
 
+from .launch import cdiv  # ints and tensors alike
+
 FIXED_STEPS = 2.0  # a tile's cost beyond its steps with one program per tile, in steps
 PERSISTENT_FIXED_STEPS = 1.5  # the same in a persistent program: part of it runs under the neighbours
 TOLERANCE = 0.01  # persistent where the model has it at most this much slower (the standard shapes: 1.00)
@@ -78,23 +80,19 @@ def persistent_wins(work: torch.Tensor, programs: int, sms: int) -> bool:
     return persistent <= (1.0 + TOLERANCE) * greedy_finish(work + FIXED_STEPS, sms)
 
 
-def _cdiv(a: torch.Tensor, b: int) -> torch.Tensor:
-    return torch.div(a + b - 1, b, rounding_mode="floor")
-
-
 def causal_key_block_steps(seqlen_q: int, seqlen_k: int, window_left: int | None, block_m: int,
                            block_n: int) -> torch.Tensor:
     """Query blocks the dK/dV pass walks for each key block under a causal bound (bottom-right
     aligned) and an optional left window (``block_range.query_blocks_for_key_block``)."""
     diag = seqlen_k - seqlen_q
-    first_col = torch.arange(_cdiv(torch.tensor(seqlen_k), block_n).item()) * block_n
+    first_col = torch.arange(cdiv(seqlen_k, block_n)) * block_n
     last_col = (first_col + block_n).clamp(max=seqlen_k) - 1
     row_begin = (first_col - diag).clamp(min=0)
     row_end = torch.full_like(first_col, seqlen_q)
     if window_left is not None:
         row_end = torch.minimum(row_end, last_col - diag + window_left + 1)
     begin = torch.div(row_begin, block_m, rounding_mode="floor")
-    end = torch.maximum(_cdiv(row_end.clamp(min=0), block_m), begin)
+    end = torch.maximum(cdiv(row_end.clamp(min=0), block_m), begin)
     return end - begin
 
 
@@ -103,14 +101,14 @@ def causal_query_block_steps(seqlen_q: int, seqlen_k: int, window_left: int | No
     """Key blocks the forward walks for each query block under a causal bound (bottom-right aligned)
     and an optional left window (``block_range.key_blocks_for_query_block``)."""
     diag = seqlen_k - seqlen_q
-    first_row = torch.arange(_cdiv(torch.tensor(seqlen_q), block_m).item()) * block_m
+    first_row = torch.arange(cdiv(seqlen_q, block_m)) * block_m
     last_row = (first_row + block_m).clamp(max=seqlen_q) - 1
     key_end = (last_row + diag + 1).clamp(max=seqlen_k)
     key_begin = torch.zeros_like(first_row)
     if window_left is not None:
         key_begin = (first_row + diag - window_left).clamp(min=0)
     begin = torch.div(key_begin, block_n, rounding_mode="floor")
-    end = torch.maximum(_cdiv(key_end.clamp(min=0), block_n), begin)
+    end = torch.maximum(cdiv(key_end.clamp(min=0), block_n), begin)
     return end - begin
 
 
