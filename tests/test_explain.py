@@ -9,6 +9,9 @@ Hopper GPU the same cases reach the Gluon kernels.
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
@@ -178,3 +181,51 @@ def test_explain_on_the_pytorch_backend_names_the_cpu_path():
     assert "chunks of keys" in capped.forward[0].kernel and "softcap" in capped.forward[0].why
     fused = dispatch.cpu.fused_kernel_available()
     assert ("fused" in plain.forward[0].kernel) == fused
+
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9
+# (batch, S, heads, D, causal, the passes the rounds model runs persistent on 132 SMs): short causal rows
+# with more tiles than SMs at head counts where one program per SM would balance badly, the forward's
+# rounds modelled slower than one program per tile, and no causal bound
+LAUNCH_CASES = [(1, 1024, 32, 64, True, {"dK/dV"}), (1, 2048, 16, 128, True, {"forward"}),
+                (2, 1024, 18, 128, True, set()), (1, 1024, 8, 64, False, set())]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 GPUs only")
+@pytest.mark.parametrize("batch,seqlen,heads,head_dim,causal,persistent", LAUNCH_CASES)
+def test_explain_reports_the_launch_form_that_runs(batch, seqlen, heads, head_dim, causal, persistent, monkeypatch):
+    from fusedattn.kernels.gluon import bwd as gluon_bwd
+    from fusedattn.kernels.gluon import fwd as gluon_fwd
+
+    grids = {}
+
+    def spy(module, name, step, when=lambda kwargs: True):
+        real = getattr(module, name)
+
+        def launcher(*args, **kwargs):
+            built = real(*args, **kwargs)
+            if when(kwargs):
+                grids[step] = built.grid
+            return built
+
+        monkeypatch.setattr(module, name, launcher)
+
+    spy(gluon_fwd, "_forward_launcher", "forward", when=lambda kwargs: kwargs.get("stats_stride") is None)
+    spy(gluon_bwd, "_dkdv_launcher", "dK/dV")
+    q, k, v = _inputs(batch, seqlen, seqlen, heads, heads, head_dim)
+    with fusedattn.use_backend("triton"):
+        explanation = fusedattn.explain(q, k, v, causal=causal, show=False)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        fusedattn.attention(*leaves, causal=causal).float().square().sum().backward()
+    steps = {s.name: s for s in (*explanation.forward, *explanation.backward)}
+    assert set(grids) == {"forward", "dK/dV"}, str(explanation)
+    for step, grid in grids.items():
+        launch = steps[step].launch
+        if launch.startswith("persistent"):
+            programs, tiles = map(int, re.fullmatch(r"persistent: (\d+) programs walk (\d+) tiles in rounds",
+                                                    launch).groups())
+            assert grid == (programs,) and programs < tiles, (step, grid, launch)
+        else:
+            assert launch == f"one program per tile ({math.prod(grid)} tiles)", (step, grid, launch)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:
+        assert {step for step in grids if steps[step].launch.startswith("persistent")} == persistent, str(explanation)

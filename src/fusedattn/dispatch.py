@@ -775,11 +775,14 @@ class Step:
     kernel: str
     why: str = ""
     config: KernelConfig | None = None
+    launch: str = ""  # a Gluon launch's programs: one a tile or persistent
 
     def __str__(self) -> str:
         text = f"  {self.name:<15} {self.kernel}"
         if self.config is not None:
             text += f"\n  {'':<15} config: {_describe(self.config)}"
+        if self.launch:
+            text += f"\n  {'':<15} launch: {self.launch}"
         if self.why:
             text += f"\n  {'':<15} why: {self.why}"
         return text
@@ -817,6 +820,13 @@ def _describe(config: KernelConfig) -> str:
     return f"{text}, {config.num_warps} warps" + (", TMA loads" if config.tma_loads else "")
 
 
+def _launch_form(programs: int, tiles: int) -> str:
+    """A Gluon launch's form, from the launcher's decision (programs 0: one a tile)."""
+    if not programs:
+        return f"one program per tile ({tiles} tiles)"
+    return f"persistent: {programs} programs walk {tiles} tiles in rounds"
+
+
 def _gluon_forward_name(config: KernelConfig) -> str:
     if config.hopper_split:
         return f"Gluon forward, warp-specialised ({config.hopper_split} consumer warpgroups)"
@@ -838,12 +848,21 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
     seqlen_k = bhsd_shape(k, spec.layout)[2]
     configs = configs_for(q, v, spec, seqlen_k)
     plan = plan_forward(q, k, v, spec, configs.forward, sinks, mask, bias)
+    batch, heads_q, seqlen_q, head_dim = bhsd_shape(q, spec.layout)
+    heads_kv = bhsd_shape(k, spec.layout)[1]
     if plan.kernel == "gluon":
+        from .kernels.gluon import fwd as gluon_fwd  # Gluon: imported only where it runs
+
+        even = mask is not None and bias is None and \
+            rows_even(mask, spec, seqlen_q, seqlen_k, plan.config.block_m, plan.config.block_n)
+        launch = _launch_form(*gluon_fwd.forward_programs((batch, heads_q, seqlen_q, head_dim), seqlen_k, spec,
+                                                          plan.config, mask is None and bias is None, even,
+                                                          q.device)[:2])
         forward_step = Step("forward", _gluon_forward_name(plan.config),
-                            "mask by its tile lists (no partial tile)" if mask is not None else "", plan.config)
+                            "mask by its tile lists (no partial tile)" if mask is not None else "", plan.config,
+                            launch)
     else:
         forward_step = Step("forward", "Triton forward", plan.why, plan.config)
-    batch, heads_q, seqlen_q, _ = bhsd_shape(q, spec.layout)
     out_shape = (batch, seqlen_q, heads_q, v.shape[-1]) if spec.layout == "bshd" else \
         (batch, heads_q, seqlen_q, v.shape[-1])
     out = torch.empty(out_shape, dtype=q.dtype, device="meta")  # the plan reads its shape and strides only
@@ -853,9 +872,16 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
     bplan = _decide_backward(q, k, v, out, out, None, spec, configs, mask, bias, dbias_mode, None)
     steps = [Step("pre-pass", "Triton pre-pass (row statistics lse2, delta)")]
     if bplan.gluon_dkdv:
+        from .kernels.gluon import bwd as gluon_bwd  # Gluon: imported only where it runs
+
         summed = " and dQ (5 matmuls)" if bplan.atomic_dq else ""
+        group_sum = not bplan.group_walk and sums_over_group(spec, heads_q, heads_kv, bplan.dkdv, mask is not None)
+        extras = mask is not None or group_sum or bplan.ordered_dq or bias is not None
+        programs, tiles, _ = gluon_bwd.dkdv_programs((batch, heads_q, seqlen_q, head_dim), heads_kv, seqlen_k, spec,
+                                                     bplan.dkdv, bplan.atomic_dq, extras, group_sum, q.device)
         steps.append(Step("dK/dV", f"Gluon dK/dV pass, warp-specialised{summed}",
-                          "mask by its tile lists (no partial tile)" if mask is not None else "", bplan.dkdv))
+                          "mask by its tile lists (no partial tile)" if mask is not None else "", bplan.dkdv,
+                          _launch_form(programs, tiles)))
     else:
         dkdv_cfg = triton_dkdv_fallback(bplan.dkdv) if bplan.dkdv.family == "gluon" else bplan.dkdv
         order = "block-major" if bplan.block_major else "head-major"

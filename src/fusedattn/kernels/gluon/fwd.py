@@ -996,7 +996,7 @@ PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``persis
 
 def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device,
                         seqlen_k: int, rounds_work: tuple, even_lists: bool = False) -> int:
-    """Programs of a persistent launch of the warp-specialised forward (one per SM, each walking
+    """Programs of a persistent launch of the warp-specialised forward (at most one per SM, each walking
     its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (forward
     GPU time): persistent is faster at D=128 S=1k causal (two warpgroups: short tiles, their fixed
     cost -- Q and first K/V loads, output store -- half hidden), but with three warpgroups
@@ -1004,7 +1004,8 @@ def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: b
     causal and with a window): so two warpgroups, causal, no bias or tile lists (``plain``), and
     keys up to PERSISTENT_MAX_KEYS (fp16 causal softcap, 2 warpgroups: at 16k keys persistent was
     much slower than one program per tile, at 4k the fastest) -- and there only where the model has
-    the static rounds ending no later than one program per tile (``rounds.persistent_wins``;
+    the static rounds ending no later than one program per tile, with one program per SM or one
+    chunk of the launch order a round, whichever it balances better (``rounds.persistent_programs``;
     ``rounds_work`` = (Sq, head rows, head rows per chunk of the launch order, the left window or
     None)). Also a mask's tile lists without a bias where they are about equally long
     (``even_lists``: tile_lists.rows_even), whatever the turns: short lists of whole tiles -- a
@@ -1019,8 +1020,25 @@ def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: b
             seqlen_q, head_rows, chunk, window_left = rounds_work
             work = rounds.forward_tile_work(seqlen_q, seqlen_k, window_left, head_rows, chunk,
                                             WG_ROWS * config.hopper_split, config.block_n)
-            programs = programs if rounds.persistent_wins(work, programs, programs) else 0
+            programs = rounds.persistent_programs(work, programs, chunk * (tiles // head_rows))
     return programs if programs < tiles else 0
+
+
+def forward_programs(q_shape: tuple, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, plain: bool,
+                     even_lists: bool, device: torch.device) -> tuple[int, int, int]:
+    """(programs of a persistent launch or 0 for one program a tile, tiles, head rows per chunk of the
+    launch order) of the forward over q's (B, Hq, Sq, D) shape: the launcher's decision
+    (``persistent_programs``), which ``explain`` reports. ``plain``: no tile lists or bias."""
+    batch, heads_q, seqlen_q, _ = q_shape
+    causal = spec.window_right == 0
+    query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
+    chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, device)
+    tiles = batch * heads_q * query_blocks
+    if not config.hopper_split:
+        return 0, tiles, chunk
+    window_left = spec.window_left if spec.has_window_left else None
+    return (persistent_programs(tiles, config, causal, plain, device, seqlen_k,
+                                (seqlen_q, batch * heads_q, chunk, window_left), even_lists), tiles, chunk)
 
 
 def runs_persistent(config: KernelConfig, causal: bool, plain: bool, even_lists: bool = False) -> bool:
@@ -1107,8 +1125,9 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     device = torch.device("cuda", device_index)
     causal = spec.window_right == 0
     query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
-    chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, device)
-    tiles = batch * heads_q * query_blocks
+    programs, tiles, chunk = forward_programs(q_shape, seqlen_k, spec, config, not has_lists and bias_slices is None,
+                                              even_lists, device)
+    programs = 0 if grad_q else programs
     grid = (tiles,)
     args = (SLOT, SLOT, SLOT, SLOT, SLOT, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left,
             *score_constants(spec), query_blocks, chunk)
@@ -1117,11 +1136,6 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
         return Launcher(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim,
                         CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                         OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
-    programs = 0 if grad_q else persistent_programs(tiles, config, causal, not has_lists and bias_slices is None,
-                                                    device, seqlen_k,
-                                                    (seqlen_q, batch * heads_q, chunk,
-                                                     spec.window_left if spec.has_window_left else None),
-                                                    even_lists)
     persistent = programs > 0
     if persistent:
         grid = (programs,)

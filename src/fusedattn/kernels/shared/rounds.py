@@ -11,7 +11,8 @@ tiles on the same programs. One program per tile has no such failure: the hardwa
 on the first SM that frees up (a greedy list schedule in launch order). Persistence hides part of
 each tile's fixed cost (loads before its first step, stores after its last) and nothing else, so a
 launch runs persistent only where the model says its busiest program ends no later than the greedy
-schedule (``persistent_wins``).
+schedule (``persistent_wins``), and with a count of programs whose rounds line up with the launch
+order's chunks where that balances better (``persistent_programs``).
 
 The model counts a tile's work in steps (query blocks of a dK/dV tile, key blocks of a forward
 tile) plus a fixed cost a tile, fitted from the one-program-per-tile D=64 causal dK/dV pass at two
@@ -78,6 +79,29 @@ def persistent_wins(work: torch.Tensor, programs: int, sms: int) -> bool:
     TOLERANCE) than one program per tile for tiles of ``work`` steps each (in launch order)."""
     persistent = rounds_finish(work + PERSISTENT_FIXED_STEPS, programs)
     return persistent <= (1.0 + TOLERANCE) * greedy_finish(work + FIXED_STEPS, sms)
+
+
+def aligned_programs(sms: int, period: int) -> int:
+    """The most programs, at most ``sms``, whose rounds each cover whole periods of the launch order
+    (``period``: the tiles of one chunk of head rows), 0 where one period is more tiles than SMs."""
+    return sms // period * period
+
+
+def persistent_programs(work: torch.Tensor, sms: int, period: int) -> int:
+    """Programs of a persistent launch for tiles of ``work`` steps each (in launch order), or 0 for one
+    program per tile. Two counts are modelled: one program per SM, and the most programs whose rounds
+    each take whole periods of the launch order (``aligned_programs``). Aligned rounds each take the
+    same chunk's tiles, heaviest block paired with the lightest by the reversed rounds, and where the
+    period does not divide the SMs the unaligned rounds drift across it and keep giving the same
+    programs the heavy blocks. Where the model has the two level (within TOLERANCE) the aligned count
+    runs: measured faster at the standard shapes, where its rounds also keep each chunk's heads
+    together in L2 (benchmarks/NOTES.md). Then persistent only where ``persistent_wins``."""
+    candidates = [p for p in (aligned_programs(sms, period), sms) if 0 < p < work.numel()]
+    if not candidates:
+        return 0
+    finish = [rounds_finish(work + PERSISTENT_FIXED_STEPS, p) for p in candidates]
+    programs = next(p for p, f in zip(candidates, finish) if f <= (1.0 + TOLERANCE) * min(finish))
+    return programs if persistent_wins(work, programs, sms) else 0
 
 
 def causal_key_block_steps(seqlen_q: int, seqlen_k: int, window_left: int | None, block_m: int,
