@@ -337,7 +337,7 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
     packed sequences, dK/dV stored by pointers; ``register_order``: dQ staged as register-order runs,
     by default as the planner stages it for lengths that are multiples of 64, i.e. without packing;
-    ``persistent``: a program per SM walking tiles, ``hopper_bwd.persistent_dkdv_programs``)."""
+    ``persistent``: a program per SM walking tiles, ``hopper_bwd.dkdv_programs``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, ty: str = dtype) -> str:
@@ -403,7 +403,7 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     group_sums = ((False, True) if causal and not ordered and dispatch.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists)
                   else (False,))
     forms = [(group_sum, False) for group_sum in group_sums]
-    # the persistent pass where the planner may run it (hopper_bwd.persistent_dkdv_programs: short causal rows)
+    # the persistent pass where the planner may run it (hopper_bwd.dkdv_programs: short causal rows)
     if causal and hopper_bwd.persistent_dkdv_fits(head_dim, cfg, dq, lists or bias or ordered or varlen or alibi
                                                   or dropout):
         forms.append((False, True))

@@ -152,7 +152,7 @@ def test_row_and_column_lists_name_every_non_empty_tile_full_ones_first():
 
 def test_rows_even_says_whether_the_forward_lists_are_about_equally_long():
     """The forward runs persistent over a mask's lists only where they are even (the longest within
-    15% of the mean, hopper_fwd.persistent_programs): a block-sparse top-k mask's are, a causal-shaped
+    15% of the mean, hopper_fwd.forward_programs): a block-sparse top-k mask's are, a causal-shaped
     block mask's or the causal rule's are not; counted against the lists themselves."""
     seqlen, blocks = 1024, 8
     full = resolve_spec(32, layout="bshd", scale=None, softcap=None, deterministic=False, causal=False, window=None)

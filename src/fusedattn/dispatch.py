@@ -671,6 +671,12 @@ def _gluon_dq_pass(q, k, v, dout, lse2, delta, spec: AttentionSpec, config: Kern
     return dq if gluon_fwd.dq_pass(q, k, v, dout, lse2, delta, dq, spec, config, dropout) else None
 
 
+def _sums_group_in_pass(plan: BackwardPlan, spec: AttentionSpec, heads_q: int, heads_kv: int, lists: bool) -> bool:
+    """Whether the Gluon dK/dV pass runs one program per query head, dK/dV summed over each group
+    (``sums_over_group``), unless the plan walks the group (``group_walk``)."""
+    return not plan.group_walk and sums_over_group(spec, heads_q, heads_kv, plan.dkdv, lists)
+
+
 def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, plan: BackwardPlan,
                      dq_accum: torch.Tensor | None, mask, bias, dbias: torch.Tensor | None, packing,
                      alibi: torch.Tensor | None = None, dropout_seed: torch.Tensor | None = None) -> bool:
@@ -688,7 +694,7 @@ def _gluon_dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, pl
     if mask is not None:
         seqlen_q, seqlen_k = bhsd_shape(q, spec.layout)[2], bhsd_shape(k, spec.layout)[2]
         lists = triton_bwd.column_list_args(mask, spec, seqlen_q, seqlen_k, plan.dkdv, heads_q, heads_kv, lse2)
-    group_sum = not plan.group_walk and sums_over_group(spec, heads_q, heads_kv, plan.dkdv, lists is not None)
+    group_sum = _sums_group_in_pass(plan, spec, heads_q, heads_kv, lists is not None)
     dq_lock = None
     if plan.ordered_dq:  # the turn counters of dQ's fixed order, zeroed
         dq_lock = torch.zeros(gluon_bwd.dq_lock_size(bhsd_shape(q, spec.layout), plan.dkdv), dtype=torch.int32,
@@ -875,10 +881,10 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
         from .kernels.gluon import bwd as gluon_bwd  # Gluon: imported only where it runs
 
         summed = " and dQ (5 matmuls)" if bplan.atomic_dq else ""
-        group_sum = not bplan.group_walk and sums_over_group(spec, heads_q, heads_kv, bplan.dkdv, mask is not None)
-        extras = mask is not None or group_sum or bplan.ordered_dq or bias is not None
+        group_sum = _sums_group_in_pass(bplan, spec, heads_q, heads_kv, mask is not None)
         programs, tiles, _ = gluon_bwd.dkdv_programs((batch, heads_q, seqlen_q, head_dim), heads_kv, seqlen_k, spec,
-                                                     bplan.dkdv, bplan.atomic_dq, extras, group_sum, q.device)
+                                                     bplan.dkdv, bplan.atomic_dq, mask is not None, group_sum,
+                                                     bplan.ordered_dq, bias is not None, q.device)
         steps.append(Step("dK/dV", f"Gluon dK/dV pass, warp-specialised{summed}",
                           "mask by its tile lists (no partial tile)" if mask is not None else "", bplan.dkdv,
                           _launch_form(programs, tiles)))

@@ -889,7 +889,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
 # neighbouring tiles' work: the next tile's K and V are loaded as soon as every warpgroup has read
 # the last ones, while dK and dV are staged and stored from the dS buffer that neither tile is using
 # (a tile takes one dS round more than it has steps, ``_consumer_tiles``). The K/V tiles cannot
-# stage dK/dV here: the next tile's K and V land in them. Where it runs: ``persistent_dkdv_programs``.
+# stage dK/dV here: the next tile's K and V land in them. Where it runs: ``dkdv_programs``.
 
 
 @gluon.jit
@@ -1448,9 +1448,8 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
     ``ordered``: dQ summed in a fixed order (``dkdv_pass``'s ``dq_lock``)."""
     batch, heads_q, seqlen_q, head_dim = q_shape
     key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
-    programs, tiles, chunk = dkdv_programs(q_shape, heads_kv, seqlen_k, spec, config, dq,
-                                           has_lists or group_sum or ordered or bias_slices is not None, group_sum,
-                                           torch.device("cuda", device_index))
+    programs, tiles, chunk = dkdv_programs(q_shape, heads_kv, seqlen_k, spec, config, dq, has_lists, group_sum,
+                                           ordered, bias_slices is not None, torch.device("cuda", device_index))
     heads = tiles // key_blocks
     maxnreg, consumer_regs, producer_regs = ws_registers(config.hopper_split)
     args = ((SLOT,) * 9 + (seqlen_q, seqlen_k, heads_q, heads_kv, heads_q // heads_kv, spec.window_left,
@@ -1470,21 +1469,6 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                     PERSISTENT=programs > 0)
 
 
-def dkdv_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, dq: bool,
-                  extras: bool, group_sum: bool, device: torch.device) -> tuple[int, int, int]:
-    """(programs of a persistent launch or 0 for one program a tile, tiles, head rows per chunk of the
-    launch order) of the pass over q's (B, Hq, Sq, D) shape: the launcher's decision
-    (``persistent_dkdv_programs``), which ``explain`` reports."""
-    batch, heads_q, seqlen_q, head_dim = q_shape
-    key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
-    heads = batch * (heads_q if group_sum else heads_kv)
-    chunk = chunk_head_rows(heads, key_blocks, spec.has_window_right, device)
-    tiles = heads * key_blocks
-    return (persistent_dkdv_programs(tiles, head_dim, seqlen_k, spec, config, dq, extras, device,
-                                     rounds_work=(seqlen_q, heads_q // heads_kv, heads, chunk)),
-            tiles, chunk)
-
-
 def persistent_dkdv_fits(head_dim: int, config: KernelConfig, dq: bool, extras: bool) -> bool:
     """Whether the persistent dK/dV pass can run (``_dkdv_ws_kernel``'s PERSISTENT): a dS buffer stages
     both warpgroups' dK and dV (dQ split by rows: D=64's 128-row steps over two warpgroups without
@@ -1497,31 +1481,39 @@ def persistent_dkdv_fits(head_dim: int, config: KernelConfig, dq: bool, extras: 
 PERSISTENT_DKDV_MAX_KEYS = 4096  # the most keys a query may see for the persistent dK/dV pass to run
 
 
-def persistent_dkdv_programs(tiles: int, head_dim: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
-                             dq: bool, extras: bool, device: torch.device, rounds_work: tuple) -> int:
-    """Programs of a persistent dK/dV pass (at most one per SM, ``_consumer_tiles``), or 0 for one program a
-    tile. Where it can run (``persistent_dkdv_fits``; ``extras``: a mask's lists, group sums, a fixed
-    dQ order, a bias), the rule runs it where tiles are short: a causal bound (a window's right edge
-    at the diagonal) and at most PERSISTENT_DKDV_MAX_KEYS keys seen per query -- measured (the dK/dV
-    pass, one H200): S=1k causal -6.6%, 4k causal -1.5%, a 1024-key window at 4k -7.5%; but 16k
-    causal +8.9%, and without a bound +5.7% at 4k (its step loop spills), so not there. And only
-    with more tiles than programs, and where the model has the static rounds ending no later than one
-    program per tile (``rounds.persistent_programs``, which also picks the count: one program per SM
-    or one chunk of the launch order a round; ``rounds_work`` = (Sq, query heads per KV head, head
-    rows, head rows per chunk of the launch order)): at some head counts one program per SM gives
-    one program far more than its share (one sequence of 4k keys and 32 heads among them)."""
+def dkdv_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, dq: bool,
+                  lists: bool, group_sum: bool, ordered: bool, bias: bool,
+                  device: torch.device) -> tuple[int, int, int]:
+    """(programs, tiles, head rows per chunk of the launch order) of the pass over q's (B, Hq, Sq, D)
+    shape: the launcher's decision, which ``explain`` reports. Programs: those of a persistent pass
+    (at most one per SM, ``_consumer_tiles``), or 0 for one program a tile. Where it can run
+    (``persistent_dkdv_fits``: none of a mask's ``lists``, group sums, a fixed dQ order, a ``bias``),
+    the rule runs it where tiles are short: a causal bound (a window's right edge at the diagonal)
+    and at most PERSISTENT_DKDV_MAX_KEYS keys seen per query -- measured (the dK/dV pass, one H200):
+    S=1k causal -6.6%, 4k causal -1.5%, a 1024-key window at 4k -7.5%; but 16k causal +8.9%, and
+    without a bound +5.7% at 4k (its step loop spills), so not there. And only with more tiles than
+    programs, and where the model has the static rounds ending no later than one program per tile
+    (``rounds.persistent_programs``, which also picks the count: one program per SM or one chunk of
+    the launch order a round): at some head counts one program per SM gives one program far more
+    than its share (one sequence of 4k keys and 32 heads among them)."""
+    batch, heads_q, seqlen_q, head_dim = q_shape
+    key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
+    heads = batch * (heads_q if group_sum else heads_kv)
+    chunk = chunk_head_rows(heads, key_blocks, spec.has_window_right, device)
+    tiles = heads * key_blocks
     forced = knobs().dkdv_programs
-    if not persistent_dkdv_fits(head_dim, config, dq, extras or spec.alibi or spec.has_dropout) or forced == 0:
-        return 0
+    extras = lists or group_sum or ordered or bias or spec.alibi or spec.has_dropout
+    if not persistent_dkdv_fits(head_dim, config, dq, extras) or forced == 0:
+        return 0, tiles, chunk
     if forced is not None:
-        return forced if forced < tiles else 0
+        return (forced if forced < tiles else 0), tiles, chunk
     seen = seqlen_k if not spec.has_window_left else min(seqlen_k, spec.window_left + 1)
     if spec.window_right != 0 or seen > PERSISTENT_DKDV_MAX_KEYS:
-        return 0
-    seqlen_q, group, head_rows, chunk = rounds_work
-    work = rounds.dkdv_tile_work(seqlen_q, seqlen_k, spec.window_left if spec.has_window_left else None, group,
-                                 head_rows, chunk, config.block_m, KEYS_PER_WG * config.hopper_split)
-    return rounds.persistent_programs(work, sm_count(device), chunk * (tiles // head_rows))
+        return 0, tiles, chunk
+    # each tile walks its key block's query blocks for every query head of its KV head (no group sums here)
+    work = rounds.dkdv_tile_work(seqlen_q, seqlen_k, spec.window_left if spec.has_window_left else None,
+                                 heads_q // heads_kv, heads, chunk, config.block_m, KEYS_PER_WG * config.hopper_split)
+    return rounds.persistent_programs(work, sm_count(device), chunk * key_blocks), tiles, chunk
 
 
 def dq_lock_size(q_shape: tuple, config: KernelConfig) -> int:

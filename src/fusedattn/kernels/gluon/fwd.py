@@ -991,58 +991,48 @@ BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
 
 
-PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``persistent_programs``)
+PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``forward_programs``)
 
 
-def persistent_programs(tiles: int, config: KernelConfig, causal: bool, plain: bool, device: torch.device,
-                        seqlen_k: int, rounds_work: tuple, even_lists: bool = False) -> int:
-    """Programs of a persistent launch of the warp-specialised forward (at most one per SM, each walking
-    its share of the tiles in rounds), or 0 for a launch of one program per tile. Measured (forward
-    GPU time): persistent is faster at D=128 S=1k causal (two warpgroups: short tiles, their fixed
-    cost -- Q and first K/V loads, output store -- half hidden), but with three warpgroups
-    ping-ponging it spills and its static rounds balance long causal rows badly (slower at 16k
-    causal and with a window): so two warpgroups, causal, no bias or tile lists (``plain``), and
-    keys up to PERSISTENT_MAX_KEYS (fp16 causal softcap, 2 warpgroups: at 16k keys persistent was
-    much slower than one program per tile, at 4k the fastest) -- and there only where the model has
-    the static rounds ending no later than one program per tile, with one program per SM or one
-    chunk of the launch order a round, whichever it balances better (``rounds.persistent_programs``;
-    ``rounds_work`` = (Sq, head rows, head rows per chunk of the launch order, the left window or
-    None)). Also a mask's tile lists without a bias where they are about equally long
-    (``even_lists``: tile_lists.rows_even), whatever the turns: short lists of whole tiles -- a
-    block-sparse top-k mask -- spend much of a program on its fixed part (a block-sparse forward at
-    S=4k measured faster persistent)."""
+def forward_programs(q_shape: tuple, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, plain: bool,
+                     even_lists: bool, device: torch.device) -> tuple[int, int, int]:
+    """(programs, tiles, head rows per chunk of the launch order) of the forward over q's (B, Hq, Sq, D)
+    shape: the launcher's decision, which ``explain`` reports. Programs: those of a persistent launch of
+    the warp-specialised forward (at most one per SM, each walking its share of the tiles in rounds),
+    or 0 for a launch of one program per tile. Measured (forward GPU time): persistent is faster at
+    D=128 S=1k causal (two warpgroups: short tiles, their fixed cost -- Q and first K/V loads, output
+    store -- half hidden), but with three warpgroups ping-ponging it spills and its static rounds
+    balance long causal rows badly (slower at 16k causal and with a window): so two warpgroups,
+    causal, no bias or tile lists (``plain``), and keys up to PERSISTENT_MAX_KEYS (fp16 causal
+    softcap, 2 warpgroups: at 16k keys persistent was much slower than one program per tile, at 4k
+    the fastest) -- and there only where the model has the static rounds ending no later than one
+    program per tile, with one program per SM or one chunk of the launch order a round, whichever it
+    balances better (``rounds.persistent_programs``). Also a mask's tile lists without a bias where
+    they are about equally long (``even_lists``: tile_lists.rows_even), whatever the turns: short
+    lists of whole tiles -- a block-sparse top-k mask -- spend much of a program on its fixed part (a
+    block-sparse forward at S=4k measured faster persistent)."""
+    batch, heads_q, seqlen_q, _ = q_shape
+    causal = spec.window_right == 0
+    query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
+    head_rows = batch * heads_q
+    chunk = chunk_head_rows(head_rows, query_blocks, spec.has_window_left and causal, device)
+    tiles = head_rows * query_blocks
+    if not config.hopper_split:
+        return 0, tiles, chunk
     if knobs().programs is not None:
         programs = knobs().programs
     else:
         fits = seqlen_k <= PERSISTENT_MAX_KEYS
         programs = sm_count(device) if runs_persistent(config, causal, plain, even_lists) and fits else 0
         if 0 < programs < tiles and plain:
-            seqlen_q, head_rows, chunk, window_left = rounds_work
-            work = rounds.forward_tile_work(seqlen_q, seqlen_k, window_left, head_rows, chunk,
-                                            WG_ROWS * config.hopper_split, config.block_n)
-            programs = rounds.persistent_programs(work, programs, chunk * (tiles // head_rows))
-    return programs if programs < tiles else 0
-
-
-def forward_programs(q_shape: tuple, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, plain: bool,
-                     even_lists: bool, device: torch.device) -> tuple[int, int, int]:
-    """(programs of a persistent launch or 0 for one program a tile, tiles, head rows per chunk of the
-    launch order) of the forward over q's (B, Hq, Sq, D) shape: the launcher's decision
-    (``persistent_programs``), which ``explain`` reports. ``plain``: no tile lists or bias."""
-    batch, heads_q, seqlen_q, _ = q_shape
-    causal = spec.window_right == 0
-    query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
-    chunk = chunk_head_rows(batch * heads_q, query_blocks, spec.has_window_left and causal, device)
-    tiles = batch * heads_q * query_blocks
-    if not config.hopper_split:
-        return 0, tiles, chunk
-    window_left = spec.window_left if spec.has_window_left else None
-    return (persistent_programs(tiles, config, causal, plain, device, seqlen_k,
-                                (seqlen_q, batch * heads_q, chunk, window_left), even_lists), tiles, chunk)
+            work = rounds.forward_tile_work(seqlen_q, seqlen_k, spec.window_left if spec.has_window_left else None,
+                                            head_rows, chunk, WG_ROWS * config.hopper_split, config.block_n)
+            programs = rounds.persistent_programs(work, programs, chunk * query_blocks)
+    return (programs if programs < tiles else 0), tiles, chunk
 
 
 def runs_persistent(config: KernelConfig, causal: bool, plain: bool, even_lists: bool = False) -> bool:
-    """Whether ``persistent_programs`` makes the launch persistent (before its length limit)."""
+    """Whether ``forward_programs`` makes the launch persistent (before its length limit)."""
     if config.hopper_split != 2:
         return False
     return even_lists or (not config.hopper_pingpong and causal and plain)
@@ -1061,7 +1051,7 @@ def attention_forward(q, k, v, out, lse, spec: AttentionSpec, config: KernelConf
     ``tile_lists.tiles_whole``). ``bias``: 16-bit, by elements over queries and keys, TMA-addressable
     (``dispatch.gluon_reads_bias``; warp-specialised kernel only, 2 consumer warpgroups and 2 stages: the
     bias ring takes the shared memory a third warpgroup would). ``even_lists``: the lists are about
-    equally long and there is no bias (``persistent_programs``). ``packing`` (spec.Packing): q, k, v,
+    equally long and there is no bias (``forward_programs``). ``packing`` (spec.Packing): q, k, v,
     out are (1, total, H, D) views of packed sequences and lse (Hq, total_q) (``_packed_forward``).
     ``alibi`` (with ``spec.alibi``): the contiguous float32 (B, Hq) slopes, for causal calls on the
     warp-specialised kernel without lists, bias or packing (``dispatch.gluon_forward_takes_alibi``).
@@ -1117,7 +1107,7 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     ``stats_stride`` (the row statistics' row stride): the same kernel as the dQ pass (GRAD_Q,
     ``dq_pass``), one program per tile; each call then passes Q, K, V, dQ descriptors, lse2, a
     placeholder for the tile lists, one for the bias descriptor, delta and the dO descriptor.
-    ``even_lists``: see ``persistent_programs``. ``dropout_args``: (threshold, scale) with dropout
+    ``even_lists``: see ``forward_programs``. ``dropout_args``: (threshold, scale) with dropout
     (then each call passes the seed, then the sinks or a placeholder). ``sinks``: the call passes
     them."""
     grad_q = stats_stride is not None

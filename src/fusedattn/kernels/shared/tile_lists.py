@@ -152,7 +152,7 @@ def rows_even(block_mask: BlockMask, spec: AttentionSpec, seqlen_q: int, seqlen_
               block_k: int) -> bool:
     """Whether the forward programs' lists (``row_lists``) are about equally long: the longest at
     most EVEN_LISTS times the mean (a block-sparse top-k mask: all equal). Static rounds of a
-    persistent launch then balance (hopper_fwd.persistent_programs); a causal-shaped mask's do not."""
+    persistent launch then balance (hopper_fwd.forward_programs); a causal-shaped mask's do not."""
     return whole_and_even(block_mask, spec, seqlen_q, seqlen_k, block_q, block_k)[1]
 
 
