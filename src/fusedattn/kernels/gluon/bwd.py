@@ -579,7 +579,7 @@ def _step(t, ds_t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty
           WG: gl.constexpr, SPLIT: gl.constexpr, PINGPONG: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
           LEFT: gl.constexpr, SOFTCAP: gl.constexpr, DQ: gl.constexpr, BIAS: gl.constexpr, RAGGED: gl.constexpr,
           ALIBI: gl.constexpr = False, alibi_slope=0.0, alibi_row0=0, DROPOUT: gl.constexpr = False,
-          drop=(0, 0, 0, 0, 0, 1.0), EXTRA: gl.constexpr = 0):
+          drop=(0, 0, 0, 0, 0, 1.0)):
     """One query block against this warpgroup's keys: the ring's step t, dS round ``ds_t`` (the same
     index, but in the persistent pass, whose tiles each take one dS round more than they have steps,
     ``_consumer_tiles``); first_row is used on MASK steps only (RAGGED:
@@ -614,20 +614,9 @@ def _step(t, ds_t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
     elif BACK_TO_BACK:
         s_tok = warpgroup_mma(k_s, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if EXTRA > 0:  # TIMING ONLY (Knobs.mock_extra_rows): the tile's first EXTRA rows once more
-            x_layout: gl.constexpr = _consumer_layout(EXTRA)
-            KEYS_X: gl.constexpr = k_smem.shape[3]
-            x_zero = gl.zeros([KEYS_X, EXTRA], gl.float32, layout=x_layout)
-            q_x = q.slice(0, EXTRA, dim=0)
-            do_x = do.slice(0, EXTRA, dim=0)
-            sx_tok = warpgroup_mma(k_s, q_x.permute((1, 0)), x_zero, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v_s, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         turn_pass(turn_bars, WG, PINGPONG)
-        if EXTRA > 0:
-            dpx_tok = warpgroup_mma(v_s, do_x.permute((1, 0)), x_zero, use_acc=False, is_async=True)
-            s, sx = warpgroup_mma_wait(num_outstanding=2, deps=[s_tok, sx_tok])
-        else:
-            s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
     else:
         s = warpgroup_mma(k_s, q.permute((1, 0)), s_zero, use_acc=False)
     if PINGPONG == 2 and not BACK_TO_BACK:
@@ -662,10 +651,6 @@ def _step(t, ds_t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty
     if ALIBI:
         lse2 = lse2 + alibi_slope * gl.arange(0, BLOCK_M, layout=col_layout).to(gl.float32)
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))  # P^T (keys x queries), fp32
-    if EXTRA > 0:
-        x_col: gl.constexpr = gl.SliceLayout(0, x_layout)
-        lse_x = lse_ring.index(slot).reshape([BLOCK_M]).slice(0, EXTRA).load(x_col)
-        px = gl.exp2(sx * qk_scale - gl.expand_dims(lse_x, 0))
     if DROPOUT:
         # The keep bit rides in p's sign bit (a dropped p is stored negated, -0.0 included), so no
         # tile of bits stays live across dP^T: p >= 0, and the cap's derivative below keeps the sign.
@@ -683,12 +668,7 @@ def _step(t, ds_t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty
         else:
             dp = warpgroup_mma(v_s, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0))  # dP^T - delta
     if BACK_TO_BACK:
-        if EXTRA > 0:
-            dp, dpx = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok, dpx_tok])
-            delta_x = dl_ring.index(slot).reshape([BLOCK_M]).slice(0, EXTRA).load(x_col)
-            dsx = (px * (dpx - gl.expand_dims(delta_x, 0))).to(k_s.dtype)
-        else:
-            dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
         delta = dl_ring.index(slot).reshape([BLOCK_M]).load(col_layout)
         if not DROPOUT:  # dP^T - delta (with dropout, delta is taken off after the keep, below)
             dp = dp - gl.expand_dims(delta, 0)
@@ -706,40 +686,17 @@ def _step(t, ds_t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty
         # under dK.
         p_a = _dv_operand(p, a_layout, k_s.dtype, DROPOUT)
         dv = warpgroup_mma(p_a, do, dv, is_async=True)
-        if EXTRA > 0:
-            px_a = gl.convert_layout(px.to(k_s.dtype), a_layout)
-            dv = warpgroup_mma(px_a, do_x, dv, is_async=True)
-            ds_x, dq_x = dq_state[5]
-            ds_x.index(ds_t % 2).slice(WG * KEYS_X, KEYS_X, dim=0).store(dsx)
         _stage_ds(ds_t, ds16, k_smem, dq_state, WG, BIAS)
         dq = _dq_issue(ds_t, k_smem, dq_state, dq_zero, WG, SPLIT, BLOCK_M, BIAS)
         # dQ's chained wgmmas stay queued: dV alone is retired
         DQ_WGMMAS: gl.constexpr = _dq_wgmmas(_dq_tile_rows(dq_state[1].shape), _dq_tile_cols(dq_state[1].shape),
                                              BLOCK_M, HEAD_D, SPLIT)
-        if EXTRA > 0:
-            # dQ^T of the extra rows: (64 D columns) x EXTRA = K^T dS^T, K^T read transposed from K's tile
-            dqx = gl.zeros([64, EXTRA], gl.float32, layout=x_layout)
-            for c in gl.static_range(SPLIT):
-                k_t = k_smem.index(c).reshape([KEYS_X, HEAD_D]).slice(WG * 64, 64, dim=1).permute((1, 0))
-                dqx = warpgroup_mma(k_t, ds_x.index(ds_t % 2).slice(c * KEYS_X, KEYS_X, dim=0), dqx, use_acc=c > 0,
-                                    is_async=True)
-            dv, _, _ = warpgroup_mma_wait(num_outstanding=DQ_WGMMAS + SPLIT, deps=[dv, p_a, px_a])
-        else:
-            dv, _ = warpgroup_mma_wait(num_outstanding=DQ_WGMMAS, deps=[dv, p_a])
+        dv, _ = warpgroup_mma_wait(num_outstanding=DQ_WGMMAS, deps=[dv, p_a])
         ds_a = gl.convert_layout(ds16, a_layout)
         dk = warpgroup_mma(ds_a, q, dk, is_async=True)
-        if EXTRA > 0:
-            dsx_a = gl.convert_layout(dsx, a_layout)
-            dk = warpgroup_mma(dsx_a, q_x, dk, is_async=True)
-            dq, dqx = warpgroup_mma_wait(num_outstanding=2, deps=[dq, dqx])
-            dq_x.index(WG).store(dqx * scale)
-        else:
-            dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
+        dq = warpgroup_mma_wait(num_outstanding=1, deps=[dq])
         _dq_hand_off(t, dq, dq_state, scale, WG)
-        if EXTRA > 0:
-            dk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a, dsx_a])
-        else:
-            dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
+        dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])
         mbarrier.arrive(empty.index(slot), count=1)  # every wgmma reading the slot has retired
         return dk, dv
     # Otherwise with DQ, dV and dK are issued together and retired by one wait, this step's dS^T
@@ -779,7 +736,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
               stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
               ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False,
-              MASKED_FIRST: gl.constexpr = False, EXTRA: gl.constexpr = 0):
+              MASKED_FIRST: gl.constexpr = False):
     """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. MASKED_FIRST (with DQ, no lists or
     left window): the masked steps first, then the interior ones (the drain's ordered dQ). ALIBI
     (causal, no lists, bias or packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of
@@ -841,7 +798,7 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                                dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
                                BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG,
                                (phase == 0) == MASKED_FIRST, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope,
-                               row0, DROPOUT, drop, EXTRA)
+                               row0, DROPOUT, drop)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -1141,7 +1098,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                    ORDERED: gl.constexpr = False, PERSISTENT: gl.constexpr = False, EXTRA: gl.constexpr = 0):
+                    ORDERED: gl.constexpr = False, PERSISTENT: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -1273,12 +1230,6 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         if BIAS:  # one bias tile per ring slot, loaded with its Q and dO
             bias_ring = gl.allocate_shared_memory(bias_desc.dtype, [NUM_STAGES, 1, 1, BLOCK_M, BLOCK_N],
                                                   bias_desc.layout)
-        elif EXTRA > 0:  # TIMING ONLY (Knobs.mock_extra_rows): the extra rows' dS^T and dQ^T tiles
-            gl.static_assert(SPLIT == 2 and HEAD_D == 128 and PINGPONG == 0 and not PERSISTENT, "mock: D=128 lockstep")
-            x_ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, EXTRA], dtype)
-            x_dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, EXTRA], gl.float32)
-            bias_ring = (gl.allocate_shared_memory(dtype, [2, BLOCK_N, EXTRA], x_ds_layout),
-                         gl.allocate_shared_memory(gl.float32, [SPLIT, 64, EXTRA], x_dq_layout))
         else:
             bias_ring = ds_s  # never read
         dq_state = (ds_s, dq_s, ds_bar, dq_full, dq_empty, bias_ring)
@@ -1331,12 +1282,12 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, EXTRA)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL, EXTRA)),
+                         DROPOUT, ORDERED and CAUSAL)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
@@ -1515,7 +1466,7 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                     CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
                     maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered,
-                    PERSISTENT=programs > 0, EXTRA=knobs().mock_extra_rows if dq and head_dim == 128 else 0)
+                    PERSISTENT=programs > 0)
 
 
 def persistent_dkdv_fits(head_dim: int, config: KernelConfig, dq: bool, extras: bool) -> bool:

@@ -31,10 +31,6 @@ class Knobs:
     pdl: bool | None = None
     # KV cache: the decoding kernel launched early too (None: wherever ``pdl`` is on).
     early_start: bool | None = None
-    # TIMING ONLY (wrong dK, dV, dQ): the D=128 dK/dV+dQ pass without turns adds, each step, the
-    # matmuls, exponentials and dS/dQ stores of this many more query rows (the first rows of its
-    # tile again): a lower bound on the cost of a two-tile (64 + n rows) step.
-    mock_extra_rows: int = 0
 
 
 _current = Knobs()
