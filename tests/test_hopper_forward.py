@@ -70,6 +70,35 @@ def test_gluon_forward_matches_reference(case, forward, gluon_launches):
     assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
 
 
+# A tile's warpgroups whose rows all lie past Sq (192-row tiles at Sq = 1000, 200, 700, 255, 1;
+# 128-row ones at 200 and 1) hand their key blocks back instead of running the last row's keys: what
+# the live warpgroups compute must not change by a bit (``Knobs.run_rows_past_end`` runs them as
+# before). Full rows, causal with Sq < Sk, a window with Sq > Sk and softcap, GQA, decoding.
+PAST_END_CASES = [
+    Case(2, 4, 4, 1000, 1000, 128, layout="bhsd", dtype=torch.bfloat16),
+    Case(1, 4, 2, 200, 4000, 128, causal=True, dtype=torch.bfloat16),
+    Case(1, 2, 2, 700, 300, 128, causal=True, window=(150, 0), softcap=10.0, dtype=torch.bfloat16),
+    Case(2, 2, 2, 255, 255, 64, softcap=5.0),
+    Case(2, 4, 2, 1, 700, 64, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("forward", [SCHEDULES[-4], SCHEDULES[-1]], ids=schedule_id)
+@pytest.mark.parametrize("case", PAST_END_CASES, ids=[c.id for c in PAST_END_CASES])
+def test_warpgroups_past_the_last_row_change_nothing(case, forward, gluon_launches, monkeypatch):
+    set_knobs(monkeypatch, programs=0)  # one program per tile: the persistent launch keeps such rows
+    q, k, v, _, _ = make_inputs(case, "cuda")
+    options = dict(layout=case.layout, causal=case.causal, window=case.window, softcap=case.softcap,
+                   return_lse=True)
+    with pinned_forward(case, forward):
+        out, lse = fusedattn.attention(q, k, v, **options)
+        set_knobs(monkeypatch, programs=0, run_rows_past_end=True)
+        out_run, lse_run = fusedattn.attention(q, k, v, **options)
+    assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
+    assert torch.equal(out, out_run) and torch.equal(lse, lse_run)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+
+
 # Head rows per chunk of the launch order (hopper.launch_order): head-major, 3 (10 rows: the last
 # chunk is partial), block-major.
 ORDERS = {"head-major": 1, "chunks-of-3": 3, "block-major": 0}

@@ -690,7 +690,7 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                  NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                  SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                  VARLEN: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-                 SINKS: gl.constexpr):
+                 SINKS: gl.constexpr, PAST_END: gl.constexpr = False):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``common.snake_tile``)."""
     if PERSISTENT:  # rounds in pairs, as the producer: Q buffer 0 for even rounds, 1 for odd ones
         total_tiles = sched[0] * sched[1]
@@ -704,12 +704,12 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                                             k_empty, v_empty, turn_bars, bias_state, grad_in, Lse, sched, qk_scale,
                                             softcap_log2, tile, r + qbuf, done, WG, ROWS, NQ, BLOCK_N, HEAD_D,
                                             NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                                            VARLEN, qbuf, GRAD_Q, ALIBI, DROPOUT, SINKS)
+                                            VARLEN, qbuf, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, grad_in, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ,
                          BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                         VARLEN, 0, GRAD_Q, ALIBI, DROPOUT, SINKS)
+                         VARLEN, 0, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)
 
 
 @gluon.jit
@@ -719,7 +719,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                      VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr,
-                     DROPOUT: gl.constexpr, SINKS: gl.constexpr):
+                     DROPOUT: gl.constexpr, SINKS: gl.constexpr, PAST_END: gl.constexpr = False):
     """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th, its Q in
     buffer QBUF where there are two), on one warpgroup: the tile's key blocks (the producer loads each
     once for all) that this warpgroup's rows see, with the mask on those not interior to them; the
@@ -768,6 +768,15 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
         n_lead = gl.minimum(gl.maximum(inner_begin - first, n_unseen), n_blocks)
         n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
         n_seen = gl.minimum(gl.maximum(own_end - first, n_inner), n_blocks)
+        if not PERSISTENT and not PAST_END:
+            # Rows all past Sq (the last tile's later warpgroups where Sq is not a multiple of the
+            # tile's rows): the rule gives them the last row's keys, unmasked -- a whole row of work
+            # whose output TMA clips. Every block is handed back instead (the trailing loop below).
+            past_end = mw >= seq_q
+            n_unseen = gl.where(past_end, 0, n_unseen)
+            n_lead = gl.where(past_end, 0, n_lead)
+            n_inner = gl.where(past_end, 0, n_inner)
+            n_seen = gl.where(past_end, 0, n_seen)
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
     # ALiBi (causal: its key-term form): slope * (j - c), c = mw + Sk - Sq, as slope * (j - key_start)
@@ -823,7 +832,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
                                  ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
                                  (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
-    if CAUSAL and not LISTS and not PERSISTENT:
+    if (CAUSAL or not PAST_END) and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
             _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
                           PINGPONG, BIAS)
@@ -856,7 +865,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
                         LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
                         GRAD_Q: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                        SINKS: gl.constexpr = False):
+                        SINKS: gl.constexpr = False, PAST_END: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
@@ -879,7 +888,10 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     loads dO (``do_desc``) beside Q, each key block's step is ``_ws_dq_step`` (S, dP, dS, dQ += dS K)
     and the output is dQ (``o_desc``); ``Lse`` and ``Out`` are the pre-pass's lse2 and delta,
     ``lse_head_stride`` their row stride. Each dQ row is summed by one warpgroup in a fixed order:
-    bitwise reproducible (deterministic mode's dQ)."""
+    bitwise reproducible (deterministic mode's dQ).
+
+    A warpgroup whose rows all lie past Sq (one program per tile) hands its key blocks back;
+    PAST_END (``Knobs.run_rows_past_end``, A/B timing only) runs them as the block range says."""
     gl.static_assert(not (VARLEN and (LISTS or BIAS or PERSISTENT)), "packed sequences: no mask, bias, persistence")
     gl.static_assert(not (GRAD_Q and (VARLEN or LISTS or BIAS or PERSISTENT)),
                      "the dQ pass: no packed sequences, mask, bias or persistence")
@@ -956,11 +968,11 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -970,15 +982,15 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -1136,6 +1148,7 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
         BLOCK_N=config.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
         NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong, LISTS=has_lists,
         BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=grad_q, PRODUCER_REGS=producer_regs,
+        PAST_END=knobs().run_rows_past_end,
         CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, DROPOUT=spec.has_dropout, SINKS=sinks,
         num_warps=4, maxnreg=maxnreg)
 

@@ -31,6 +31,8 @@ class Knobs:
     pdl: bool | None = None
     # KV cache: the decoding kernel launched early too (None: wherever ``pdl`` is on).
     early_start: bool | None = None
+    # A/B only: the warp-specialised forward's warpgroups whose rows all lie past Sq run their keys.
+    run_rows_past_end: bool = False
 
 
 _current = Knobs()
