@@ -14,7 +14,7 @@ import fusedattn
 from fusedattn.kernels.shared import knobs as K
 from fusedattn.tuning import configs
 sys.path.insert(0, "benchmarks")
-from program_cost import kernel_times, role
+from program_cost import bhsd_inputs, kernel_times, role
 
 TWO_WG = configs.KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2)
 FORMS = [  # name, forward config (None: the heuristic's), programs knob (None: the rule, 0: one per tile)
@@ -29,9 +29,7 @@ ROWS = [(4, 16, 16, 4096, 128, True), (4, 16, 2, 4096, 128, True), (2, 16, 16, 8
         (4, 32, 32, 4096, 64, True), (16, 16, 16, 1024, 128, True), (4, 16, 16, 4096, 128, False)]
 out = []
 for (b, h, hkv, s, d, causal) in ROWS:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q, k, v = bhsd_inputs(b, h, hkv, s, d)
     base = configs.select_configs(q.device, q.dtype, d, d, seqlen_k=s, has_right=causal)
     res, err = collections.defaultdict(list), {}
     with torch.no_grad():

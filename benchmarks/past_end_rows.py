@@ -10,16 +10,14 @@ import torch
 import fusedattn
 from fusedattn.kernels.shared import knobs as K
 sys.path.insert(0, "benchmarks")
-from program_cost import kernel_times, role
+from program_cost import bhsd_inputs, kernel_times, role
 
 ROWS = [(16, 16, 16, 1024, 128, False), (4, 16, 16, 4096, 128, False), (4, 16, 16, 4096, 128, True),
         (4, 16, 2, 4096, 128, True), (4, 32, 32, 4096, 64, False), (4, 32, 32, 4096, 64, True),
         (1, 16, 16, 16384, 128, True), (1, 32, 32, 16384, 64, True), (1, 16, 16, 16384, 128, False)]
 out = []
 for (b, h, hkv, s, d, causal) in ROWS:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q, k, v = bhsd_inputs(b, h, hkv, s, d)
     res, outs = collections.defaultdict(list), {}
     with torch.no_grad():
         for rnd in range(3):

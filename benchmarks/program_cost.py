@@ -41,6 +41,15 @@ def role(name: str) -> str:
     return "other"
 
 
+def bhsd_inputs(batch: int, heads: int, heads_kv: int, seqlen: int, head_dim: int):
+    """Seeded random bf16 q, k, v of (B, H, S, D) shapes (k and v with ``heads_kv`` heads)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    return q, k, v
+
+
 def kernel_times(fn, iters: int) -> dict[str, float]:
     """Mean microseconds per call of each kernel ``fn`` launches (the profiler's device times)."""
     for _ in range(3):
