@@ -23,27 +23,10 @@ import subprocess
 import time
 
 import torch
-import torch.nn.functional as F
 
-import fusedattn
-from fusedattn.bench.systems import fa4_attn_func, fa4_call, stored_as
+from fusedattn.bench.systems import SYSTEMS, Shape, stored_as
 
 SHAPES = "4096:full:128:16,16384:full:128:16,4096:causal:128:16,4096:full:64:32,4096:causal:64:32"
-
-
-def _system(name: str, causal: bool):
-    """(call, layout) of one system's forward."""
-    if name == "fa4":
-        fn = fa4_attn_func()
-        return (lambda q, k, v: fa4_call(fn, q, k, v, causal=causal)), "bshd"
-    if name == "sdpa-cudnn":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        def cudnn(q, k, v):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return cudnn, "bhsd"
-    return (lambda q, k, v: fusedattn.attention(q, k, v, layout="bhsd", causal=causal)), "bhsd"
 
 
 def _timed(step, count: int) -> float:
@@ -94,10 +77,12 @@ def main() -> None:
             base = [torch.randn(16384 // seqlen, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16,
                                 generator=gen) for _ in range(4)]
             steps = {}
+            by_name = {system.name: system for system in SYSTEMS}
             for name in args.systems.split(","):
-                call, layout = _system(name, causal)
-                leaves = [stored_as(t, layout).clone().requires_grad_() for t in base[:3]]
-                grad = stored_as(base[3], layout)
+                system = by_name[name]  # the bench's own call of each system, on its own storage layout
+                call = system.make(Shape(16384 // seqlen, heads, seqlen, head_dim, causal))
+                leaves = [stored_as(t, system.layout).clone().requires_grad_() for t in base[:3]]
+                grad = stored_as(base[3], system.layout)
 
                 def step(call=call, leaves=leaves, grad=grad):
                     for t in leaves:
