@@ -8,8 +8,10 @@ form's before it is timed.
 Forms (pinned forward configs; everything else the heuristic's):
 - ``heuristic``: the heuristic's forward;
 - ``ws2``, ``ws3``: the warp-specialised kernel on 2 or 3 consumer warpgroups (128- or 192-row
-  tiles, 128-key blocks), taking turns.
-Shapes: ``S:causal|full`` (B x S = 16k tokens, 2048 / D query heads, bf16, bhsd). Writes
+  tiles, 128-key blocks), taking turns;
+- ``ws2ov``, ``ws3ov``: the same, each key block's softmax under the previous block's P V.
+Shapes: ``S:causal|full|window[N]`` (B x S = 16k tokens, 2048 / D query heads, bf16, bhsd; window:
+causal with an N-key sliding window, 1024 by default, FLOP/s counted over the pairs it keeps). Writes
 ``<out>/forward-forms-<gpu>.json`` and prints the medians.
 """
 
@@ -22,14 +24,31 @@ import torch
 import triton
 
 import fusedattn
-from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
+from fusedattn.tuning.configs import WIDE_LEFT_WINDOW, KernelConfig, pinned_configs, select_configs
 
 
-def ws(split: int) -> KernelConfig:
-    return KernelConfig(64 * split, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=split, hopper_pingpong=1)
+WINDOW = 1024  # keys a query sees in the window shapes, itself included
 
 
-FORMS = {"ws2": ws(2), "ws3": ws(3)}
+def ws(split: int, overlap: int = 0) -> KernelConfig:
+    return KernelConfig(64 * split, 128, 4, 2, tma_loads=True, hopper_overlap=overlap, hopper_split=split,
+                        hopper_pingpong=1)
+
+
+FORMS = {"ws2": ws(2), "ws3": ws(3), "ws2ov": ws(2, 1), "ws3ov": ws(3, 1)}
+
+
+def window_keys(mask: str) -> int | None:
+    """Keys a query sees for ``window`` (WINDOW) or ``windowN`` (N), else None."""
+    return (int(mask[6:] or WINDOW)) if mask.startswith("window") else None
+
+
+def kept_pairs(seqlen: int, mask: str) -> int:
+    if mask == "full":
+        return seqlen * seqlen
+    if mask == "causal":
+        return seqlen * (seqlen + 1) // 2
+    return sum(min(i + 1, window_keys(mask)) for i in range(seqlen))
 
 
 def main() -> None:
@@ -45,17 +64,21 @@ def main() -> None:
     for head_dim in map(int, args.head_dims.split(",")):
         for shape in args.shapes.split(","):
             seqlen, mask = shape.split(":")
-            seqlen, causal = int(seqlen), mask == "causal"
+            seqlen, causal = int(seqlen), mask != "full"
+            window = (window_keys(mask) - 1, 0) if window_keys(mask) else None
             batch, heads = max(1, 16384 // seqlen), 2048 // head_dim
             q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
-            base = select_configs(q.device, q.dtype, head_dim, head_dim, seqlen_k=seqlen, has_right=causal)
+            base = select_configs(q.device, q.dtype, head_dim, head_dim, seqlen_k=seqlen, has_right=causal,
+                                  has_left=window is not None and window[0] < WIDE_LEFT_WINDOW[head_dim])
             first, times = None, {name: [] for name in forms}
             for _ in range(args.rounds):
                 for name in forms:
                     configs = base if name == "heuristic" else replace(base, forward=FORMS[name])
                     with pinned_configs(configs):
                         def call():
+                            if window is not None:
+                                return fusedattn.attention(q, k, v, layout="bhsd", window=window)
                             return fusedattn.attention(q, k, v, layout="bhsd", causal=causal)
                         out = call()
                         if first is None:
@@ -65,8 +88,8 @@ def main() -> None:
                         times[name].append(triton.testing.do_bench(call, warmup=50, rep=300))
             for name in forms:
                 ms = sorted(times[name])[len(times[name]) // 2]
-                flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-                rows.append(dict(form=name, head_dim=head_dim, seqlen=seqlen, causal=causal, fwd_ms=ms,
+                flops = 4 * batch * heads * kept_pairs(seqlen, mask) * head_dim
+                rows.append(dict(form=name, head_dim=head_dim, seqlen=seqlen, mask=mask, fwd_ms=ms,
                                  fwd_ms_rounds=times[name], fwd_tflops=flops / ms / 1e9))
                 print(f"D={head_dim} {seqlen} {mask:6s} {name:14s} fwd {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s")
     gpu = torch.cuda.get_device_name().replace(" ", "-")
