@@ -179,3 +179,38 @@ def test_the_launchers_ask_the_model(launchers_on_132_sms):
         launcher = fwd._forward_launcher.__wrapped__((batch, heads, length, 128), heads, length, causal,
                                                      forward_config, (0, 0, 0, 0), False, None, 0)
         assert fastest(launcher, batch * heads * (length // 128), measured), (batch, heads, length)
+
+
+def test_the_causal_forward_launches_block_major_in_l2_sections(launchers_on_132_sms, monkeypatch):
+    """One program per tile under a causal bound at long keys: block-major chunks of as many head rows
+    as their K and V fit in L2, a power of two (benchmarks/NOTES.md v78: 4-7% off the forward at 4k
+    and 16k against head-major order); a left window keeps chunks of about a wave, no causal bound
+    and short keys head-major order."""
+    from fusedattn.kernels.gluon import common
+    from fusedattn.kernels.shared import knobs
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    _, fwd = launchers_on_132_sms
+    monkeypatch.setattr(common, "_l2_bytes", lambda index: 60 * 2 ** 20)  # an H200's
+    three = KernelConfig(192, 128, 4, 2, True, 0, 3, 1)  # the long-key forward: 192-row tiles
+    device = torch.device("cuda", 0)
+
+    def chunk(q_shape, heads_kv, spec):
+        programs, tiles, rows = fwd.forward_programs(q_shape, heads_kv, q_shape[2], spec, three, True, False, device)
+        assert programs == 0 and tiles == q_shape[0] * q_shape[1] * -(-q_shape[2] // 192)
+        return rows
+
+    causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, False)
+    assert chunk((4, 16, 4096, 128), 16, causal) == 16  # 2 MiB of K and V a head: 30 fit, 16
+    assert chunk((4, 32, 4096, 64), 32, causal) == 32  # 1 MiB: 60 fit, 32
+    assert chunk((1, 16, 16384, 128), 16, causal) == 4  # 8 MiB: 7 fit, 4
+    assert chunk((4, 16, 4096, 128), 2, causal) == 64  # GQA 16/2: 8 query heads share one: every row
+    assert chunk((1, 8, 262144, 128), 8, causal) == 1  # one head's K and V overflow L2
+    assert chunk((4, 16, 2048, 128), 16, causal) == 1  # short keys: head-major
+    window = AttentionSpec("bhsd", 1023, 0, 0.125, 0.0, False)
+    assert chunk((4, 16, 4096, 128), 16, window) == round(SMS / 22)  # about a wave (chunk_head_rows)
+    full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, False)
+    assert chunk((4, 16, 4096, 128), 16, full) == 1
+    monkeypatch.setattr(knobs, "_current", knobs.Knobs(chunk_heads=8))
+    assert chunk((4, 16, 4096, 128), 16, causal) == 8  # the experiment switch wins

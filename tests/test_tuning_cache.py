@@ -94,8 +94,9 @@ def test_select_uses_a_matching_entry_and_ignores_a_stale_one(monkeypatch, tmp_p
 
 
 # (head dim, left window or None, takes the window configs): configs.WIDE_LEFT_WINDOW's bounds
-BAND_CASES = [(64, None, False), (64, 255, True), (64, 1022, True), (64, 1023, False), (64, 2047, False),
-              (128, 0, True), (128, 1023, True), (128, 4094, True), (128, 4095, False), (96, 10 ** 6, True)]
+BAND_CASES = [(64, None, False), (64, 127, True), (64, 254, True), (64, 255, False), (64, 2047, False),
+              (128, 0, True), (128, 255, True), (128, 510, True), (128, 511, False), (128, 1023, False),
+              (96, 10 ** 6, True)]
 
 
 @pytest.mark.parametrize("head_dim,left,band", BAND_CASES)

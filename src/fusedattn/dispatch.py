@@ -861,8 +861,8 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
 
         even = mask is not None and bias is None and \
             rows_even(mask, spec, seqlen_q, seqlen_k, plan.config.block_m, plan.config.block_n)
-        launch = _launch_form(*gluon_fwd.forward_programs((batch, heads_q, seqlen_q, head_dim), seqlen_k, spec,
-                                                          plan.config, mask is None and bias is None, even,
+        launch = _launch_form(*gluon_fwd.forward_programs((batch, heads_q, seqlen_q, head_dim), heads_kv, seqlen_k,
+                                                          spec, plan.config, mask is None and bias is None, even,
                                                           q.device)[:2])
         forward_step = Step("forward", _gluon_forward_name(plan.config),
                             "mask by its tile lists (no partial tile)" if mask is not None else "", plan.config,

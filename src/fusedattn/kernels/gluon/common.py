@@ -154,14 +154,34 @@ def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.de
     puts every head's operands in flight at once (measured a little faster for MHA). Measured in
     chunks of 4 rows at S=4k: the dK/dV pass under a causal bound shortened the backward (GQA 16/2
     causal more so), and the forward of a sliding window gained too. The causal forward gained
-    nothing (head-major, it already ends on each head's light programs), so its callers chunk the
-    forward with a left window bound only."""
+    nothing from chunks of a wave; it takes chunks of several waves (``l2_section_rows``)."""
     forced = knobs().chunk_heads
     if forced is not None:
         return max(1, min(forced or head_rows, head_rows))
     if not chunked:
         return 1
     return max(1, min(head_rows, round(sm_count(device) / blocks)))
+
+
+def l2_section_rows(head_rows: int, bytes_per_row: int, device: torch.device) -> int:
+    """Head rows per chunk of ``launch_order`` for a launch of programs of uneven length (a causal
+    bound), one program per tile: as many rows as the operands they share fit in L2 (``bytes_per_row``:
+    the K and V bytes one head row's programs read, a KV head's shared by its query heads), rounded
+    down to a power of two -- FlashAttention-4's sections. Programs start in launch order as SMs free
+    up: in head-major order the last heads' heaviest programs start inside the last wave and the grid
+    ends on them (the causal forward's busiest SM ran 10% above the average, ncu); block-major chunks
+    of several waves start them early, and within L2 the chunk's programs still share their operands
+    there (block-major over all heads did not: benchmarks/NOTES.md v78)."""
+    forced = knobs().chunk_heads
+    if forced is not None:
+        return max(1, min(forced or head_rows, head_rows))
+    rows = max(1, _l2_bytes(device.index) // max(1, bytes_per_row))
+    return min(head_rows, 1 << (rows.bit_length() - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
 
 
 def packed_chunk_heads(heads: int) -> int:

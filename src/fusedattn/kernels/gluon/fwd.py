@@ -58,13 +58,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ...spec import AttentionSpec, to_bhsd
-from ..shared.config import KernelConfig
+from ..shared.config import SHORT_KEYS, KernelConfig
 from ..shared.block_range import key_blocks_for_query_block
 from . import common as hopper
 from ..shared.constants import score_constants
 from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_zero,
-                     keep_scores, launch_order, log2_scores, packed_tile, sm_count, snake_tile, store_sequence_rows,
-                     turn_pass, turn_wait, ws_registers)
+                     keep_scores, l2_section_rows, launch_order, log2_scores, packed_tile, sm_count, snake_tile,
+                     store_sequence_rows, turn_pass, turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared import packed_tiles, rounds
 from ..shared.knobs import knobs
@@ -1127,10 +1127,13 @@ NUM_WARPS = 8
 PERSISTENT_MAX_KEYS = 4096  # longer causal rows: one program per tile (``forward_programs``)
 
 
-def forward_programs(q_shape: tuple, seqlen_k: int, spec: AttentionSpec, config: KernelConfig, plain: bool,
-                     even_lists: bool, device: torch.device) -> tuple[int, int, int]:
+def forward_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionSpec, config: KernelConfig,
+                     plain: bool, even_lists: bool, device: torch.device) -> tuple[int, int, int]:
     """(programs, tiles, head rows per chunk of the launch order) of the forward over q's (B, Hq, Sq, D)
-    shape: the launcher's decision, which ``explain`` reports. Programs: those of a persistent launch of
+    shape and ``heads_kv`` KV heads: the launcher's decision, which ``explain`` reports. The launch
+    order: under a causal bound without a left window, one program per tile and long keys, block-major
+    in chunks of heads whose K and V fit in L2 (``common.l2_section_rows``); else
+    ``common.chunk_head_rows``. Programs: those of a persistent launch of
     the warp-specialised forward (at most one per SM, each walking its share of the tiles in rounds),
     or 0 for a launch of one program per tile. Measured (forward GPU time): persistent is faster at
     D=128 S=1k causal (two warpgroups: short tiles, their fixed cost -- Q and first K/V loads, output
@@ -1144,7 +1147,7 @@ def forward_programs(q_shape: tuple, seqlen_k: int, spec: AttentionSpec, config:
     they are about equally long (``even_lists``: tile_lists.rows_even), whatever the turns: short
     lists of whole tiles -- a block-sparse top-k mask -- spend much of a program on its fixed part (a
     block-sparse forward at S=4k measured faster persistent)."""
-    batch, heads_q, seqlen_q, _ = q_shape
+    batch, heads_q, seqlen_q, head_dim = q_shape
     causal = spec.window_right == 0
     query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
     head_rows = batch * heads_q
@@ -1161,7 +1164,13 @@ def forward_programs(q_shape: tuple, seqlen_k: int, spec: AttentionSpec, config:
             work = rounds.forward_tile_work(seqlen_q, seqlen_k, spec.window_left if spec.has_window_left else None,
                                             head_rows, chunk, WG_ROWS * config.hopper_split, config.block_n)
             programs = rounds.persistent_programs(work, programs, chunk * query_blocks)
-    return (programs if programs < tiles else 0), tiles, chunk
+    programs = programs if programs < tiles else 0
+    if causal and not spec.has_window_left and programs == 0 and seqlen_k > SHORT_KEYS:
+        # one program per tile over rows of uneven length: block-major in L2-sized chunks of heads
+        # (measured at 4k-16k keys; shorter rows keep head-major order)
+        kv_bytes = seqlen_k * 2 * head_dim * 2  # K and V of one KV head (16-bit, D = Dv)
+        chunk = l2_section_rows(head_rows, kv_bytes * heads_kv // heads_q, device)
+    return programs, tiles, chunk
 
 
 def runs_persistent(config: KernelConfig, causal: bool, plain: bool, even_lists: bool = False) -> bool:
@@ -1248,8 +1257,8 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     device = torch.device("cuda", device_index)
     causal = spec.window_right == 0
     query_blocks = cdiv(seqlen_q, WG_ROWS * config.hopper_split if config.hopper_split else BLOCK_M)
-    programs, tiles, chunk = forward_programs(q_shape, seqlen_k, spec, config, not has_lists and bias_slices is None,
-                                              even_lists, device)
+    programs, tiles, chunk = forward_programs(q_shape, heads_kv, seqlen_k, spec, config,
+                                              not has_lists and bias_slices is None, even_lists, device)
     programs = 0 if grad_q else programs
     grid = (tiles,)
     args = (SLOT, SLOT, SLOT, SLOT, SLOT, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, spec.window_left,

@@ -1,0 +1,107 @@
+"""The causal forward's launch order side by side: programs start in launch order as SMs free up, so
+the order decides how evenly the SMs end. Head-major order (each head's query blocks heaviest first,
+then the next head's) starts the last heads' heaviest programs within the last wave; block-major
+chunks of heads (every head's heaviest block, then every head's next, ...) start them earlier, and a
+chunk whose heads' K and V fit in L2 keeps the operands the programs share there (FA4's order:
+L2-sized sections of heads, heaviest first in each). Forward kernel time (profiler, one process,
+rounds alternating, median), bf16, every form's output checked against the first.
+
+    PYTHONPATH=src python benchmarks/launch_chunks.py OUT.json [--rounds 3] [--backward]
+    PYTHONPATH=src python benchmarks/launch_chunks.py OUT.json --chunks 4,8,16,0 --rows 1x16x16x16384x128
+
+Forms: ``chunk_heads`` of the launch order (``kernels/gluon/common.launch_order``): the rule, 1
+(head-major), 6 (about a wave of programs), 16, 0 (all heads: block-major over the grid); each with
+the heuristic's forward config, and with the 2-warpgroup form whose softmax runs under the previous
+block's P V (``ws2ov``). ``--backward``: the dK/dV pass's kernel time under chunks of 2, 8, 16 and all
+head rows beside its rule's (about a wave of programs)."""
+import collections
+import json
+import sys
+from dataclasses import replace
+
+import torch
+
+import fusedattn
+from fusedattn.kernels.shared import knobs as K
+from fusedattn.tuning import configs
+
+sys.path.insert(0, "benchmarks")
+from program_cost import bhsd_inputs, kernel_times, role  # noqa: E402
+
+WS2_OVERLAP = configs.KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=1, hopper_split=2,
+                                   hopper_pingpong=1)
+CHUNKS = [("rule", None), ("head-major", 1), ("6", 6), ("16", 16), ("all", 0)]
+FORMS = [(f"heur/{c}", None, n) for c, n in CHUNKS] + [(f"ws2ov/{c}", WS2_OVERLAP, n) for c, n in CHUNKS
+                                                        if c in ("rule", "16", "all")]
+ROWS = [(4, 16, 16, 4096, 128), (4, 16, 2, 4096, 128), (4, 32, 32, 4096, 64), (1, 16, 16, 16384, 128),
+        (1, 32, 32, 16384, 64), (16, 16, 16, 1024, 128)]
+
+
+BACKWARD_CHUNKS = [("rule", None), ("2", 2), ("8", 8), ("16", 16), ("all", 0)]
+
+
+def backward_rows(rounds: int) -> list:
+    """The dK/dV pass's kernel time (fwd+bwd steps, the pass's kernels only) under the same chunks:
+    its programs (one per key block) are uneven under a causal bound too, heaviest first."""
+    out = []
+    for (b, h, hkv, s, d) in ROWS:
+        q, k, v = bhsd_inputs(b, h, hkv, s, d)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        dout = torch.randn_like(q)
+        res = collections.defaultdict(list)
+        for _ in range(rounds):
+            for name, chunk in BACKWARD_CHUNKS:
+                K._current = K.Knobs(chunk_heads=chunk)
+
+                def step():
+                    fusedattn.attention(*leaves, layout="bhsd", causal=True).backward(dout)
+                times = kernel_times(step, 5)
+                res[name].append(sum(t for n, t in times.items() if role(n) == "dkdv"))
+        K._current = K.Knobs()
+        med = {n: sorted(t)[len(t) // 2] for n, t in res.items()}
+        out.append(dict(shape=[b, h, hkv, s, d], causal=True, dkdv_us=med, raw=res))
+        print(f"dK/dV B{b} H{h}/{hkv} S{s} D{d} causal: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
+              + " us", flush=True)
+    return out
+
+
+def main() -> None:
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    if "--backward" in sys.argv:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": backward_rows(rounds)}, open(sys.argv[1], "w"),
+                  indent=1)
+        return
+    forms, rows = FORMS, ROWS
+    if "--chunks" in sys.argv:  # a sweep of the heuristic's config alone: --chunks 4,8,0 [--rows BxHxHkvxSxD,...]
+        chunks = [int(c) for c in sys.argv[sys.argv.index("--chunks") + 1].split(",")]
+        forms = [("heur/rule", None, None)] + [(f"heur/{c or 'all'}", None, c) for c in chunks]
+    if "--rows" in sys.argv:
+        rows = [tuple(int(x) for x in r.split("x")) for r in sys.argv[sys.argv.index("--rows") + 1].split(",")]
+    out = []
+    for (b, h, hkv, s, d) in rows:
+        q, k, v = bhsd_inputs(b, h, hkv, s, d)
+        base = configs.select_configs(q.device, q.dtype, d, d, seqlen_k=s, has_right=True)
+        res, err = collections.defaultdict(list), {}
+        with torch.no_grad():
+            want = fusedattn.attention(q, k, v, layout="bhsd", causal=True).float()
+            for rnd in range(rounds):
+                for name, fwd, chunk in forms:
+                    K._current = K.Knobs(chunk_heads=chunk)
+                    configs._pinned = None if fwd is None else replace(base, forward=fwd)
+
+                    def step():
+                        return fusedattn.attention(q, k, v, layout="bhsd", causal=True)
+                    if rnd == 0:
+                        err[name] = (step().float() - want).abs().max().item()
+                    times = kernel_times(step, 10)
+                    res[name].append(sum(t for n, t in times.items() if role(n) == "forward"))
+        configs._pinned, K._current = None, K.Knobs()
+        med = {n: sorted(t)[len(t) // 2] for n, t in res.items()}
+        out.append(dict(shape=[b, h, hkv, s, d], causal=True, us=med, max_abs_diff=err, raw=res))
+        print(f"B{b} H{h}/{hkv} S{s} D{d} causal: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
+              + f" us; max |diff| {max(err.values()):.2e}", flush=True)
+    json.dump({"device": torch.cuda.get_device_name(), "rows": out}, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
