@@ -277,7 +277,6 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
                           SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, LISTS=lists, BIAS=bias,
                           PERSISTENT=persistent, VARLEN=varlen, PRODUCER_REGS=producer_regs,
                           CONSUMER_REGS=consumer_regs, GRAD_Q=grad_q, ALIBI=alibi, DROPOUT=dropout, SINKS=sinks,
-                          OVERLAP=hopper_fwd.ws_overlap(cfg, persistent or grad_q or lists or bias or alibi or dropout),
                           num_warps=num_warps)
         list_args = dict(head_rows="i32", tile_lists="*i32", list_stride_b="i32", list_stride_h="i32", list_stride_r="i32",
                          list_head_div="i32", bias_desc=desc(rows, cfg.block_n) if bias else desc(rows),

@@ -8,8 +8,7 @@ form's before it is timed.
 Forms (pinned forward configs; everything else the heuristic's):
 - ``heuristic``: the heuristic's forward;
 - ``ws2``, ``ws3``: the warp-specialised kernel on 2 or 3 consumer warpgroups (128- or 192-row
-  tiles, 128-key blocks), taking turns;
-- ``ws2ov``, ``ws3ov``: the same, each key block's softmax under the previous block's P V.
+  tiles, 128-key blocks), taking turns.
 Shapes: ``S:causal|full|window[N]`` (B x S = 16k tokens, 2048 / D query heads, bf16, bhsd; window:
 causal with an N-key sliding window, 1024 by default, FLOP/s counted over the pairs it keeps). Writes
 ``<out>/forward-forms-<gpu>.json`` and prints the medians.
@@ -30,12 +29,11 @@ from fusedattn.tuning.configs import WIDE_LEFT_WINDOW, KernelConfig, pinned_conf
 WINDOW = 1024  # keys a query sees in the window shapes, itself included
 
 
-def ws(split: int, overlap: int = 0) -> KernelConfig:
-    return KernelConfig(64 * split, 128, 4, 2, tma_loads=True, hopper_overlap=overlap, hopper_split=split,
-                        hopper_pingpong=1)
+def ws(split: int) -> KernelConfig:
+    return KernelConfig(64 * split, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=split, hopper_pingpong=1)
 
 
-FORMS = {"ws2": ws(2), "ws3": ws(3), "ws2ov": ws(2, 1), "ws3ov": ws(3, 1)}
+FORMS = {"ws2": ws(2), "ws3": ws(3)}
 
 
 def window_keys(mask: str) -> int | None:

@@ -10,10 +10,9 @@ rounds alternating, median), bf16, every form's output checked against the first
     PYTHONPATH=src python benchmarks/launch_chunks.py OUT.json --chunks 4,8,16,0 --rows 1x16x16x16384x128
 
 Forms: ``chunk_heads`` of the launch order (``kernels/gluon/common.launch_order``): the rule, 1
-(head-major), 6 (about a wave of programs), 16, 0 (all heads: block-major over the grid); each with
-the heuristic's forward config, and with the 2-warpgroup form whose softmax runs under the previous
-block's P V (``ws2ov``). ``--backward``: the dK/dV pass's kernel time under chunks of 2, 8, 16 and all
-head rows beside its rule's (about a wave of programs)."""
+(head-major), 6 (about a wave of programs), 16, 0 (all heads: block-major over the grid), with the
+heuristic's forward config. ``--backward``: the dK/dV pass's kernel time under chunks of 2, 8, 16 and
+all head rows beside its rule's (about a wave of programs)."""
 import collections
 import json
 import sys
@@ -28,11 +27,8 @@ from fusedattn.tuning import configs
 sys.path.insert(0, "benchmarks")
 from program_cost import bhsd_inputs, kernel_times, role  # noqa: E402
 
-WS2_OVERLAP = configs.KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=1, hopper_split=2,
-                                   hopper_pingpong=1)
 CHUNKS = [("rule", None), ("head-major", 1), ("6", 6), ("16", 16), ("all", 0)]
-FORMS = [(f"heur/{c}", None, n) for c, n in CHUNKS] + [(f"ws2ov/{c}", WS2_OVERLAP, n) for c, n in CHUNKS
-                                                        if c in ("rule", "16", "all")]
+FORMS = [(f"heur/{c}", None, n) for c, n in CHUNKS]
 ROWS = [(4, 16, 16, 4096, 128), (4, 16, 2, 4096, 128), (4, 32, 32, 4096, 64), (1, 16, 16, 16384, 128),
         (1, 32, 32, 16384, 64), (16, 16, 16, 1024, 128)]
 

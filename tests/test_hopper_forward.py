@@ -42,15 +42,11 @@ CASES = [
 # warp-specialised kernel with 2 or 3 consumer warpgroups, with and without ping-pong.
 SCHEDULES = [KernelConfig(128, n, 8, 2, True, overlap) for overlap in (0, 1, 2) for n in (64, 128)] + [
     KernelConfig(64 * split, 128, 4, 2, True, 0, split, pingpong) for split in (2, 3) for pingpong in (0, 1)]
-# The warp-specialised kernel with each key block's softmax under the previous block's P V.
-OVERLAP_SCHEDULES = [KernelConfig(64 * split, 128, 4, 2, True, 1, split, pingpong)
-                     for split, pingpong in ((2, 1), (2, 0), (3, 1))]
 
 
 def schedule_id(c: KernelConfig) -> str:
     if c.hopper_split:
-        return (f"ws{c.hopper_split}" + ("-pingpong" if c.hopper_pingpong else "")
-                + ("-overlap" if c.hopper_overlap else ""))
+        return f"ws{c.hopper_split}" + ("-pingpong" if c.hopper_pingpong else "")
     return f"overlap{c.hopper_overlap}-n{c.block_n}"
 
 
@@ -349,20 +345,6 @@ SINK_CASES = [
     Case(2, 4, 2, 1, 700, 128, sinks=True, dtype=torch.bfloat16),
     Case(2, 4, 4, 640, 640, 128, mask="heads", mask_blocks=(128, 128), sinks=True, dtype=torch.bfloat16),
 ]
-
-
-# One program per tile: a persistent launch keeps the plain step (``fwd.ws_overlap``).
-@pytest.mark.parametrize("forward", OVERLAP_SCHEDULES, ids=[schedule_id(c) for c in OVERLAP_SCHEDULES])
-@pytest.mark.parametrize("case", CASES + SINK_CASES[:3], ids=[c.id for c in CASES + SINK_CASES[:3]])
-def test_softmax_under_the_previous_blocks_pv_matches_reference(case, forward, gluon_launches, monkeypatch):
-    from fusedattn.kernels.gluon import fwd as hopper_fwd
-
-    set_knobs(monkeypatch, programs=0)
-    overlapped = record_launches(monkeypatch, hopper_fwd, "ws_overlap")  # True: the launch overlaps
-    with pinned_forward(case, forward):
-        check_case(case, "triton", "cuda")
-    assert gluon_launches and all(gluon_launches), "the Gluon kernel did not run"
-    assert True in overlapped, "no launch ran the overlapped step"
 
 
 # two warpgroups without turns (the persistent launches' schedule) and three taking turns (the default)

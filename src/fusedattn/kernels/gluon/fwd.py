@@ -684,116 +684,13 @@ def _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, j, 
 
 
 @gluon.jit
-def _wgmma_wait_all_after(x):
-    """``wgmma.wait_group 0``, predicated on ``x``'s bits (true but for one NaN pattern; the caller's
-    own wait follows in any case). ptxas moves an unpredicated wait up to the previous one, above the
-    independent work it was meant to cover (here the exponentials), but keeps waits in order and
-    cannot move one above the value its predicate reads: this pins the caller's wait after ``x``."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred %pw; setp.ne.b32 %pw, $1, 2147483647; @%pw wgmma.wait_group.sync.aligned 0; mov.b32 $0, $1; }",
-        "=r,r", [x.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _ws_overlap_scores(q, k_ring, k_ready, k_empty, turn_bars, m_i, l_i, s_zero, j, key_start, rows, seq_k, rule,
-                       qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-                       s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
-                       SOFTCAP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """OVERLAP, a warpgroup's first key block: its scores and softmax only (its P V is issued by the
-    next step). Returns P (fp32), m, l."""
-    k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
-    turn_wait(turn_bars, j, WG, PINGPONG)
-    s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    turn_pass(turn_bars, WG, PINGPONG)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-    mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
-    p, m_i, l_i, _ = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, s_zero,
-                                     BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, False, k.dtype)
-    return p, m_i, l_i
-
-
-@gluon.jit
-def _ws_overlap_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, p_prev, m_i, l_i, s_zero,
-                     j, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr,
-                     HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                     p_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
-                     SOFTCAP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """OVERLAP, key block j: its scores and block j-1's P V issued under one turn, block j's online
-    softmax while P V runs, then P V retired and O rescaled (FlashAttention-3's intra-warpgroup
-    overlap). ``p_prev``: block j-1's P, carried in fp32 and converted here, before the turn: a
-    16-bit P carried across the loop sits one value per register and is re-packed before every
-    wgmma, where the conversion writes the packed pairs the wgmma reads. Returns acc, P, m, l."""
-    p_op = gl.convert_layout(p_prev.to(q.dtype), p_layout)
-    k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
-    v = _kv_tile(v_ring, v_ready, j - 1, BLOCK_N, HEAD_D, NUM_STAGES)
-    turn_wait(turn_bars, j, WG, PINGPONG)
-    s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    o_tok = warpgroup_mma(p_op, v, acc, is_async=True)
-    turn_pass(turn_bars, WG, PINGPONG)
-    # wgmma groups retire in order: <= 1 outstanding means the scores are done, P V may still run
-    s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-    mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
-    p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, s_zero,
-                                         BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, False, k.dtype)
-    _wgmma_wait_all_after(l_i)  # else ptxas retires P V before the exponentials
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
-    mbarrier.arrive(v_empty.index((j - 1) % NUM_STAGES), count=1)
-    acc = _rescale(acc, alpha, o_layout)
-    return acc, p, m_i, l_i
-
-
-@gluon.jit
-def _ws_overlap_run(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i, s_zero, done,
-                    first, n_unseen, n_lead, n_inner, n_seen, rows, seq_k, rule, qk_scale, softcap_log2,
-                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
-                    SOFTCAP: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """OVERLAP: the warpgroup's key blocks [n_unseen, n_seen) of the tile (``_ws_consume_tile``'s
-    counts: masked on the left window's edge up to n_lead, interior up to n_inner, masked after),
-    each block's softmax under the previous block's P V. Returns acc, m, l."""
-    if n_seen > n_unseen:
-        if n_unseen >= n_lead and n_unseen < n_inner:
-            p, m_i, l_i = _ws_overlap_scores(q, k_ring, k_ready, k_empty, turn_bars, m_i, l_i, s_zero,
-                                             done + n_unseen, 0, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N,
-                                             HEAD_D, NUM_STAGES, s_layout, CAUSAL, LEFT, False, SOFTCAP, WG, PINGPONG)
-        else:
-            p, m_i, l_i = _ws_overlap_scores(q, k_ring, k_ready, k_empty, turn_bars, m_i, l_i, s_zero,
-                                             done + n_unseen, (first + n_unseen) * BLOCK_N, rows, seq_k, rule,
-                                             qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout, CAUSAL,
-                                             LEFT, True, SOFTCAP, WG, PINGPONG)
-        if LEFT:
-            for j in range(n_unseen + 1, n_lead):
-                acc, p, m_i, l_i = _ws_overlap_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                                                    acc, p, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
-                                                    seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES,
-                                                    s_layout, o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG,
-                                                    PINGPONG)
-        for j in range(gl.maximum(n_unseen + 1, n_lead), n_inner):  # interior: no mask
-            acc, p, m_i, l_i = _ws_overlap_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc,
-                                                p, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale,
-                                                softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout,
-                                                p_layout, CAUSAL, LEFT, False, SOFTCAP, WG, PINGPONG)
-        for j in range(gl.maximum(n_unseen + 1, n_inner), n_seen):
-            acc, p, m_i, l_i = _ws_overlap_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc,
-                                                p, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows, seq_k,
-                                                rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                                o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG)
-        last = done + n_seen - 1
-        p_op = gl.convert_layout(p.to(q.dtype), p_layout)
-        v = _kv_tile(v_ring, v_ready, last, BLOCK_N, HEAD_D, NUM_STAGES)
-        acc = warpgroup_mma(p_op, v, acc)
-        mbarrier.arrive(v_empty.index(last % NUM_STAGES), count=1)
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                  bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, WG: gl.constexpr,
                  ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                  SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                  VARLEN: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-                 SINKS: gl.constexpr, PAST_END: gl.constexpr = False, OVERLAP: gl.constexpr = False):
+                 SINKS: gl.constexpr, PAST_END: gl.constexpr = False):
     """The program's tile, or with PERSISTENT each of its tiles in turn (``common.snake_tile``)."""
     if PERSISTENT:  # rounds in pairs, as the producer: Q buffer 0 for even rounds, 1 for odd ones
         total_tiles = sched[0] * sched[1]
@@ -807,12 +704,12 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
                                             k_empty, v_empty, turn_bars, bias_state, grad_in, Lse, sched, qk_scale,
                                             softcap_log2, tile, r + qbuf, done, WG, ROWS, NQ, BLOCK_N, HEAD_D,
                                             NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                                            VARLEN, qbuf, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END, OVERLAP)
+                                            VARLEN, qbuf, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)
     else:
         _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                          bias_state, grad_in, Lse, sched, qk_scale, softcap_log2, own_tile, 0, 0, WG, ROWS, NQ,
                          BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS, BIAS,
-                         VARLEN, 0, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END, OVERLAP)
+                         VARLEN, 0, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)
 
 
 @gluon.jit
@@ -822,8 +719,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                      NUM_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
                      SOFTCAP: gl.constexpr, PINGPONG: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
                      VARLEN: gl.constexpr, QBUF: gl.constexpr, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr,
-                     DROPOUT: gl.constexpr, SINKS: gl.constexpr, PAST_END: gl.constexpr = False,
-                     OVERLAP: gl.constexpr = False):
+                     DROPOUT: gl.constexpr, SINKS: gl.constexpr, PAST_END: gl.constexpr = False):
     """Query rows [m0 + WG * ROWS, + ROWS) of ``tile`` (``_ws_tile``; the program's ``r``-th, its Q in
     buffer QBUF where there are two), on one warpgroup: the tile's key blocks (the producer loads each
     once for all) that this warpgroup's rows see, with the mask on those not interior to them; the
@@ -910,38 +806,32 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     mbarrier.wait(q_bars.index(q_index), (r // Q_BUFFERS) & 1)
     q = q_buf.reshape([ROWS, HEAD_D])
     do = grad_in[1].index(q_index).reshape([ROWS, HEAD_D])  # GRAD_Q: dO's rows (else Q's, never read)
-    if LEFT and not LISTS and not PERSISTENT:
-        for j in range(0, n_unseen):
-            _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
-                          PINGPONG, BIAS)
-    if OVERLAP:
-        acc, m_i, l_i = _ws_overlap_run(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i,
-                                        l_i, s_zero, done, first, n_unseen, n_lead, n_inner, n_seen, rows, seq_k,
-                                        rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                        o_layout, p_layout, CAUSAL, LEFT, SOFTCAP, WG, PINGPONG)
-    else:
-        if LEFT and not LISTS:
-            for j in range(n_unseen, n_lead):
-                acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                                         bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
-                                         seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
-                                         o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
-                                         ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
-                                         (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
-        for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
-            acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
-                                     acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
-                                     BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
-                                     SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, slope,
-                                     slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
-                                     (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
-        for j in range(n_inner, n_seen):
-            acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
-                                     acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
+    if LEFT and not LISTS:
+        if not PERSISTENT:
+            for j in range(0, n_unseen):
+                _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES,
+                              WG, PINGPONG, BIAS)
+        for j in range(n_unseen, n_lead):
+            acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                                     bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                      o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
                                      ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
                                      (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
+    for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
+        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
+                                 acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
+                                 BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
+                                 SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, slope,
+                                 slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
+                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
+    for j in range(n_inner, n_seen):
+        acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
+                                 acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
+                                 seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
+                                 o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
+                                 ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
+                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     if (CAUSAL or not PAST_END) and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
             _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
@@ -975,8 +865,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
                         LISTS: gl.constexpr, BIAS: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
                         GRAD_Q: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                        SINKS: gl.constexpr = False, PAST_END: gl.constexpr = False,
-                        OVERLAP: gl.constexpr = False):
+                        SINKS: gl.constexpr = False, PAST_END: gl.constexpr = False):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, and the 1-warp producer. The launch has ``head_rows * query_blocks`` tiles; a
     grid of that many programs runs one each, a smaller one (PERSISTENT) hands them out in rounds
@@ -1011,8 +900,6 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
     gl.static_assert(NUM_STAGES >= 2, "the release schedule assumes at least two ring slots")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
     gl.static_assert(SPLIT == 2 or SPLIT == 3, "two or three consumer warpgroups")
-    gl.static_assert(not (OVERLAP and (GRAD_Q or LISTS or BIAS or PERSISTENT or ALIBI or DROPOUT)),
-                     "softmax under P V: the plain forward's walk (no dQ pass, lists, bias, persistence, ALiBi, dropout)")
     ROWS: gl.constexpr = gl.constexpr(q_desc.block_type.shape[2])  # query rows per consumer warpgroup
     dtype: gl.constexpr = q_desc.dtype
 
@@ -1081,11 +968,11 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END, OVERLAP)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END, OVERLAP)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -1095,15 +982,15 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 0, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END, OVERLAP)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 1, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END, OVERLAP)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_consumer, (o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty,
                             turn_bars, bias_state, grad_in, Lse, sched, own_tile, qk_scale, softcap_log2, 2, ROWS,
                             SPLIT, BLOCK_N, HEAD_D, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, SOFTCAP, PINGPONG, LISTS,
-                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END, OVERLAP)),
+                            BIAS, VARLEN, GRAD_Q, ALIBI, DROPOUT, SINKS, PAST_END)),
             (_ws_producer, (q_desc, k_desc, v_desc, bias_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready,
                             v_ready, k_empty, v_empty, bias_state, bias_slices, grad_in, sched, own_tile, ROWS, SPLIT,
                             BLOCK_N, NUM_STAGES, PERSISTENT, CAUSAL, LEFT, LISTS, BIAS, VARLEN, GRAD_Q)),
@@ -1111,14 +998,6 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_h
 
 
 # --------------------------------------------------------------------------- launcher
-
-
-def ws_overlap(config: KernelConfig, excluded: bool) -> bool:
-    """Whether the warp-specialised kernel runs each key block's softmax under the previous block's
-    P V (``_ws_overlap_run``): the config asks for it (``hopper_overlap`` 1 with ``hopper_split``)
-    and the walk is the plain forward's (``excluded``: a dQ pass, mask lists, a bias, ALiBi, dropout
-    or a persistent launch keep the plain step)."""
-    return bool(config.hopper_split and config.hopper_overlap) and not excluded
 
 BLOCK_M = 128  # query rows per program of the 8-warp kernel
 NUM_WARPS = 8
@@ -1280,8 +1159,6 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
         BIAS=bias_slices is not None, PERSISTENT=persistent, VARLEN=False, GRAD_Q=grad_q, PRODUCER_REGS=producer_regs,
         PAST_END=knobs().run_rows_past_end,
         CONSUMER_REGS=consumer_regs, ALIBI=spec.alibi and not grad_q, DROPOUT=spec.has_dropout, SINKS=sinks,
-        OVERLAP=ws_overlap(config, persistent or grad_q or has_lists or bias_slices is not None or spec.alibi
-                           or spec.has_dropout),
         num_warps=4, maxnreg=maxnreg)
 
 
@@ -1326,7 +1203,7 @@ def _packed_forward_launcher(q_shape: tuple, heads_kv: int, out_strides: tuple, 
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
                     LISTS=False, BIAS=False, PERSISTENT=False, VARLEN=True, GRAD_Q=False, PRODUCER_REGS=producer_regs,
                     CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg, ALIBI=False, DROPOUT=False,
-                    SINKS=sinks, OVERLAP=ws_overlap(config, False))
+                    SINKS=sinks)
 
 
 def dq_pass(q, k, v, dout, lse2, delta, dq, spec: AttentionSpec, config: KernelConfig,
