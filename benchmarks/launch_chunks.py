@@ -8,11 +8,13 @@ rounds alternating, median), bf16, every form's output checked against the first
 
     PYTHONPATH=src python benchmarks/launch_chunks.py OUT.json [--rounds 3] [--backward]
     PYTHONPATH=src python benchmarks/launch_chunks.py OUT.json --chunks 4,8,16,0 --rows 1x16x16x16384x128
+    PYTHONPATH=src python benchmarks/launch_chunks.py OUT.json --window 1024 --chunks 16,0 [--backward]
 
 Forms: ``chunk_heads`` of the launch order (``kernels/gluon/common.launch_order``): the rule, 1
 (head-major), 6 (about a wave of programs), 16, 0 (all heads: block-major over the grid), with the
 heuristic's forward config. ``--backward``: the dK/dV pass's kernel time under chunks of 2, 8, 16 and
-all head rows beside its rule's (about a wave of programs)."""
+all head rows beside its rule's (about a wave of programs). ``--window N``: a causal sliding window of N
+keys instead of the causal bound alone (the rows' own rule: chunks of about a wave)."""
 import collections
 import json
 import sys
@@ -36,11 +38,16 @@ ROWS = [(4, 16, 16, 4096, 128), (4, 16, 2, 4096, 128), (4, 32, 32, 4096, 64), (1
 BACKWARD_CHUNKS = [("rule", None), ("2", 2), ("8", 8), ("16", 16), ("all", 0)]
 
 
-def backward_rows(rounds: int) -> list:
+def masking(window: int | None) -> dict:
+    """The call's mask options: causal, or with ``window`` a causal sliding window of that many keys."""
+    return dict(causal=True) if window is None else dict(window=(window - 1, 0))
+
+
+def backward_rows(rounds: int, rows: list, window: int | None) -> list:
     """The dK/dV pass's kernel time (fwd+bwd steps, the pass's kernels only) under the same chunks:
     its programs (one per key block) are uneven under a causal bound too, heaviest first."""
     out = []
-    for (b, h, hkv, s, d) in ROWS:
+    for (b, h, hkv, s, d) in rows:
         q, k, v = bhsd_inputs(b, h, hkv, s, d)
         leaves = [t.requires_grad_() for t in (q, k, v)]
         dout = torch.randn_like(q)
@@ -50,51 +57,54 @@ def backward_rows(rounds: int) -> list:
                 K._current = K.Knobs(chunk_heads=chunk)
 
                 def step():
-                    fusedattn.attention(*leaves, layout="bhsd", causal=True).backward(dout)
+                    fusedattn.attention(*leaves, layout="bhsd", **masking(window)).backward(dout)
                 times = kernel_times(step, 5)
                 res[name].append(sum(t for n, t in times.items() if role(n) == "dkdv"))
         K._current = K.Knobs()
         med = {n: sorted(t)[len(t) // 2] for n, t in res.items()}
-        out.append(dict(shape=[b, h, hkv, s, d], causal=True, dkdv_us=med, raw=res))
-        print(f"dK/dV B{b} H{h}/{hkv} S{s} D{d} causal: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
+        out.append(dict(shape=[b, h, hkv, s, d], causal=True, window=window, dkdv_us=med, raw=res))
+        print(f"dK/dV B{b} H{h}/{hkv} S{s} D{d} {f'window {window}' if window else 'causal'}: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
               + " us", flush=True)
     return out
 
 
 def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    window = int(sys.argv[sys.argv.index("--window") + 1]) if "--window" in sys.argv else None
+    rows = ROWS
+    if "--rows" in sys.argv:
+        rows = [tuple(int(x) for x in r.split("x")) for r in sys.argv[sys.argv.index("--rows") + 1].split(",")]
     if "--backward" in sys.argv:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": backward_rows(rounds)}, open(sys.argv[1], "w"),
-                  indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "rows": backward_rows(rounds, rows, window)},
+                  open(sys.argv[1], "w"), indent=1)
         return
-    forms, rows = FORMS, ROWS
+    forms = FORMS
     if "--chunks" in sys.argv:  # a sweep of the heuristic's config alone: --chunks 4,8,0 [--rows BxHxHkvxSxD,...]
         chunks = [int(c) for c in sys.argv[sys.argv.index("--chunks") + 1].split(",")]
         forms = [("heur/rule", None, None)] + [(f"heur/{c or 'all'}", None, c) for c in chunks]
-    if "--rows" in sys.argv:
-        rows = [tuple(int(x) for x in r.split("x")) for r in sys.argv[sys.argv.index("--rows") + 1].split(",")]
     out = []
     for (b, h, hkv, s, d) in rows:
         q, k, v = bhsd_inputs(b, h, hkv, s, d)
-        base = configs.select_configs(q.device, q.dtype, d, d, seqlen_k=s, has_right=True)
+        base = configs.select_configs(q.device, q.dtype, d, d, seqlen_k=s, has_right=True,
+                                      has_left=window is not None and window - 1 < configs.WIDE_LEFT_WINDOW[d])
         res, err = collections.defaultdict(list), {}
         with torch.no_grad():
-            want = fusedattn.attention(q, k, v, layout="bhsd", causal=True).float()
+            want = fusedattn.attention(q, k, v, layout="bhsd", **masking(window)).float()
             for rnd in range(rounds):
                 for name, fwd, chunk in forms:
                     K._current = K.Knobs(chunk_heads=chunk)
                     configs._pinned = None if fwd is None else replace(base, forward=fwd)
 
                     def step():
-                        return fusedattn.attention(q, k, v, layout="bhsd", causal=True)
+                        return fusedattn.attention(q, k, v, layout="bhsd", **masking(window))
                     if rnd == 0:
                         err[name] = (step().float() - want).abs().max().item()
                     times = kernel_times(step, 10)
                     res[name].append(sum(t for n, t in times.items() if role(n) == "forward"))
         configs._pinned, K._current = None, K.Knobs()
         med = {n: sorted(t)[len(t) // 2] for n, t in res.items()}
-        out.append(dict(shape=[b, h, hkv, s, d], causal=True, us=med, max_abs_diff=err, raw=res))
-        print(f"B{b} H{h}/{hkv} S{s} D{d} causal: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
+        out.append(dict(shape=[b, h, hkv, s, d], causal=True, window=window, us=med, max_abs_diff=err, raw=res))
+        print(f"B{b} H{h}/{hkv} S{s} D{d} {f'window {window}' if window else 'causal'}: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
               + f" us; max |diff| {max(err.values()):.2e}", flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "rows": out}, open(sys.argv[1], "w"), indent=1)
 
