@@ -18,19 +18,16 @@ keys instead of the causal bound alone (the rows' own rule: chunks of about a wa
 import collections
 import json
 import sys
-from dataclasses import replace
-
 import torch
 
 import fusedattn
 from fusedattn.kernels.shared import knobs as K
-from fusedattn.tuning import configs
 
 sys.path.insert(0, "benchmarks")
 from program_cost import bhsd_inputs, kernel_times, role  # noqa: E402
 
 CHUNKS = [("rule", None), ("head-major", 1), ("6", 6), ("16", 16), ("all", 0)]
-FORMS = [(f"heur/{c}", None, n) for c, n in CHUNKS]
+FORMS = [(f"heur/{c}", n) for c, n in CHUNKS]
 ROWS = [(4, 16, 16, 4096, 128), (4, 16, 2, 4096, 128), (4, 32, 32, 4096, 64), (1, 16, 16, 16384, 128),
         (1, 32, 32, 16384, 64), (16, 16, 16, 1024, 128)]
 
@@ -41,6 +38,10 @@ BACKWARD_CHUNKS = [("rule", None), ("2", 2), ("8", 8), ("16", 16), ("all", 0)]
 def masking(window: int | None) -> dict:
     """The call's mask options: causal, or with ``window`` a causal sliding window of that many keys."""
     return dict(causal=True) if window is None else dict(window=(window - 1, 0))
+
+
+def row_name(b: int, h: int, hkv: int, s: int, d: int, window: int | None) -> str:
+    return f"B{b} H{h}/{hkv} S{s} D{d} " + (f"window {window}" if window else "causal")
 
 
 def backward_rows(rounds: int, rows: list, window: int | None) -> list:
@@ -63,7 +64,7 @@ def backward_rows(rounds: int, rows: list, window: int | None) -> list:
         K._current = K.Knobs()
         med = {n: sorted(t)[len(t) // 2] for n, t in res.items()}
         out.append(dict(shape=[b, h, hkv, s, d], causal=True, window=window, dkdv_us=med, raw=res))
-        print(f"dK/dV B{b} H{h}/{hkv} S{s} D{d} {f'window {window}' if window else 'causal'}: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
+        print(f"dK/dV {row_name(b, h, hkv, s, d, window)}: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
               + " us", flush=True)
     return out
 
@@ -81,19 +82,16 @@ def main() -> None:
     forms = FORMS
     if "--chunks" in sys.argv:  # a sweep of the heuristic's config alone: --chunks 4,8,0 [--rows BxHxHkvxSxD,...]
         chunks = [int(c) for c in sys.argv[sys.argv.index("--chunks") + 1].split(",")]
-        forms = [("heur/rule", None, None)] + [(f"heur/{c or 'all'}", None, c) for c in chunks]
+        forms = [("heur/rule", None)] + [(f"heur/{c or 'all'}", c) for c in chunks]
     out = []
     for (b, h, hkv, s, d) in rows:
         q, k, v = bhsd_inputs(b, h, hkv, s, d)
-        base = configs.select_configs(q.device, q.dtype, d, d, seqlen_k=s, has_right=True,
-                                      has_left=window is not None and window - 1 < configs.WIDE_LEFT_WINDOW[d])
         res, err = collections.defaultdict(list), {}
         with torch.no_grad():
             want = fusedattn.attention(q, k, v, layout="bhsd", **masking(window)).float()
             for rnd in range(rounds):
-                for name, fwd, chunk in forms:
+                for name, chunk in forms:
                     K._current = K.Knobs(chunk_heads=chunk)
-                    configs._pinned = None if fwd is None else replace(base, forward=fwd)
 
                     def step():
                         return fusedattn.attention(q, k, v, layout="bhsd", **masking(window))
@@ -101,10 +99,10 @@ def main() -> None:
                         err[name] = (step().float() - want).abs().max().item()
                     times = kernel_times(step, 10)
                     res[name].append(sum(t for n, t in times.items() if role(n) == "forward"))
-        configs._pinned, K._current = None, K.Knobs()
+        K._current = K.Knobs()
         med = {n: sorted(t)[len(t) // 2] for n, t in res.items()}
         out.append(dict(shape=[b, h, hkv, s, d], causal=True, window=window, us=med, max_abs_diff=err, raw=res))
-        print(f"B{b} H{h}/{hkv} S{s} D{d} {f'window {window}' if window else 'causal'}: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
+        print(f"{row_name(b, h, hkv, s, d, window)}: " + ", ".join(f"{n} {t:.0f}" for n, t in med.items())
               + f" us; max |diff| {max(err.values()):.2e}", flush=True)
     json.dump({"device": torch.cuda.get_device_name(), "rows": out}, open(sys.argv[1], "w"), indent=1)
 

@@ -23,7 +23,7 @@ _pinned: AttentionConfigs | None = None  # tests: every call takes these configs
 # Left windows at least this wide (keys a query sees before itself) take the configs of problems
 # without one: a wide band's tiles walk enough key blocks that the forward's 3 warpgroups taking
 # turns beat 2 (each warpgroup passes over the key blocks its rows never see, so a 192-row tile
-# wastes no more than a 128-row one). Measured at S=4k and 16k (benchmarks/NOTES.md v78): D=128 3
+# wastes no more than a 128-row one). Measured at S=4k and 16k (docs/PERFORMANCE.md 5d): D=128 3
 # warpgroups faster from left 511 (-2%; left 1023 -3 to -5%, 2047 -11%), slower at 255 and 127
 # (+3-4%); D=64 faster from 255 (level at 4k, -4% at 16k; left 511 -6%), slower at 127 (+3%).
 WIDE_LEFT_WINDOW = {64: 255, 128: 511}

@@ -155,9 +155,9 @@ def chunk_head_rows(head_rows: int, blocks: int, chunked: bool, device: torch.de
     chunks of 4 rows at S=4k: the dK/dV pass under a causal bound shortened the backward (GQA 16/2
     causal more so), and the forward of a sliding window gained too. The causal forward gained
     nothing from chunks of a wave; it takes chunks of several waves (``l2_section_rows``)."""
-    forced = knobs().chunk_heads
+    forced = _forced_chunk_rows(head_rows)
     if forced is not None:
-        return max(1, min(forced or head_rows, head_rows))
+        return forced
     if not chunked:
         return 1
     return max(1, min(head_rows, round(sm_count(device) / blocks)))
@@ -171,12 +171,19 @@ def l2_section_rows(head_rows: int, bytes_per_row: int, device: torch.device) ->
     up: in head-major order the last heads' heaviest programs start inside the last wave and the grid
     ends on them (the causal forward's busiest SM ran 10% above the average, ncu); block-major chunks
     of several waves start them early, and within L2 the chunk's programs still share their operands
-    there (block-major over all heads did not: benchmarks/NOTES.md v78)."""
-    forced = knobs().chunk_heads
+    there (block-major over all heads, whose K and V overflow L2, measured slower: docs/PERFORMANCE.md
+    5d)."""
+    forced = _forced_chunk_rows(head_rows)
     if forced is not None:
-        return max(1, min(forced or head_rows, head_rows))
+        return forced
     rows = max(1, _l2_bytes(device.index) // max(1, bytes_per_row))
     return min(head_rows, 1 << (rows.bit_length() - 1))
+
+
+def _forced_chunk_rows(head_rows: int) -> int | None:
+    """The experiment switch ``Knobs.chunk_heads`` (0: all rows), clamped to the launch; None if unset."""
+    forced = knobs().chunk_heads
+    return None if forced is None else max(1, min(forced or head_rows, head_rows))
 
 
 @functools.lru_cache(maxsize=None)
