@@ -19,7 +19,8 @@ Forms (pinned configs; the forward is the heuristic's in every form):
   in a pass of its own, after the heuristic's dK/dV pass or the 3-warpgroup one;
   ``det-block-major``, ``det-chunks-16``: ``deterministic=True``, the dK/dV programs launched
   block-major or in chunks of 16 head rows (``Knobs.chunk_heads``).
-Shapes: ``S:causal|full:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd). Writes
+Shapes: ``S:causal|full|windowN:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd; ``windowN``: a causal
+sliding window of N keys). Writes
 ``<out>/backward-forms-D<head dim>-<gpu>.json`` and prints the medians.
 """
 
@@ -84,13 +85,16 @@ def main() -> None:
     for shape in args.shapes.split(","):
         seqlen, kind, heads_q, heads_kv = shape.split(":")
         seqlen, heads_q, heads_kv, causal = int(seqlen), int(heads_q), int(heads_kv), kind == "causal"
+        window = int(kind[len("window"):]) if kind.startswith("window") else None
+        masking = dict(window=(window - 1, 0)) if window else dict(causal=causal)
         batch = max(16384 // seqlen, 1)
         gen = torch.Generator(device=device).manual_seed(0)
         q, dout = (torch.randn(batch, heads_q, seqlen, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                    for _ in range(2))
         k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                 for _ in range(2))
-        base = select_configs(device, torch.bfloat16, head_dim, head_dim, seqlen_k=seqlen, has_right=causal)
+        base = select_configs(device, torch.bfloat16, head_dim, head_dim, seqlen_k=seqlen,
+                              has_right=causal or window is not None, has_left=window is not None)
         forms = {name: form for name, form in forms_for(base, head_dim).items() if name in args.forms.split(",")}
         first = None
         for rnd in range(args.rounds):
@@ -99,7 +103,7 @@ def main() -> None:
                     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
                     def step():
-                        out = fusedattn.attention(*leaves, causal=causal, layout="bhsd", deterministic=deterministic)
+                        out = fusedattn.attention(*leaves, **masking, layout="bhsd", deterministic=deterministic)
                         out.backward(dout)
                     step()
                     grads = [t.grad.float() for t in leaves]
@@ -108,11 +112,12 @@ def main() -> None:
                     for t in leaves:
                         t.grad = None
                     fwdbwd = triton.testing.do_bench(step, warmup=50, rep=300)
-                    out = fusedattn.attention(*leaves, causal=causal, layout="bhsd", deterministic=deterministic)
+                    out = fusedattn.attention(*leaves, **masking, layout="bhsd", deterministic=deterministic)
                     bwd = triton.testing.do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
                                                   warmup=50, rep=300)
-                rows.append(dict(D=head_dim, S=seqlen, B=batch, Hq=heads_q, Hkv=heads_kv, causal=causal, form=name, round=rnd,
-                                 fwdbwd_ms=fwdbwd, bwd_ms=bwd, max_grad_diff_vs_first_form=diff))
+                rows.append(dict(D=head_dim, S=seqlen, B=batch, Hq=heads_q, Hkv=heads_kv, causal=causal, window=window,
+                                 form=name, round=rnd, fwdbwd_ms=fwdbwd, bwd_ms=bwd,
+                                 max_grad_diff_vs_first_form=diff))
         first = None
     gpu = torch.cuda.get_device_name().replace(" ", "-")
     out = Path(args.out) / f"backward-forms-D{head_dim}-{gpu}.json"
@@ -120,7 +125,7 @@ def main() -> None:
     out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
     medians = collections.defaultdict(list)
     for r in rows:
-        medians[(r["S"], r["causal"], r["Hq"], r["Hkv"], r["form"])].append(r)
+        medians[(r["S"], r.get("window") or r["causal"], r["Hq"], r["Hkv"], r["form"])].append(r)
     for key, runs in medians.items():
         mid = sorted(runs, key=lambda r: r["fwdbwd_ms"])[len(runs) // 2]
         print(*key, f"f+b {mid['fwdbwd_ms']:.3f} ms  bwd {sorted(r['bwd_ms'] for r in runs)[len(runs) // 2]:.3f} ms"

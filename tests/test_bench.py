@@ -322,6 +322,36 @@ def test_ncu_summary_reads_the_first_launch_and_counts_bank_conflicts(tmp_path):
     assert text.splitlines()[4].strip().startswith("60.0% MUFU.EX2")
 
 
+def test_ncu_metrics_reads_the_first_kernel_and_drops_idle_stalls(tmp_path, capsys, monkeypatch):
+    """benchmarks/ncu_metrics.py: of a raw page the first kernel's row (the row under the names holds
+    units), only the metrics it lists, and a stall reason only where some page has it at 0.05 or more
+    per issued instruction."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import ncu_metrics
+
+    names = ["ID", "Kernel Name", "gpu__time_duration.sum", "sm__cycles_active.max", "dram__bytes.sum",
+             "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+             "smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio"]
+    pages = {"a": ["0", "k", "269.18", "459,668", "7", "4.93", "0.01"],
+             "b": ["0", "k", "243.68", "408,140", "9", "0.74", "0.02"]}
+    paths = []
+    for name, values in pages.items():
+        lines = [["==PROF== header"], names, ["", "", "usecond", "cycle", "byte", "", ""], values,
+                 ["1", "k", "999", "1", "1", "9", "9"]]  # a second launch: not read
+        path = tmp_path / f"{name}-raw.csv"
+        path.write_text("\n".join(",".join(f'"{cell}"' for cell in line) for line in lines) + "\n")
+        paths.append(str(path))
+    assert ncu_metrics.first_kernel(paths[0]) == {
+        "gpu__time_duration.sum": "269.18", "sm__cycles_active.max": "459,668",
+        "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "4.93",
+        "smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio": "0.01"}
+    monkeypatch.setattr(sys, "argv", ["ncu_metrics.py", *paths])
+    ncu_metrics.main()
+    printed = capsys.readouterr().out
+    assert "stalled_barrier" in printed and "stalled_sleeping" not in printed and "dram__bytes" not in printed
+    assert "459,668" in printed and "408,140" in printed
+
+
 def test_flaggems_takes_only_the_grouped_query_variant(tmp_path, monkeypatch):
     """FlagGems' attention backward drops the mask (its gradients with a bias or mask would be
     wrong): of the variant rows it runs GQA alone, causal, with fewer key/value heads."""

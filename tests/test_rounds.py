@@ -146,11 +146,13 @@ def test_the_rule_picks_the_fastest_measured_launch(work_of, shape, measured):
 
 @pytest.fixture
 def launchers_on_132_sms(monkeypatch):
-    """The Gluon launchers' host side with 132 SMs (the launch is built, never run: no GPU needed)."""
+    """The Gluon launchers' host side with 132 SMs and an H200's 60 MB of L2 (the launch is built,
+    never run: no GPU needed)."""
     from fusedattn.kernels.gluon import bwd, common, fwd
 
     for module in (bwd, fwd, common):
         monkeypatch.setattr(module, "sm_count", lambda device: SMS)
+    monkeypatch.setattr(common, "_l2_bytes", lambda index: 60 * 2 ** 20)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return bwd, fwd
 
@@ -186,13 +188,11 @@ def test_the_causal_forward_launches_block_major_in_l2_sections(launchers_on_132
     as their K and V fit in L2, a power of two (benchmarks/NOTES.md v78: 4-7% off the forward at 4k
     and 16k against head-major order); a left window keeps chunks of about a wave, no causal bound
     and short keys head-major order."""
-    from fusedattn.kernels.gluon import common
     from fusedattn.kernels.shared import knobs
     from fusedattn.spec import UNBOUNDED, AttentionSpec
     from fusedattn.tuning.configs import KernelConfig
 
     _, fwd = launchers_on_132_sms
-    monkeypatch.setattr(common, "_l2_bytes", lambda index: 60 * 2 ** 20)  # an H200's
     three = KernelConfig(192, 128, 4, 2, True, 0, 3, 1)  # the long-key forward: 192-row tiles
     device = torch.device("cuda", 0)
 
