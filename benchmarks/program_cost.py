@@ -4,6 +4,7 @@ lengths whose launches have the same number of programs.
 
     python benchmarks/program_cost.py [--systems fusedattn,fa4] [--head-dims 64,128] \\
         [--seqlens 512,1024,2048,4096,8192] [--out program-cost.json]
+    python benchmarks/program_cost.py --masks causal,window --window-widths 512,768,1024,1536,2048
 
 The standard shapes hold tokens (B * S = 16k) and B * H * D fixed, so a backward launch has
 B * H * S / 128 = the same number of 128-key programs at every S, and a program's steps grow
@@ -11,6 +12,12 @@ with S: a kernel's time is waves * (fixed + steps * per_step). A least-squares l
 kernel's time against S, per system, D and mask, gives the intercept (the fixed cost of all
 the programs an SM runs, in microseconds) and the slope. Two kernels with the same slope and
 different intercepts differ per program (prologue, first loads, epilogue), not per step.
+
+``window``: a causal sliding window of W keys at one length (``--window-seqlen``, 4096 by default: at
+D=128 the same 2048 key-block programs as the causal lengths), fitted against W: each program's
+steps grow with W, its masked steps (the window's left edge and the diagonal) do not. Its intercept
+less the causal one is the cost of the left edge's masked steps; what the two share is the fixed
+part. (Keep W at or above the width where the forward's config changes: ``configs.WIDE_LEFT_WINDOW``.)
 Timing only: outputs are not compared here (``python -m fusedattn.bench`` checks each system's).
 """
 
@@ -79,19 +86,25 @@ def main() -> None:
     p.add_argument("--systems", default="fusedattn,fa4")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--seqlens", default="512,1024,2048,4096,8192")
-    p.add_argument("--masks", default="causal,full")
+    p.add_argument("--masks", default="causal,full", help="causal, full, window (a sliding window of each width)")
+    p.add_argument("--window-widths", default="512,768,1024,1536,2048")
+    p.add_argument("--window-seqlen", type=int, default=4096)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="program-cost.json")
     args = p.parse_args()
     seqlens = [int(s) for s in args.seqlens.split(",")]
+    widths = [int(w) for w in args.window_widths.split(",")]
     rows = []
     for d in (int(x) for x in args.head_dims.split(",")):
         for mask in args.masks.split(","):
             causal = mask == "causal"
+            # (S, window keys or None) of each point; the fit's x is the window's width or S
+            points = [(args.window_seqlen, w) for w in widths] if mask == "window" else [(s, None) for s in seqlens]
             for system in args.systems.split(","):
                 fa4 = fa4_attn_func() if system == "fa4" else None
                 per_role: dict[str, list[float]] = collections.defaultdict(list)
-                for s in seqlens:
+                for s, width in points:
+                    window = (width - 1, 0) if width else None
                     gen = torch.Generator(device="cuda").manual_seed(0)
                     size = (16384 // s, 2048 // d, s, d)
                     q, k, v, dout = (torch.randn(size, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -99,11 +112,13 @@ def main() -> None:
                     if fa4 is not None:
                         leaves = [stored_as(t, "bshd").requires_grad_() for t in (q, k, v)]
                         grad = stored_as(dout, "bshd")
-                        call = lambda: fa4_call(fa4, *leaves, causal=causal)  # noqa: E731
+                        call = lambda: fa4_call(fa4, *leaves, causal=causal or window is not None,  # noqa: E731
+                                                window_size=window or (None, None))
                     else:
                         leaves = [t.requires_grad_() for t in (q, k, v)]
                         grad = dout
-                        call = lambda: fusedattn.attention(*leaves, layout="bhsd", causal=causal)  # noqa: E731
+                        call = lambda: fusedattn.attention(*leaves, layout="bhsd", causal=causal,  # noqa: E731
+                                                           window=window)
 
                     def step():
                         for t in leaves:
@@ -116,16 +131,17 @@ def main() -> None:
                         by_role[role(name)] += t
                     for r, t in by_role.items():
                         per_role[r].append(t)
-                    row = {"system": system, "head_dim": d, "causal": causal, "seqlen": s,
+                    row = {"system": system, "head_dim": d, "causal": causal, "window": width, "seqlen": s,
                            "roles_us": dict(by_role), "kernels_us": times}
                     rows.append(row)
-                    print(f"{system:10s} D={d} {mask:6s} S={s:5d} " +
+                    print(f"{system:10s} D={d} {mask:6s} S={s:5d} " + (f"W={width:5d} " if width else "") +
                           " ".join(f"{r}={t:8.1f}" for r, t in sorted(by_role.items())), flush=True)
                 for r, ts in per_role.items():
-                    if len(ts) == len(seqlens) and r in ("forward", "dkdv"):
-                        a, b = fit([float(s) for s in seqlens], ts)
-                        print(f"  fit {system} D={d} {mask} {r}: {a:8.1f} us + {b * 1024:8.1f} us per 1k", flush=True)
-                        rows.append({"system": system, "head_dim": d, "causal": causal, "role": r,
+                    if len(ts) == len(points) and r in ("forward", "dkdv"):
+                        a, b = fit([float(width or s) for s, width in points], ts)
+                        print(f"  fit {system} D={d} {mask} {r}: {a:8.1f} us + {b * 1024:8.1f} us per 1k "
+                              + ("window keys" if mask == "window" else "keys"), flush=True)
+                        rows.append({"system": system, "head_dim": d, "causal": causal, "mask": mask, "role": r,
                                      "intercept_us": a, "slope_us_per_1k": b * 1024})
     device = torch.cuda.get_device_name()
     with open(args.out, "w") as f:
