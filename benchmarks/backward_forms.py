@@ -37,7 +37,8 @@ import triton
 
 import fusedattn
 from fusedattn.kernels.shared import knobs
-from fusedattn.tuning.configs import KernelConfig, pinned_configs, select_configs
+from fusedattn.tuning.configs import KernelConfig, pinned_configs
+from program_cost import call_masking, heuristic_configs
 
 def _dq_split_config(block_m: int, pingpong: int) -> KernelConfig:
     """The dK/dV+dQ pass on 2 warpgroups of 64 keys: 128-row steps (D=64, dQ split by rows) or
@@ -86,15 +87,14 @@ def main() -> None:
         seqlen, kind, heads_q, heads_kv = shape.split(":")
         seqlen, heads_q, heads_kv, causal = int(seqlen), int(heads_q), int(heads_kv), kind == "causal"
         window = int(kind[len("window"):]) if kind.startswith("window") else None
-        masking = dict(window=(window - 1, 0)) if window else dict(causal=causal)
+        masking = call_masking(window, causal)
         batch = max(16384 // seqlen, 1)
         gen = torch.Generator(device=device).manual_seed(0)
         q, dout = (torch.randn(batch, heads_q, seqlen, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                    for _ in range(2))
         k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                 for _ in range(2))
-        base = select_configs(device, torch.bfloat16, head_dim, head_dim, seqlen_k=seqlen,
-                              has_right=causal or window is not None, has_left=window is not None)
+        base = heuristic_configs(q, v, seqlen, window, causal)
         forms = {name: form for name, form in forms_for(base, head_dim).items() if name in args.forms.split(",")}
         first = None
         for rnd in range(args.rounds):

@@ -23,7 +23,8 @@ import torch
 import triton
 
 import fusedattn
-from fusedattn.tuning.configs import WIDE_LEFT_WINDOW, KernelConfig, pinned_configs, select_configs
+from fusedattn.tuning.configs import KernelConfig, pinned_configs
+from program_cost import call_masking, heuristic_configs
 
 
 WINDOW = 1024  # keys a query sees in the window shapes, itself included
@@ -63,21 +64,18 @@ def main() -> None:
         for shape in args.shapes.split(","):
             seqlen, mask = shape.split(":")
             seqlen, causal = int(seqlen), mask != "full"
-            window = (window_keys(mask) - 1, 0) if window_keys(mask) else None
+            window = window_keys(mask)
             batch, heads = max(1, 16384 // seqlen), 2048 // head_dim
             q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
                        for _ in range(3))
-            base = select_configs(q.device, q.dtype, head_dim, head_dim, seqlen_k=seqlen, has_right=causal,
-                                  has_left=window is not None and window[0] < WIDE_LEFT_WINDOW[head_dim])
+            base = heuristic_configs(q, v, seqlen, window, causal)
             first, times = None, {name: [] for name in forms}
             for _ in range(args.rounds):
                 for name in forms:
                     configs = base if name == "heuristic" else replace(base, forward=FORMS[name])
                     with pinned_configs(configs):
                         def call():
-                            if window is not None:
-                                return fusedattn.attention(q, k, v, layout="bhsd", window=window)
-                            return fusedattn.attention(q, k, v, layout="bhsd", causal=causal)
+                            return fusedattn.attention(q, k, v, layout="bhsd", **call_masking(window, causal))
                         out = call()
                         if first is None:
                             first = out

@@ -24,7 +24,7 @@ import fusedattn
 from fusedattn.kernels.shared import knobs as K
 
 sys.path.insert(0, "benchmarks")
-from program_cost import bhsd_inputs, kernel_times, role  # noqa: E402
+from program_cost import bhsd_inputs, call_masking, kernel_times, role  # noqa: E402
 
 CHUNKS = [("rule", None), ("head-major", 1), ("6", 6), ("16", 16), ("all", 0)]
 FORMS = [(f"heur/{c}", n) for c, n in CHUNKS]
@@ -33,11 +33,6 @@ ROWS = [(4, 16, 16, 4096, 128), (4, 16, 2, 4096, 128), (4, 32, 32, 4096, 64), (1
 
 
 BACKWARD_CHUNKS = [("rule", None), ("2", 2), ("8", 8), ("16", 16), ("all", 0)]
-
-
-def masking(window: int | None) -> dict:
-    """The call's mask options: causal, or with ``window`` a causal sliding window of that many keys."""
-    return dict(causal=True) if window is None else dict(window=(window - 1, 0))
 
 
 def row_name(b: int, h: int, hkv: int, s: int, d: int, window: int | None) -> str:
@@ -58,7 +53,7 @@ def backward_rows(rounds: int, rows: list, window: int | None) -> list:
                 K._current = K.Knobs(chunk_heads=chunk)
 
                 def step():
-                    fusedattn.attention(*leaves, layout="bhsd", **masking(window)).backward(dout)
+                    fusedattn.attention(*leaves, layout="bhsd", **call_masking(window)).backward(dout)
                 times = kernel_times(step, 5)
                 res[name].append(sum(t for n, t in times.items() if role(n) == "dkdv"))
         K._current = K.Knobs()
@@ -88,13 +83,13 @@ def main() -> None:
         q, k, v = bhsd_inputs(b, h, hkv, s, d)
         res, err = collections.defaultdict(list), {}
         with torch.no_grad():
-            want = fusedattn.attention(q, k, v, layout="bhsd", **masking(window)).float()
+            want = fusedattn.attention(q, k, v, layout="bhsd", **call_masking(window)).float()
             for rnd in range(rounds):
                 for name, chunk in forms:
                     K._current = K.Knobs(chunk_heads=chunk)
 
                     def step():
-                        return fusedattn.attention(q, k, v, layout="bhsd", **masking(window))
+                        return fusedattn.attention(q, k, v, layout="bhsd", **call_masking(window))
                     if rnd == 0:
                         err[name] = (step().float() - want).abs().max().item()
                     times = kernel_times(step, 10)

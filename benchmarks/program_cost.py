@@ -32,6 +32,8 @@ import torch
 
 import fusedattn
 from fusedattn.bench.systems import fa4_attn_func, fa4_call, stored_as
+from fusedattn.dispatch import configs_for
+from fusedattn.spec import UNBOUNDED, AttentionSpec
 
 ROLES = [  # kernel name pattern -> role, first match wins
     ("pre", r"_preprocess_kernel|BackwardPreprocess"),
@@ -55,6 +57,20 @@ def bhsd_inputs(batch: int, heads: int, heads_kv: int, seqlen: int, head_dim: in
     k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
             for _ in range(2))
     return q, k, v
+
+
+def call_masking(window: int | None, causal: bool = True) -> dict:
+    """``fusedattn.attention``'s mask options: a causal sliding window of ``window`` keys (the query
+    itself included), else ``causal``."""
+    return dict(window=(window - 1, 0)) if window else dict(causal=causal)
+
+
+def heuristic_configs(q, v, seqlen_k: int, window: int | None, causal: bool = True):
+    """The configs fusedattn picks for such a call (``dispatch.configs_for``: a tuned entry, else the
+    heuristics, with a window's band class), for the forms' scripts to pin variations of."""
+    spec = AttentionSpec("bhsd", window - 1 if window else UNBOUNDED, 0 if window or causal else UNBOUNDED,
+                         q.shape[-1] ** -0.5, 0.0, False)
+    return configs_for(q, v, spec, seqlen_k)
 
 
 def kernel_times(fn, iters: int) -> dict[str, float]:
@@ -117,8 +133,8 @@ def main() -> None:
                     else:
                         leaves = [t.requires_grad_() for t in (q, k, v)]
                         grad = dout
-                        call = lambda: fusedattn.attention(*leaves, layout="bhsd", causal=causal,  # noqa: E731
-                                                           window=window)
+                        options = call_masking(width, causal)
+                        call = lambda: fusedattn.attention(*leaves, layout="bhsd", **options)  # noqa: E731
 
                     def step():
                         for t in leaves:
