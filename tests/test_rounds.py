@@ -216,6 +216,27 @@ def test_the_causal_forward_launches_block_major_in_l2_sections(launchers_on_132
     assert chunk((4, 16, 4096, 128), 16, causal) == 8  # the experiment switch wins
 
 
+def test_the_8_warp_causal_forward_launches_block_major_at_short_keys(launchers_on_132_sms):
+    """The 8-warp Gluon forward (D=64 at short keys: 128-row tiles, one program each) takes the L2
+    sections at 1k-2k keys too (benchmarks/NOTES.md v79: 3-5% off its forward against head-major
+    order), where the warp-specialised forwards keep head-major order."""
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    _, fwd = launchers_on_132_sms
+    eight_warps = KernelConfig(128, 64, 8, 2, tma_loads=True, hopper_overlap=0)  # hopper_split 0
+    device = torch.device("cuda", 0)
+
+    def launch(q_shape, spec):
+        return fwd.forward_programs(q_shape, q_shape[1], q_shape[2], spec, eight_warps, True, False, device)
+
+    causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, False)
+    assert launch((16, 32, 1024, 64), causal) == (0, 16 * 32 * 8, 128)  # 256 KiB a head: 240 fit, 128
+    assert launch((8, 32, 2048, 64), causal) == (0, 8 * 32 * 16, 64)  # 512 KiB: 120 fit, 64
+    full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, False)
+    assert launch((16, 32, 1024, 64), full)[2] == 1  # rows of one length: head-major
+
+
 @pytest.mark.parametrize("batch,heads,length,l2_rows", [(4, 16, 4096, 16), (4, 32, 4096, 32), (1, 16, 16384, 4),
                                                         (1, 32, 16384, 8), (2, 16, 8192, 8)])
 def test_l2_sections_end_the_causal_forward_near_the_even_share(batch, heads, length, l2_rows):

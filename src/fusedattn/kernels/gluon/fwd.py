@@ -1010,8 +1010,9 @@ def forward_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attenti
                      plain: bool, even_lists: bool, device: torch.device) -> tuple[int, int, int]:
     """(programs, tiles, head rows per chunk of the launch order) of the forward over q's (B, Hq, Sq, D)
     shape and ``heads_kv`` KV heads: the launcher's decision, which ``explain`` reports. The launch
-    order: under a causal bound without a left window, one program per tile and long keys, block-major
-    in chunks of heads whose K and V fit in L2 (``common.l2_section_rows``); else
+    order: under a causal bound without a left window, one program per tile and long keys (or the
+    8-warp kernel at any length), block-major in chunks of heads whose K and V fit in L2
+    (``common.l2_section_rows``); else
     ``common.chunk_head_rows``. Programs: those of a persistent launch of
     the warp-specialised forward (at most one per SM, each walking its share of the tiles in rounds),
     or 0 for a launch of one program per tile. Measured (forward GPU time): persistent is faster at
@@ -1033,8 +1034,8 @@ def forward_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attenti
     chunk = chunk_head_rows(head_rows, query_blocks, spec.has_window_left and causal, device)
     tiles = head_rows * query_blocks
     if not config.hopper_split:
-        return 0, tiles, chunk
-    if knobs().programs is not None:
+        programs = 0  # the 8-warp kernel: one program per tile
+    elif knobs().programs is not None:
         programs = knobs().programs
     else:
         fits = seqlen_k <= PERSISTENT_MAX_KEYS
@@ -1044,9 +1045,11 @@ def forward_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attenti
                                             head_rows, chunk, WG_ROWS * config.hopper_split, config.block_n)
             programs = rounds.persistent_programs(work, programs, chunk * query_blocks)
     programs = programs if programs < tiles else 0
-    if causal and not spec.has_window_left and programs == 0 and seqlen_k > SHORT_KEYS:
+    short_ws = config.hopper_split and seqlen_k <= SHORT_KEYS
+    if causal and not spec.has_window_left and programs == 0 and not short_ws:
         # one program per tile over rows of uneven length: block-major in L2-sized chunks of heads
-        # (measured at 4k-16k keys; shorter rows keep head-major order)
+        # (measured faster at 4k-16k keys, and for the 8-warp kernel's 128-row tiles at 1k-2k keys;
+        # the warp-specialised kernels at short keys keep head-major order)
         kv_bytes = seqlen_k * 2 * head_dim * 2  # K and V of one KV head (16-bit, D = Dv)
         chunk = l2_section_rows(head_rows, kv_bytes * heads_kv // heads_q, device)
     return programs, tiles, chunk
