@@ -37,6 +37,11 @@ CASES = [
     Case(1, 2, 2, 517, 700, 64, window=(100, -1), layout="bhsd"),
     Case(2, 2, 1, 333, 333, 128, causal=True, window=(20, 0), lse_grad=True),
     Case(1, 2, 2, 700, 300, 128, causal=True, window=(150, 0), softcap=10.0, dtype=torch.bfloat16),
+    # windows many key blocks wide: a 192-row tile's last warpgroup sees its first key block one block
+    # after the first warpgroup's (their turns count their own blocks), at both alignments of a tile to
+    # the key blocks (1024 keys) and with warpgroups of 5 and 6 blocks in one tile (549)
+    Case(1, 2, 2, 1500, 1500, 128, causal=True, window=(1023, 0), dtype=torch.bfloat16),
+    Case(1, 2, 1, 1100, 1100, 64, causal=True, window=(548, 0), dtype=torch.float16),
 ]
 # Every schedule a config may name: the 8-warp kernel's three (64- and 128-key tiles), the
 # warp-specialised kernel with 2 or 3 consumer warpgroups, with and without ping-pong.

@@ -582,7 +582,7 @@ def _bias_tile(bias_state, j, WG: gl.constexpr, NUM_STAGES: gl.constexpr, s_layo
 
 @gluon.jit
 def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, lse2, delta, s_zero, j,
-                key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                turn, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                 NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
                 LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
                 PINGPONG: gl.constexpr, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0, 1.0)):
@@ -596,7 +596,7 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
     slot = j % NUM_STAGES
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
     v = _kv_tile(v_ring, v_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
-    turn_wait(turn_bars, j, WG, PINGPONG)
+    turn_wait(turn_bars, turn, WG, PINGPONG)
     s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     turn_pass(turn_bars, WG, PINGPONG)
@@ -623,22 +623,23 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
 
 @gluon.jit
 def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, acc, m_i, l_i, s_zero, j,
-             key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+             turn, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
              CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
              PINGPONG: gl.constexpr, BIAS: gl.constexpr, do, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr = False,
              alibi_slope=0.0, alibi_shift=0.0, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0, 1.0)):
-    """Key block j of a tile on one warpgroup: the forward's online-softmax step, or with GRAD_Q the
+    """Key block j of a tile (the ring's count) on one warpgroup, its ``turn``-th S issue in the
+    turns' round robin: the forward's online-softmax step, or with GRAD_Q the
     dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only). DROPOUT:
     ``drop`` = (seed, batch * Hq + head, first query row, first key, threshold, scale): the dropped
     probabilities leave the sum over values but not l (the caller scales the output once)."""
     if GRAD_Q:
         acc = _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
-                          s_zero, j, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D,
+                          s_zero, j, turn, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D,
                           NUM_STAGES, s_layout, p_layout, CAUSAL, LEFT, MASK, SOFTCAP, WG, PINGPONG, DROPOUT, drop)
         return acc, m_i, l_i
     k = _kv_tile(k_ring, k_ready, j, BLOCK_N, HEAD_D, NUM_STAGES)
-    turn_wait(turn_bars, j, WG, PINGPONG)
+    turn_wait(turn_bars, turn, WG, PINGPONG)
     s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     turn_pass(turn_bars, WG, PINGPONG)
     if BIAS:  # read under the score matmul
@@ -662,17 +663,18 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
 
 
 @gluon.jit
-def _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, j, NUM_STAGES: gl.constexpr,
-                  WG: gl.constexpr, PINGPONG: gl.constexpr, BIAS: gl.constexpr):
+def _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, j, turn, NUM_STAGES: gl.constexpr,
+                  WG: gl.constexpr, PINGPONG: gl.constexpr, BIAS: gl.constexpr, TURN: gl.constexpr = True):
     """Key block j of the tile, which none of this warpgroup's rows sees (``_ws_consume_tile``): no
-    matmul, only the ring's and the turns' protocol -- its slots handed back once loaded (an early
-    release would count towards the slot's previous use, which the other warpgroups may still be
-    reading) and its turn taken and passed on."""
+    matmul, only the ring's protocol -- its slots handed back once loaded (an early release would
+    count towards the slot's previous use, which the other warpgroups may still be reading) -- and,
+    with TURN, the turns': its ``turn``-th taken and passed on."""
     slot = j % NUM_STAGES
     phase = (j // NUM_STAGES) & 1
     mbarrier.wait(k_ready.index(slot), phase)
-    turn_wait(turn_bars, j, WG, PINGPONG)
-    turn_pass(turn_bars, WG, PINGPONG)
+    if TURN:
+        turn_wait(turn_bars, turn, WG, PINGPONG)
+        turn_pass(turn_bars, WG, PINGPONG)
     mbarrier.arrive(k_empty.index(slot), count=1)
     if BIAS:
         bias_ring, b_ready, b_empty = bias_state
@@ -713,6 +715,46 @@ def _ws_consumer(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_rea
 
 
 @gluon.jit
+def _ws_own_blocks(mw, first, n_blocks, seq_q, seq_k, window_left, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr, LEFT: gl.constexpr, PERSISTENT: gl.constexpr, PAST_END: gl.constexpr):
+    """(n_unseen, n_lead, n_inner, n_seen) of the warpgroup whose rows start at ``mw``: its own key
+    blocks (block_range.py), counted from the tile's ``first`` of ``n_blocks``. The tile's range is
+    the union of its warpgroups', so under a window's left edge the later rows' first blocks and
+    under a causal bound the earlier rows' last ones hold nothing for this warpgroup ([0, n_unseen)
+    and [n_seen, n_blocks)): passed over, not run masked; [n_unseen, n_lead) and [n_inner, n_seen)
+    run masked, [n_lead, n_inner) without. A persistent launch (the heuristic's: two warpgroups,
+    128-row tiles, where such a block is rare) runs them masked: its consumer code is copied for its
+    two Q buffers, and the pass-over's loops measurably slowed its S=1k causal forward.
+
+    The turns (``turn_wait``: S issues in round robin) count a warpgroup's own blocks where a left
+    window offsets them (``_ws_consume_tile``'s SKEW): a 192-row tile under a 1024-key window spans
+    10 key blocks, each warpgroup's rows 9, the last warpgroup's one block later than the first's.
+    Counted by the tile's blocks, the first block's round has the last warpgroup only pass and the
+    last block's the first one: a round costs a step's latency (S, softmax, P V of the others) with
+    or without that warpgroup, so 10 rounds of 3 slots ran 27 steps (a passed slot measured as
+    dear as a step). Counted by its own, each round holds a step of every warpgroup: 9 rounds."""
+    own_first, inner_begin, inner_end, own_end = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k, window_left,
+                                                                            0, ROWS, BLOCK_N, LEFT, CAUSAL)
+    if PERSISTENT:
+        own_first = first
+        own_end = first + n_blocks
+    n_unseen = gl.minimum(gl.maximum(own_first - first, 0), n_blocks)
+    n_lead = gl.minimum(gl.maximum(inner_begin - first, n_unseen), n_blocks)
+    n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
+    n_seen = gl.minimum(gl.maximum(own_end - first, n_inner), n_blocks)
+    if not PERSISTENT and not PAST_END:
+        # Rows all past Sq (the last tile's later warpgroups where Sq is not a multiple of the
+        # tile's rows): the rule gives them the last row's keys, unmasked -- a whole row of work
+        # whose output TMA clips. Every block is handed back instead (the trailing loop).
+        past_end = mw >= seq_q
+        n_unseen = gl.where(past_end, 0, n_unseen)
+        n_lead = gl.where(past_end, 0, n_lead)
+        n_inner = gl.where(past_end, 0, n_inner)
+        n_seen = gl.where(past_end, 0, n_seen)
+    return n_unseen, n_lead, n_inner, n_seen
+
+
+@gluon.jit
 def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars,
                      bias_state, grad_in, Lse, sched, qk_scale, softcap_log2, tile, r, done, WG: gl.constexpr,
                      ROWS: gl.constexpr, NQ: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
@@ -745,38 +787,22 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     mw = m0 + WG * ROWS
     first, n_blocks, n_full, _ = tiles
+    # Under a left window without lists, one program per tile: each warpgroup's turns count its own
+    # key blocks, not the tile's (``_ws_own_blocks``'s docstring says why): block j's turn is then
+    # turn_base + j.
+    SKEW: gl.constexpr = LEFT and not LISTS and not PERSISTENT
     if LISTS:
         n_unseen = n_full * 0
         n_lead = n_unseen
         n_inner = n_full
         n_seen = n_blocks
     else:
-        # This warpgroup's own key blocks (block_range.py), counted from the tile's first: the tile's
-        # range is the union of its warpgroups', so under a window's left edge the later rows' first
-        # blocks and under a causal bound the earlier rows' last ones hold nothing for this
-        # warpgroup ([0, n_unseen) and [n_seen, n_blocks)): passed over, not run masked.
-        # A persistent launch (the heuristic's: two warpgroups, 128-row tiles, where such a block is
-        # rare) runs them masked: its consumer code is copied for its two Q buffers, and the
-        # pass-over's loops measurably slowed its S=1k causal forward.
-        own_first, inner_begin, inner_end, own_end = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k,
-                                                                                window_left, 0, ROWS, BLOCK_N,
-                                                                                LEFT, CAUSAL)
-        if PERSISTENT:
-            own_first = first
-            own_end = first + n_blocks
-        n_unseen = gl.minimum(gl.maximum(own_first - first, 0), n_blocks)
-        n_lead = gl.minimum(gl.maximum(inner_begin - first, n_unseen), n_blocks)
-        n_inner = gl.minimum(gl.maximum(inner_end - first, n_lead), n_blocks)
-        n_seen = gl.minimum(gl.maximum(own_end - first, n_inner), n_blocks)
-        if not PERSISTENT and not PAST_END:
-            # Rows all past Sq (the last tile's later warpgroups where Sq is not a multiple of the
-            # tile's rows): the rule gives them the last row's keys, unmasked -- a whole row of work
-            # whose output TMA clips. Every block is handed back instead (the trailing loop below).
-            past_end = mw >= seq_q
-            n_unseen = gl.where(past_end, 0, n_unseen)
-            n_lead = gl.where(past_end, 0, n_lead)
-            n_inner = gl.where(past_end, 0, n_inner)
-            n_seen = gl.where(past_end, 0, n_seen)
+        n_unseen, n_lead, n_inner, n_seen = _ws_own_blocks(mw, first, n_blocks, seq_q, seq_k, window_left, ROWS,
+                                                           BLOCK_N, CAUSAL, LEFT, PERSISTENT, PAST_END)
+    if SKEW:
+        turn_base = done - n_unseen
+    else:
+        turn_base = done
 
     rows = mw + gl.arange(0, ROWS, layout=row_s)
     # ALiBi (causal: its key-term form): slope * (j - c), c = mw + Sk - Sq, as slope * (j - key_start)
@@ -809,33 +835,45 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     if LEFT and not LISTS:
         if not PERSISTENT:
             for j in range(0, n_unseen):
-                _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES,
-                              WG, PINGPONG, BIAS)
+                _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, done + j,
+                              NUM_STAGES, WG, PINGPONG, BIAS, not SKEW)
         for j in range(n_unseen, n_lead):
             acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                                     bias_state, acc, m_i, l_i, s_zero, done + j, (first + j) * BLOCK_N, rows,
+                                     bias_state, acc, m_i, l_i, s_zero, done + j, turn_base + j,
+                                     (first + j) * BLOCK_N, rows,
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                      o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
                                      ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
                                      (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
-                                 acc, m_i, l_i, s_zero, done + j, 0, rows, seq_k, rule, qk_scale, softcap_log2,
+                                 acc, m_i, l_i, s_zero, done + j, turn_base + j, 0, rows, seq_k, rule, qk_scale,
+                                 softcap_log2,
                                  BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
                                  SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, slope,
                                  slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
                                  (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     for j in range(n_inner, n_seen):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
-                                 acc, m_i, l_i, s_zero, done + j, _tile_key(tiles, j, BLOCK_N, LISTS), rows,
+                                 acc, m_i, l_i, s_zero, done + j, turn_base + j, _tile_key(tiles, j, BLOCK_N, LISTS),
+                                 rows,
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
                                  ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
                                  (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
     if (CAUSAL or not PAST_END) and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
-            _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, NUM_STAGES, WG,
-                          PINGPONG, BIAS)
+            _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, turn_base + j,
+                          NUM_STAGES, WG, PINGPONG, BIAS)
+    if SKEW:
+        # Every warpgroup takes the tile's n_blocks turns, so the round robin stays whole: those its
+        # first blocks did not take, passed last (where no matmul waits on them). The blocks past its
+        # own take their turns as they are handed back, in order: handed back first, without turns,
+        # they could wait on a load that waits on a warpgroup waiting for this one's turn (the last
+        # tile's rows past Sq).
+        for t in range(n_blocks - n_unseen, n_blocks):
+            turn_wait(turn_bars, done + t, WG, PINGPONG)
+            turn_pass(turn_bars, WG, PINGPONG)
     if ALIBI:  # the row term the scores left out, -slope * (i' - c), in the row maxima that make lse
         m_i = m_i - slope * (rows - mw).to(gl.float32)
     if DROPOUT and not GRAD_Q:  # the kept probabilities' scale, once (the dQ pass's dS has it)
