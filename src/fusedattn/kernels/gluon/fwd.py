@@ -730,11 +730,10 @@ def _ws_own_blocks(mw, first, n_blocks, seq_q, seq_k, window_left, ROWS: gl.cons
     window offsets them (``_ws_consume_tile``'s SKEW): a 192-row tile under a 1024-key window spans
     10 key blocks, each warpgroup's rows 9, the last warpgroup's one block later than the first's.
     Counted by the tile's blocks, the first block's round has the last warpgroup only pass and the
-    last block's the first one: a round lasts a step's latency (S, softmax, P V of the others) with
-    or without that warpgroup, so its passed slot is lost (fitted against the window's width, a
-    passed slot cost about a step). Counted by its own, each of 9 rounds holds a step of every
-    warpgroup and a tenth only passes the turns on. ``benchmarks/turns_model.py`` models the
-    protocol (and its deadlocks) tile by tile."""
+    last block's the first one: where a step's latency (S, softmax, P V) is longer than the other
+    two warpgroups' matmuls, the round lasts it anyway and the passed slot is lost. Counted by its
+    own, each of 9 rounds holds a step of every warpgroup and a tenth only passes the turns on.
+    ``benchmarks/turns_model.py`` models the protocol (and its deadlocks) tile by tile."""
     own_first, inner_begin, inner_end, own_end = key_blocks_for_query_block(mw // ROWS, seq_q, seq_k, window_left,
                                                                             0, ROWS, BLOCK_N, LEFT, CAUSAL)
     if PERSISTENT:
