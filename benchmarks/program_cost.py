@@ -14,10 +14,13 @@ the programs an SM runs, in microseconds) and the slope. Two kernels with the sa
 different intercepts differ per program (prologue, first loads, epilogue), not per step.
 
 ``window``: a causal sliding window of W keys at one length (``--window-seqlen``, 4096 by default: at
-D=128 the same 2048 key-block programs as the causal lengths), fitted against W: each program's
-steps grow with W, its masked steps (the window's left edge and the diagonal) do not. Its intercept
-less the causal one is the cost of the left edge's masked steps; what the two share is the fixed
-part. (Keep W at or above the width where the forward's config changes: ``configs.WIDE_LEFT_WINDOW``.)
+D=128 the same 2048 key-block programs as the causal lengths). Each line is fitted against the keys a
+query row sees on average -- S for full rows, (S + 1) / 2 causal, (S W - W (W - 1) / 2) / S under a
+window (its first W rows see fewer) -- so that the slopes of the three masks are the same step cost
+and compare: a window's programs' steps grow with W, its masked steps (the left edge and the
+diagonal) do not. Its intercept less the causal one is the cost of the left edge's masked steps;
+what the two share is the fixed part. (Keep W at or above the width where the forward's config
+changes: ``configs.WIDE_LEFT_WINDOW``.)
 Timing only: outputs are not compared here (``python -m fusedattn.bench`` checks each system's).
 """
 
@@ -89,6 +92,15 @@ def kernel_times(fn, iters: int) -> dict[str, float]:
     return {name: t / iters for name, t in totals.items()}
 
 
+def keys_per_row(seqlen: int, window: int | None, causal: bool) -> float:
+    """The keys a query row sees on average (the fit's x): full S, causal (S + 1) / 2, a causal window
+    of W keys (the row itself included) (S W - W (W - 1) / 2) / S."""
+    if window:
+        w = min(window, seqlen)
+        return (seqlen * w - w * (w - 1) / 2) / seqlen
+    return (seqlen + 1) / 2 if causal else float(seqlen)
+
+
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -154,11 +166,11 @@ def main() -> None:
                           " ".join(f"{r}={t:8.1f}" for r, t in sorted(by_role.items())), flush=True)
                 for r, ts in per_role.items():
                     if len(ts) == len(points) and r in ("forward", "dkdv"):
-                        a, b = fit([float(width or s) for s, width in points], ts)
-                        print(f"  fit {system} D={d} {mask} {r}: {a:8.1f} us + {b * 1024:8.1f} us per 1k "
-                              + ("window keys" if mask == "window" else "keys"), flush=True)
+                        a, b = fit([keys_per_row(s, width, causal) for s, width in points], ts)
+                        print(f"  fit {system} D={d} {mask} {r}: {a:8.1f} us + {b * 1024:8.1f} us per 1k keys a "
+                              "row sees", flush=True)
                         rows.append({"system": system, "head_dim": d, "causal": causal, "mask": mask, "role": r,
-                                     "intercept_us": a, "slope_us_per_1k": b * 1024})
+                                     "intercept_us": a, "slope_us_per_1k": b * 1024, "x": "keys a row sees"})
     device = torch.cuda.get_device_name()
     with open(args.out, "w") as f:
         json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=1)

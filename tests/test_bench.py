@@ -510,3 +510,21 @@ def _check_fa4_peer(tmp_path, monkeypatch, systems, variants):
     _fake_package(tmp_path / "fa2", monkeypatch, {"flash_attn/__init__.py": ""})
     with pytest.raises(systems.Unavailable, match="does not import"):
         systems.fa4_attn_func()
+
+
+def test_program_cost_fits_against_the_keys_a_row_sees():
+    """benchmarks/program_cost.py's x: the keys a query row sees on average, so that full, causal and
+    window lines share a step cost (a window's first W rows see fewer than W keys), and a line through
+    exact points gives back its intercept and slope."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from program_cost import fit, keys_per_row
+
+    assert keys_per_row(4096, None, False) == 4096
+    assert keys_per_row(4096, None, True) == 2048.5
+    assert keys_per_row(4096, 1024, True) == (4096 * 1024 - 1024 * 1023 / 2) / 4096  # 896.125
+    assert keys_per_row(1000, 4096, True) == keys_per_row(1000, None, True)  # a window past S is causal
+    # brute force: row i sees min(i + 1, W) keys
+    assert abs(keys_per_row(300, 70, True) - sum(min(i + 1, 70) for i in range(300)) / 300) < 1e-9
+    xs = [keys_per_row(4096, w, True) for w in (512, 1024, 2048)]
+    intercept, slope = fit(xs, [100.0 + 0.25 * x for x in xs])
+    assert abs(intercept - 100.0) < 1e-9 and abs(slope - 0.25) < 1e-12
