@@ -9,15 +9,14 @@ lengths whose launches have the same number of programs.
 The standard shapes hold tokens (B * S = 16k) and B * H * D fixed, so a backward launch has
 B * H * S / 128 = the same number of 128-key programs at every S, and a program's steps grow
 with S: a kernel's time is waves * (fixed + steps * per_step). A least-squares line of the
-kernel's time against S, per system, D and mask, gives the intercept (the fixed cost of all
-the programs an SM runs, in microseconds) and the slope. Two kernels with the same slope and
-different intercepts differ per program (prologue, first loads, epilogue), not per step.
+kernel's time against the keys a query row sees on average (``keys_per_row``: S full, (S + 1) / 2
+causal), per system, D and mask, gives the intercept (the fixed cost of all the programs an SM
+runs, in microseconds) and the slope. Two kernels with the same slope and different intercepts
+differ per program (prologue, first loads, epilogue), not per step.
 
 ``window``: a causal sliding window of W keys at one length (``--window-seqlen``, 4096 by default: at
-D=128 the same 2048 key-block programs as the causal lengths). Each line is fitted against the keys a
-query row sees on average -- S for full rows, (S + 1) / 2 causal, (S W - W (W - 1) / 2) / S under a
-window (its first W rows see fewer) -- so that the slopes of the three masks are the same step cost
-and compare: a window's programs' steps grow with W, its masked steps (the left edge and the
+D=128 the same 2048 key-block programs as the causal lengths), its x (S W - W (W - 1) / 2) / S (its
+first W rows see fewer), so that the slopes of the three masks are the same step cost and compare: a window's programs' steps grow with W, its masked steps (the left edge and the
 diagonal) do not. Its intercept less the causal one is the cost of the left edge's masked steps;
 what the two share is the fixed part. (Keep W at or above the width where the forward's config
 changes: ``configs.WIDE_LEFT_WINDOW``.)

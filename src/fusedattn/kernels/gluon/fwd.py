@@ -836,7 +836,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     if LEFT and not LISTS:
         if not PERSISTENT:
             for j in range(0, n_unseen):
-                _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, done + j,
+                _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, turn_base + j,
                               NUM_STAGES, WG, PINGPONG, BIAS, not SKEW)
         for j in range(n_unseen, n_lead):
             acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars,
