@@ -42,6 +42,12 @@ CASES = [
     # the key blocks (1024 keys) and with warpgroups of 5 and 6 blocks in one tile (549)
     Case(1, 2, 2, 1500, 1500, 128, causal=True, window=(1023, 0), dtype=torch.bfloat16),
     Case(1, 2, 1, 1100, 1100, 64, causal=True, window=(548, 0), dtype=torch.float16),
+    # windows inside one thread's run of 8 columns (the mask as a bit word a row, common.keep_scores):
+    # 4 keys with Sq < Sk, the diagonal alone with Sq > Sk (its first rows see no key), a left window
+    # alone whose last keys lie past Sk
+    Case(1, 2, 2, 259, 263, 128, causal=True, window=(3, 0), dtype=torch.bfloat16),
+    Case(1, 2, 1, 200, 190, 64, causal=True, window=(0, 0)),
+    Case(1, 2, 2, 301, 250, 128, window=(6, -1), dtype=torch.float16),
 ]
 # Every schedule a config may name: the 8-warp kernel's three (64- and 128-key tiles), the
 # warp-specialised kernel with 2 or 3 consumer warpgroups, with and without ping-pong.

@@ -312,15 +312,57 @@ def _where_in_window(s, keys, first, last):
 
 
 @gluon.jit
-def keep_scores(s, rows, keys, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
-                TRANSPOSED: gl.constexpr):
+def _element_count(x):
+    """Of a thread's columns 8 k + 2 (lane % 4) + {0, 1} of a wgmma accumulator, how many lie below
+    its own column x (counted from its first, 0 <= x <= the tile's columns): numbered 2 k + {0, 1},
+    they are the first 2 (x // 8) + min(x % 8, 2)."""
+    return (x >> 3) * 2 + gl.minimum(x & 7, 2)
+
+
+@gluon.jit
+def _keep_interval(s, lo, hi, cols):
+    """``s`` where lo <= column < hi, else -inf. ``lo``, ``hi``: int32 per row of s (its row slice),
+    counted from the tile's first column; ``cols``: the tile's column numbers 0 .. C - 1 (s's column
+    slice). For a wgmma accumulator with warps along the rows (every Gluon kernel's) and C <= 128: a
+    thread holds C / 4 <= 32 columns of a row, 8 k + 2 (lane % 4) + {0, 1}, so the row's interval is
+    one 32-bit word of its columns -- a few instructions a row -- and a score takes a bit test and a
+    select (ptxas turns a word's bit tests into R2P, a register's bits to predicates), where a
+    compare against the bounds takes three instructions."""
+    C: gl.constexpr = s.shape[1]
+    gl.static_assert(C <= 128, "a row's columns must fit one 32-bit word a thread")
+    lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [lo], dtype=gl.int32, is_pure=True, pack=1)
+    first_col = (lane & 3) * 2
+    below_lo = _element_count(gl.minimum(gl.maximum(lo - first_col, 0), C))
+    below_hi = _element_count(gl.minimum(gl.maximum(hi - first_col, 0), C))
+    # bits [below_lo, below_hi); PTX's shl gives 0 for a shift of 32
+    word = gl.inline_asm_elementwise(
+        "{ .reg .b32 a, b; mov.b32 a, -1; shl.b32 a, a, $2; not.b32 a, a; mov.b32 b, -1; shl.b32 b, b, $1; "
+        "and.b32 $0, a, b; }",
+        "=r,r,r", [below_lo, below_hi], dtype=gl.int32, is_pure=True, pack=1)
+    # each column's bit: a constant per register (the lane's part of ``cols`` is bits 1-2)
+    bit = 1 << ((cols >> 3) * 2 + (cols & 1))
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred keep; .reg .b32 t; and.b32 t, $2, $3; setp.ne.b32 keep, t, 0; "
+        "selp.f32 $0, $1, 0fFF800000, keep; }",
+        "=r,r,r,r", [s, gl.expand_dims(word, 1), gl.expand_dims(bit, 0)], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def keep_scores(s, rows, keys, col0, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
+                TRANSPOSED: gl.constexpr, BITS: gl.constexpr = False):
     """The keep rule, one form for both Gluon kernels (the Triton kernels' is ``masking.apply_mask``):
     ``s`` with the (query, key) pairs the causal and window bounds drop set to -inf, and keys past Sk
     where ``RAGGED`` (a left window's bounds exclude those already). ``rows``, ``keys``: the tile's
     query and key indices (1-D slices of s's layout); ``rule`` = (Sk - Sq, left window).
     ``TRANSPOSED``: keys along dim 0 (the dK/dV pass holds S^T), else queries along dim 0 (the forward).
     Each query keeps the keys in [first, last]: last = its diagonal (causal) capped at Sk - 1 (keys past
-    Sk), first = last's window bound (a left window)."""
+    Sk), first = last's window bound (a left window).
+
+    ``BITS`` (the forward, queries along dim 0; tiles of at most 128 keys): each query's keys [first,
+    last] as a bit mask over the thread's columns (``_keep_interval``), ``col0`` the tile's first key.
+    Else a compare per score. The warp-specialised forward's masked steps run faster with the bit mask
+    (window rows most); the dK/dV pass and the 8-warp forward ran slower with it (the bit words live
+    at their step's register peak), so they keep the compares."""
     diag, window_left = rule
     if TRANSPOSED:
         keys2 = gl.expand_dims(keys, 1)
@@ -328,7 +370,18 @@ def keep_scores(s, rows, keys, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.const
     else:
         keys2 = gl.expand_dims(keys, 0)
         rows2 = gl.expand_dims(rows, 1)
-    if LEFT:
+    if BITS and (LEFT or CAUSAL) and s.shape[1] <= 128:
+        gl.static_assert(not TRANSPOSED, "the bit mask form takes queries along dim 0")
+        if LEFT:
+            first, last = window_bounds(rows, diag, window_left, seq_k, CAUSAL)
+            lo = first - col0
+        else:
+            lo = rows * 0  # no bound below: clamped to the tile's first column
+            last = rows + diag
+            if RAGGED:
+                last = gl.minimum(last, seq_k - 1)
+        kept = _keep_interval(s, lo, last + 1 - col0, keys - col0)
+    elif LEFT:
         first, last = window_bounds(rows2, diag, window_left, seq_k, CAUSAL)
         kept = _where_in_window(s, keys2, first, last)
     elif CAUSAL:

@@ -95,19 +95,19 @@ def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STA
 
 @gluon.jit
 def _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                 CAUSAL: gl.constexpr, LEFT: gl.constexpr):
+                 CAUSAL: gl.constexpr, LEFT: gl.constexpr, BITS: gl.constexpr = False):
     """Scores s (rows x keys [key_start, + BLOCK_N)) with the pairs the causal / window rule drops set to -inf, for
     the windows these kernels take: causal or not on the right, any left; keys past Sk dropped.
-    ``rule`` = (Sk - Sq, left window)."""
+    ``rule`` = (Sk - Sq, left window). BITS: ``keep_scores``' bit mask form."""
     cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    return keep_scores(s, rows, cols, seq_k, rule, CAUSAL, LEFT, True, False)
+    return keep_scores(s, rows, cols, key_start, seq_k, rule, CAUSAL, LEFT, True, False, BITS)
 
 
 @gluon.jit
 def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias, BLOCK_N: gl.constexpr,
                     s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
                     SOFTCAP: gl.constexpr, BIAS: gl.constexpr, INPUT_DTYPE: gl.constexpr, ALIBI: gl.constexpr = False,
-                    alibi_slope=0.0, alibi_shift=0.0):
+                    alibi_slope=0.0, alibi_shift=0.0, BITS: gl.constexpr = False):
     """Online-softmax step on raw scores s (fp32, s_layout) of keys [key_start, + BLOCK_N). Returns p
     (fp32), m, l, alpha. INPUT_DTYPE: the kernel's inputs' (it picks the cap's tanh: ``log2_scores``).
 
@@ -120,7 +120,8 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
     kernels/triton/masking.alibi_mode): ``alibi_slope * (j - key_start)`` (log2 units; the vector over
     the tile's keys made here: a loop-invariant one spilled registers) is added to the scores and
     ``alibi_shift`` (slope * (key_start - c), the tile's constant) to the row maxima; the caller
-    folds the row term into lse."""
+    folds the row term into lse. BITS: the mask in ``keep_scores``' bit mask form (the
+    warp-specialised kernel's steps)."""
     if SOFTCAP:
         s, _ = log2_scores(s, qk_scale, softcap_log2, True, False, INPUT_DTYPE)
         qk_scale = 1.0
@@ -132,7 +133,7 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
         s = s * qk_scale + gl.expand_dims(keys * alibi_slope, 0)
         qk_scale = 1.0
     if MASK:
-        s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
+        s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT, BITS)
     if ALIBI:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) + alibi_shift)
     else:
@@ -627,12 +628,14 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
              CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr, SOFTCAP: gl.constexpr, WG: gl.constexpr,
              PINGPONG: gl.constexpr, BIAS: gl.constexpr, do, GRAD_Q: gl.constexpr, ALIBI: gl.constexpr = False,
-             alibi_slope=0.0, alibi_shift=0.0, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0, 1.0)):
+             alibi_slope=0.0, alibi_shift=0.0, DROPOUT: gl.constexpr = False, drop=(0, 0, 0, 0, 0, 1.0),
+             BITS: gl.constexpr = False):
     """Key block j of a tile (the ring's count) on one warpgroup, its ``turn``-th S issue in the
     turns' round robin: the forward's online-softmax step, or with GRAD_Q the
     dQ pass's (``_ws_dq_step``; its row state (m_i, l_i) is then (lse2, delta), read only). DROPOUT:
     ``drop`` = (seed, batch * Hq + head, first query row, first key, threshold, scale): the dropped
-    probabilities leave the sum over values but not l (the caller scales the output once)."""
+    probabilities leave the sum over values but not l (the caller scales the output once). BITS: the
+    forward's mask as bit words (``keep_scores``)."""
     if GRAD_Q:
         acc = _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, acc, m_i, l_i,
                           s_zero, j, turn, key_start, rows, seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D,
@@ -650,7 +653,7 @@ def _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, b
     mbarrier.arrive(k_empty.index(j % NUM_STAGES), count=1)
     p, m_i, l_i, alpha = _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias,
                                          BLOCK_N, s_layout, CAUSAL, LEFT, MASK, SOFTCAP, BIAS, k.dtype, ALIBI,
-                                         alibi_slope, alibi_shift)
+                                         alibi_slope, alibi_shift, BITS)
     acc = _rescale(acc, alpha, o_layout)
     if DROPOUT:
         seed, batch_head, first_row, first_key, threshold, _ = drop
@@ -792,6 +795,9 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
     # key blocks, not the tile's (``_ws_own_blocks``'s docstring says why): block j's turn is then
     # turn_base + j.
     SKEW: gl.constexpr = LEFT and not LISTS and not PERSISTENT
+    # The mask as bit words (``keep_scores``): faster masked steps, except with packed sequences,
+    # whose forward spills registers with them and ran slower.
+    MASK_BITS: gl.constexpr = not VARLEN
     if LISTS:
         n_unseen = n_full * 0
         n_lead = n_unseen
@@ -845,7 +851,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                      seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                      o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
                                      ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
-                                     (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
+                                     (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]), MASK_BITS)
     for j in range(n_lead, n_inner):  # interior: no mask, so no key index either
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, turn_base + j, 0, rows, seq_k, rule, qk_scale,
@@ -853,7 +859,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                  BLOCK_N, HEAD_D, NUM_STAGES, s_layout, o_layout, p_layout, CAUSAL, LEFT, False,
                                  SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q, ALIBI, slope,
                                  slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
-                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
+                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]), MASK_BITS)
     for j in range(n_inner, n_seen):
         acc, m_i, l_i = _ws_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state,
                                  acc, m_i, l_i, s_zero, done + j, turn_base + j, _tile_key(tiles, j, BLOCK_N, LISTS),
@@ -861,7 +867,7 @@ def _ws_consume_tile(o_desc, q_smem, k_ring, v_ring, q_bars, q_empty, k_ready, v
                                  seq_k, rule, qk_scale, softcap_log2, BLOCK_N, HEAD_D, NUM_STAGES, s_layout,
                                  o_layout, p_layout, CAUSAL, LEFT, True, SOFTCAP, WG, PINGPONG, BIAS, do, GRAD_Q,
                                  ALIBI, slope, slope * ((first + j) * BLOCK_N - alibi_c).to(gl.float32), DROPOUT,
-                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]))
+                                 (seed, batch_head, mw, (first + j) * BLOCK_N, sched[19], sched[20]), MASK_BITS)
     if (CAUSAL or not PAST_END) and not LISTS and not PERSISTENT:
         for j in range(n_seen, n_blocks):
             _ws_pass_step(k_ready, v_ready, k_empty, v_empty, turn_bars, bias_state, done + j, turn_base + j,
