@@ -528,3 +528,83 @@ def test_program_cost_fits_against_the_keys_a_row_sees():
     xs = [keys_per_row(4096, w, True) for w in (512, 1024, 2048)]
     intercept, slope = fit(xs, [100.0 + 0.25 * x for x in xs])
     assert abs(intercept - 100.0) < 1e-9 and abs(slope - 0.25) < 1e-12
+
+
+def test_gluon_modules_ab_routes_to_the_other_revisions_modules(tmp_path):
+    """benchmarks/gluon_modules_ab.py: the other revision's fwd and bwd import its own common (not this
+    tree's), and routing swaps the modules the dispatcher imports at call time, and back."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gluon_modules_ab as ab
+    import fusedattn.kernels.gluon as package
+
+    source = Path(package.__file__).parent
+    for name in ("common", "fwd", "bwd"):
+        text = (source / f"{name}.py").read_text()
+        if name == "common":
+            text += "\nOTHER_REVISION = True\n"
+        (tmp_path / f"{name}.py").write_text(text)
+    this = {"fwd": sys.modules["fusedattn.kernels.gluon.fwd"], "bwd": sys.modules["fusedattn.kernels.gluon.bwd"]}
+    other = ab.load_other(str(tmp_path))
+    try:
+        common_other = sys.modules["fusedattn.kernels.gluon.common_other"]
+        assert common_other.OTHER_REVISION
+        assert other["fwd"].keep_scores is common_other.keep_scores
+        assert other["bwd"].keep_scores is common_other.keep_scores
+        assert this["fwd"].keep_scores is not common_other.keep_scores
+        ab.route_to(other)
+        from fusedattn.kernels.gluon import bwd, fwd
+        assert (fwd, bwd) == (other["fwd"], other["bwd"])
+    finally:
+        ab.route_to(this)
+    from fusedattn.kernels.gluon import bwd, fwd
+    assert (fwd, bwd) == (this["fwd"], this["bwd"])
+
+
+def test_barrier_override_drops_only_barriers_that_order_nothing():
+    """benchmarks/barrier_override.py's PTX edit: a warpgroup bar.sync right before a try_wait loop goes
+    (and before a one-thread arrive only in the "all" form, where a completed wgmma wait precedes it);
+    one after an ordinary shared-memory store, or with a wgmma still in flight, stays, as do barriers
+    before anything else."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from barrier_override import edit
+
+    ptx = """
+	wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r1}, %rd1, %rd2, 1, 1, 1, 1, 1;
+	wgmma.commit_group.sync.aligned;
+	wgmma.wait_group.sync.aligned 0;
+	bar.sync 	0, 128;
+	@%p1 mbarrier.arrive.shared::cta.b64 _, [%r2];
+	.loc	1 2 3
+	bar.sync 	0, 128;
+{
+	.reg .pred complete;
+	waitLoop:
+	mbarrier.try_wait.parity.shared.b64 complete, [%r3], %r4;
+	@!complete bra.uni waitLoop;
+}
+	st.shared.b32 [%r5], %r6;
+	bar.sync 	0, 128;
+	@%p1 mbarrier.arrive.shared::cta.b64 _, [%r7];
+	wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r1}, %rd1, %rd2, 1, 1, 1, 1, 1;
+	bar.sync 	0, 128;
+	@%p1 mbarrier.arrive.shared::cta.b64 _, [%r8];
+	bar.sync 	0, 128;
+	wgmma.fence.sync.aligned;
+	bar.sync 	1, 256;
+	mbarrier.try_wait.parity.shared.b64 complete, [%r3], %r4;
+""".split("\n")
+    barriers = [i for i, line in enumerate(ptx) if "bar.sync" in line]
+    waits_only, counts = edit(ptx, remove_arrive=False)
+    assert sum("bar.sync" in line for line in waits_only) == len(barriers) - 1
+    assert counts == {"removed_before_wait": 1, "kept_before_arrive": 3, "other": 1}
+    every, counts = edit(ptx, remove_arrive=True)
+    assert counts == {"removed_before_wait": 1, "removed_before_arrive": 1, "kept_before_arrive": 2, "other": 1}
+    kept = [line.strip() for line in every if "bar.sync" in line]
+    assert kept == ["bar.sync \t0, 128;"] * 3 + ["bar.sync \t1, 256;"]
+    # the first arrive (after the completed wgmma wait) lost its barrier; the store's and the
+    # in-flight wgmma's kept theirs
+    first_arrive = every.index("\t@%p1 mbarrier.arrive.shared::cta.b64 _, [%r2];")
+    assert "bar.sync" not in every[first_arrive - 1]
+    for address in ("%r7", "%r8"):
+        arrive = every.index(f"\t@%p1 mbarrier.arrive.shared::cta.b64 _, [{address}];")
+        assert "bar.sync" in every[arrive - 1]

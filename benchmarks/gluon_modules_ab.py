@@ -1,0 +1,126 @@
+"""The Gluon kernels of this tree against another revision's, in one process: that revision's
+``kernels/gluon/{common,fwd,bwd}.py`` are loaded as modules beside this tree's (``fwd_other`` and
+``bwd_other`` import ``common_other``) and each call is routed to one set or the other (the
+dispatcher imports ``gluon.fwd`` and ``gluon.bwd`` at call time). Microseconds per kernel (profiler,
+10 calls a round, rounds alternating, median), bf16, every output compared bitwise (dQ summed by
+atomics differs in its last bits between any two runs: compared within 2e-2 as well).
+
+    mkdir -p /tmp/other && for f in common fwd bwd; do
+        git show REV:src/fusedattn/kernels/gluon/$f.py > /tmp/other/$f.py; done
+    PYTHONPATH=src python benchmarks/gluon_modules_ab.py /tmp/other OUT.json \\
+        [--rows 4x16x4096x128xw1024,4x16x4096x128xcausal,packed,alibi] [--forward-only] [--rounds 3]
+
+Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys); ``packed``:
+causal packed sequences of nine lengths, 16 heads, D=128 (``flash_attn_varlen_func``); ``alibi``:
+causal ALiBi, 4x16x4096x128. ``packed`` and ``alibi`` time the forward."""
+import argparse
+import collections
+import importlib.util
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+import fusedattn
+import fusedattn.kernels.gluon as package
+import fusedattn.kernels.gluon.bwd as this_bwd
+import fusedattn.kernels.gluon.fwd as this_fwd
+from fusedattn.flash_attn import flash_attn_varlen_func
+
+sys.path.insert(0, os.path.dirname(__file__))
+from program_cost import kernel_times  # noqa: E402
+
+ROWS = "4x16x4096x128xw1024,4x16x4096x128xw549,4x16x4096x128xcausal,16x16x1024x128xcausal,4x32x4096x64xw1024"
+
+
+def load_other(directory: str) -> dict:
+    """The other revision's modules, its fwd and bwd importing its own common."""
+    modules = {}
+    for name in ("common", "fwd", "bwd"):
+        source = open(os.path.join(directory, f"{name}.py")).read().replace("from .common import",
+                                                                             "from .common_other import")
+        path = os.path.join(directory, f"{name}_other.py")
+        with open(path, "w") as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location(f"fusedattn.kernels.gluon.{name}_other", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # so that the others' relative import finds it
+        spec.loader.exec_module(module)
+        modules[name] = module
+    return {"fwd": modules["fwd"], "bwd": modules["bwd"]}
+
+
+def route_to(modules: dict) -> None:
+    for name, module in modules.items():
+        sys.modules[f"fusedattn.kernels.gluon.{name}"] = module
+        setattr(package, name, module)
+
+
+def make_call(row: str, forward_only: bool):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if row == "packed":
+        lengths = [1000, 3000, 517, 2500, 4096, 777, 2048, 1333, 700]
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda", dtype=torch.int32)
+        q, k, v = (torch.randn(int(cu[-1]), 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(3))
+        return lambda: (flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True),)
+    if row == "alibi":
+        q, k, v = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        slopes = torch.rand(16, device="cuda", generator=gen) * 0.1
+        return lambda: (fusedattn.attention(q, k, v, layout="bhsd", causal=True, alibi_slopes=slopes),)
+    b, h, s, d, mask = row.split("x")
+    q, k, v, do = (torch.randn(int(b), int(h), int(s), int(d), device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(4))
+    options = dict(window=(int(mask[1:]) - 1, 0)) if mask[0] == "w" else dict(causal=mask == "causal")
+    if not forward_only:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+
+    def call():
+        out = fusedattn.attention(q, k, v, layout="bhsd", **options)
+        return (out,) if forward_only else (out, *torch.autograd.grad(out, (q, k, v), do))
+    return call
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("other_dir")
+    p.add_argument("out")
+    p.add_argument("--rows", default=ROWS)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--forward-only", action="store_true")
+    args = p.parse_args()
+    forms = (("other", load_other(args.other_dir)), ("this", {"fwd": this_fwd, "bwd": this_bwd}))
+    results = {"device": torch.cuda.get_device_name(), "other_dir": args.other_dir, "rows": {}}
+    for row in args.rows.split(","):
+        call = make_call(row, args.forward_only)
+        outputs, rounds = {}, collections.defaultdict(list)
+        for r in range(args.rounds):
+            for name, modules in forms:
+                route_to(modules)
+                if r == 0:
+                    outputs[name] = [t.clone() for t in call()]
+                rounds[name].append(kernel_times(call, 10))
+        route_to(forms[1][1])
+        median = {}
+        for name, _ in forms:
+            per_kernel = collections.defaultdict(list)
+            for times in rounds[name]:
+                for kernel, us in times.items():
+                    per_kernel[kernel].append(us)
+            median[name] = {kernel: sorted(us)[len(us) // 2] for kernel, us in per_kernel.items()}
+        equal = [torch.equal(a, b) for a, b in zip(outputs["other"], outputs["this"])]
+        close = [torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0) for a, b in zip(outputs["other"], outputs["this"])]
+        results["rows"][row] = dict(median_us=median, bitwise_equal=equal, close=close)
+        parts = [f"{kernel} {us:.1f} -> {median['this'].get(kernel, float('nan')):.1f} "
+                 f"({median['this'].get(kernel, float('nan')) / us - 1:+.1%})"
+                 for kernel, us in median["other"].items() if us > 20]
+        print(f"{row}: " + " | ".join(parts) + f" | outputs equal {equal}, close {close}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
