@@ -10,6 +10,9 @@ atomics differs in its last bits between any two runs: compared within 2e-2 as w
     PYTHONPATH=src python benchmarks/gluon_modules_ab.py /tmp/other OUT.json \\
         [--rows 4x16x4096x128xw1024,4x16x4096x128xcausal,packed,alibi] [--forward-only] [--rounds 3]
 
+A module missing from the directory is taken from this tree (only ``fwd.py`` there: the forward's
+change alone).
+
 Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys); ``packed``:
 causal packed sequences of nine lengths, 16 heads, D=128 (``flash_attn_varlen_func``); ``alibi``:
 causal ALiBi, 4x16x4096x128. ``packed`` and ``alibi`` time the forward."""
@@ -36,11 +39,14 @@ ROWS = "4x16x4096x128xw1024,4x16x4096x128xw549,4x16x4096x128xcausal,16x16x1024x1
 
 
 def load_other(directory: str) -> dict:
-    """The other revision's modules, its fwd and bwd importing its own common."""
+    """The other revision's modules, its fwd and bwd importing its own common; a module the directory
+    lacks is this tree's (a changed ``fwd.py`` alone: the forward's A/B)."""
     modules = {}
     for name in ("common", "fwd", "bwd"):
-        source = open(os.path.join(directory, f"{name}.py")).read().replace("from .common import",
-                                                                             "from .common_other import")
+        given = os.path.join(directory, f"{name}.py")
+        if not os.path.exists(given):
+            given = os.path.join(os.path.dirname(package.__file__), f"{name}.py")
+        source = open(given).read().replace("from .common import", "from .common_other import")
         path = os.path.join(directory, f"{name}_other.py")
         with open(path, "w") as f:
             f.write(source)

@@ -559,6 +559,12 @@ def test_gluon_modules_ab_routes_to_the_other_revisions_modules(tmp_path):
     from fusedattn.kernels.gluon import bwd, fwd
     assert (fwd, bwd) == (this["fwd"], this["bwd"])
 
+    # a directory holding fwd.py alone: common and bwd are this tree's
+    (tmp_path / "common.py").unlink()
+    (tmp_path / "bwd.py").unlink()
+    ab.load_other(str(tmp_path))
+    assert not hasattr(sys.modules["fusedattn.kernels.gluon.common_other"], "OTHER_REVISION")
+
 
 def test_barrier_override_drops_only_barriers_that_order_nothing():
     """benchmarks/barrier_override.py's PTX edit: a warpgroup bar.sync right before a try_wait loop goes
