@@ -29,8 +29,7 @@ ROOT = os.getcwd()
 WORK = os.environ.get("BARS_WORK", "/tmp/bars")
 OUT = os.environ.get("OUT", "/tmp")
 VARIANTS = {"wait": 1, "all": 2}
-ROWS = [(4, 16, 4096, 128, "window"), (4, 16, 4096, 128, "causal"), (4, 16, 4096, 128, "full"),
-        (4, 32, 4096, 64, "causal")]
+ROWS = ["4x16x4096x128xw1024", "4x16x4096x128xcausal", "4x16x4096x128xfull", "4x32x4096x64xcausal"]
 
 
 def copies(variant):
@@ -48,42 +47,15 @@ def copies(variant):
     return mods
 
 
-def route(mods):
-    pkg = sys.modules["fusedattn.kernels.gluon"]
-    for name, m in mods.items():
-        sys.modules[f"fusedattn.kernels.gluon.{name}"] = m
-        setattr(pkg, name, m)
-
-
-def inputs(b, h, s, d):
-    import torch
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
-    return q, k, v, do
-
-
-def caller(row):
-    import fusedattn, torch
-    b, h, s, d, mask = row
-    q, k, v, do = inputs(b, h, s, d)
-    opts = dict(window=(1023, 0)) if mask == "window" else dict(causal=mask == "causal")
-
-    def call():
-        o = fusedattn.attention(q, k, v, layout="bhsd", **opts)
-        return (o, *torch.autograd.grad(o, (q, k, v), do))
-    return call
-
-
 def phase_dump(variant):
     """Run with TRITON_DUMP_DIR=WORK/dump_<variant>, one process per variant (or form, to warm the cache)."""
     import torch
+    from gluon_modules_ab import make_call, route_to
     import fusedattn.kernels.gluon.fwd, fusedattn.kernels.gluon.bwd  # noqa
     if variant != "base":
-        route(copies(variant))
+        route_to(copies(variant))
     for row in ROWS:
-        caller(row)()
+        make_call(row, forward_only=False)()
     torch.cuda.synchronize()
     print("compiled", variant, flush=True)
 
@@ -150,23 +122,23 @@ def phase_edit():
 
 def phase_time():
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from gluon_modules_ab import make_call, route_to
     from program_cost import kernel_times
     import fusedattn.kernels.gluon.fwd, fusedattn.kernels.gluon.bwd  # noqa
     base = {"fwd": sys.modules["fusedattn.kernels.gluon.fwd"], "bwd": sys.modules["fusedattn.kernels.gluon.bwd"]}
     forms = {"base": base, **{v: copies(v) for v in VARIANTS}}
     res = {}
     for row in ROWS:
-        call = caller(row)
+        call = make_call(row, forward_only=False)
         outs, times = {}, collections.defaultdict(list)
         for r in range(3):
             for name, mods in forms.items():
-                route(mods)
+                route_to(mods)
                 if r == 0:
                     outs[name] = [t.clone() for t in call()]
                 t = kernel_times(call, 10)
                 times[name].append(t)
-        key = "B{} H{} S{} D{} {}".format(*row)
+        key = row
         entry = {}
         for name in forms:
             per = collections.defaultdict(list)
@@ -187,6 +159,7 @@ def phase_time():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.makedirs(WORK, exist_ok=True)
     if sys.argv[1] == "dump":
         phase_dump(sys.argv[2])

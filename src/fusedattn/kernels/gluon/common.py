@@ -348,26 +348,31 @@ def _keep_interval(s, lo, hi, cols):
 
 
 @gluon.jit
-def keep_scores(s, rows, keys, col0, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
+def keep_scores(s, lines, col0, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
                 TRANSPOSED: gl.constexpr, BITS: gl.constexpr = False):
     """The keep rule, one form for both Gluon kernels (the Triton kernels' is ``masking.apply_mask``):
     ``s`` with the (query, key) pairs the causal and window bounds drop set to -inf, and keys past Sk
-    where ``RAGGED`` (a left window's bounds exclude those already). ``rows``, ``keys``: the tile's
-    query and key indices (1-D slices of s's layout); ``rule`` = (Sk - Sq, left window).
+    where ``RAGGED`` (a left window's bounds exclude those already). ``lines``: the indices along
+    dim 0 (a slice of s's layout), ``col0`` the index of the tile's first column (the columns run on
+    from it); ``rule`` = (Sk - Sq, left window).
     ``TRANSPOSED``: keys along dim 0 (the dK/dV pass holds S^T), else queries along dim 0 (the forward).
     Each query keeps the keys in [first, last]: last = its diagonal (causal) capped at Sk - 1 (keys past
     Sk), first = last's window bound (a left window).
 
     ``BITS`` (the forward, queries along dim 0; tiles of at most 128 keys): each query's keys [first,
-    last] as a bit mask over the thread's columns (``_keep_interval``), ``col0`` the tile's first key.
-    Else a compare per score. The warp-specialised forward's masked steps run faster with the bit mask
+    last] as a bit mask over the thread's columns (``_keep_interval``). Else a compare per score. The warp-specialised forward's masked steps run faster with the bit mask
     (window rows most); the dK/dV pass and the 8-warp forward ran slower with it (the bit words live
     at their step's register peak), so they keep the compares."""
     diag, window_left = rule
+    cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
     if TRANSPOSED:
+        keys = lines
+        rows = col0 + cols
         keys2 = gl.expand_dims(keys, 1)
         rows2 = gl.expand_dims(rows, 0)
     else:
+        rows = lines
+        keys = col0 + cols
         keys2 = gl.expand_dims(keys, 0)
         rows2 = gl.expand_dims(rows, 1)
     if BITS and (LEFT or CAUSAL) and s.shape[1] <= 128:
@@ -380,7 +385,7 @@ def keep_scores(s, rows, keys, col0, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl
             last = rows + diag
             if RAGGED:
                 last = gl.minimum(last, seq_k - 1)
-        kept = _keep_interval(s, lo, last + 1 - col0, keys - col0)
+        kept = _keep_interval(s, lo, last + 1 - col0, cols)
     elif LEFT:
         first, last = window_bounds(rows2, diag, window_left, seq_k, CAUSAL)
         kept = _where_in_window(s, keys2, first, last)

@@ -94,16 +94,6 @@ def _kv_tile(ring, bars, j, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STA
 
 
 @gluon.jit
-def _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-                 CAUSAL: gl.constexpr, LEFT: gl.constexpr, BITS: gl.constexpr = False):
-    """Scores s (rows x keys [key_start, + BLOCK_N)) with the pairs the causal / window rule drops set to -inf, for
-    the windows these kernels take: causal or not on the right, any left; keys past Sk dropped.
-    ``rule`` = (Sk - Sq, left window). BITS: ``keep_scores``' bit mask form."""
-    cols = key_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    return keep_scores(s, rows, cols, key_start, seq_k, rule, CAUSAL, LEFT, True, False, BITS)
-
-
-@gluon.jit
 def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap_log2, bias, BLOCK_N: gl.constexpr,
                     s_layout: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, MASK: gl.constexpr,
                     SOFTCAP: gl.constexpr, BIAS: gl.constexpr, INPUT_DTYPE: gl.constexpr, ALIBI: gl.constexpr = False,
@@ -133,7 +123,8 @@ def _softmax_update(s, m_i, l_i, key_start, rows, seq_k, rule, qk_scale, softcap
         s = s * qk_scale + gl.expand_dims(keys * alibi_slope, 0)
         qk_scale = 1.0
     if MASK:
-        s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT, BITS)
+        # keys past Sk dropped (RAGGED): the forward's tiles run to the next block boundary
+        s = keep_scores(s, rows, key_start, seq_k, rule, CAUSAL, LEFT, True, False, BITS)
     if ALIBI:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) + alibi_shift)
     else:
@@ -606,7 +597,7 @@ def _ws_dq_step(q, do, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn_
         s, tanh_s = log2_scores(s, qk_scale, softcap_log2, True, False, q.dtype)
         qk_scale = 1.0
     if MASK:
-        s = _mask_scores(s, key_start, rows, seq_k, rule, BLOCK_N, s_layout, CAUSAL, LEFT)
+        s = keep_scores(s, rows, key_start, seq_k, rule, CAUSAL, LEFT, True, False)
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
     dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
     mbarrier.arrive(v_empty.index(slot), count=1)
