@@ -2,7 +2,7 @@
 ``kernels/gluon/{common,fwd,bwd}.py`` are loaded as modules beside this tree's (``fwd_other`` and
 ``bwd_other`` import ``common_other``) and each call is routed to one set or the other (the
 dispatcher imports ``gluon.fwd`` and ``gluon.bwd`` at call time). Microseconds per kernel (profiler,
-10 calls a round, rounds alternating, median), bf16, every output compared bitwise (dQ summed by
+10 calls a round, rounds alternating and each in the other order than the last, median), bf16, every output compared bitwise (dQ summed by
 atomics differs in its last bits between any two runs: compared within 2e-2 as well).
 
     mkdir -p /tmp/other && for f in common fwd bwd; do
@@ -13,7 +13,8 @@ atomics differs in its last bits between any two runs: compared within 2e-2 as w
 A module missing from the directory is taken from this tree (only ``fwd.py`` there: the forward's
 change alone).
 
-Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys); ``packed``:
+Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys), +det for
+``deterministic=True``; ``packed``:
 causal packed sequences of nine lengths, 16 heads, D=128 (``flash_attn_varlen_func``); ``alibi``:
 causal ALiBi, 4x16x4096x128. ``packed`` and ``alibi`` time the forward."""
 import argparse
@@ -22,6 +23,7 @@ import importlib.util
 import itertools
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -77,9 +79,11 @@ def make_call(row: str, forward_only: bool):
         slopes = torch.rand(16, device="cuda", generator=gen) * 0.1
         return lambda: (fusedattn.attention(q, k, v, layout="bhsd", causal=True, alibi_slopes=slopes),)
     b, h, s, d, mask = row.split("x")
+    mask, deterministic = mask.removesuffix("+det"), mask.endswith("+det")
     q, k, v, do = (torch.randn(int(b), int(h), int(s), int(d), device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(4))
     options = dict(window=(int(mask[1:]) - 1, 0)) if mask[0] == "w" else dict(causal=mask == "causal")
+    options["deterministic"] = deterministic
     if not forward_only:
         for t in (q, k, v):
             t.requires_grad_(True)
@@ -95,7 +99,7 @@ def main() -> None:
     p.add_argument("other_dir")
     p.add_argument("out")
     p.add_argument("--rows", default=ROWS)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--forward-only", action="store_true")
     args = p.parse_args()
     forms = (("other", load_other(args.other_dir)), ("this", {"fwd": this_fwd, "bwd": this_bwd}))
@@ -104,7 +108,9 @@ def main() -> None:
         call = make_call(row, args.forward_only)
         outputs, rounds = {}, collections.defaultdict(list)
         for r in range(args.rounds):
-            for name, modules in forms:
+            # each round in the other order than the last: a row's second call runs warmer (on a long
+            # row, identical kernels measured 2% apart by their place in the round)
+            for name, modules in (forms if r % 2 == 0 else forms[::-1]):
                 route_to(modules)
                 if r == 0:
                     outputs[name] = [t.clone() for t in call()]
@@ -116,10 +122,11 @@ def main() -> None:
             for times in rounds[name]:
                 for kernel, us in times.items():
                     per_kernel[kernel].append(us)
-            median[name] = {kernel: sorted(us)[len(us) // 2] for kernel, us in per_kernel.items()}
+            median[name] = {kernel: statistics.median(us) for kernel, us in per_kernel.items()}
         equal = [torch.equal(a, b) for a, b in zip(outputs["other"], outputs["this"])]
         close = [torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0) for a, b in zip(outputs["other"], outputs["this"])]
-        results["rows"][row] = dict(median_us=median, bitwise_equal=equal, close=close)
+        results["rows"][row] = dict(median_us=median, rounds_us={name: rounds[name] for name, _ in forms},
+                                    bitwise_equal=equal, close=close)
         parts = [f"{kernel} {us:.1f} -> {median['this'].get(kernel, float('nan')):.1f} "
                  f"({median['this'].get(kernel, float('nan')) / us - 1:+.1%})"
                  for kernel, us in median["other"].items() if us > 20]

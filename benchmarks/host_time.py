@@ -7,6 +7,8 @@ backward launch. Two views, one process (GPU machine only):
 - ``gaps``: a do_bench-like loop (L2 flush, step) of fusedattn and of SDPA cuDNN under the torch
   profiler; per step the GPU's busy time, the step's span on the GPU, and the idle time before each
   kernel (medians over the steps). What the bench's eager row pays for the host is the idle time.
+- ``graph_gaps``: the same for the step replayed from a CUDA graph (no host time: what is left
+  between kernels is their launch and ramp-up).
 - ``pieces``: the GPU kept busy by a sleep kernel (so that nothing the host does waits on it);
   perf_counter around the forward call, ``backward()``, and the named pieces of fusedattn's
   backward (wrapped in place), and the host latency from the forward kernel's launch to each later
@@ -88,21 +90,35 @@ def _systems(args):
     return {"fusedattn": ours} if window else {"fusedattn": ours, "cudnn": cudnn}  # cuDNN: no sliding window
 
 
-def gaps(args) -> dict:
-    """GPU busy time, span and idle gaps per step of a do_bench-like loop, each system."""
+def gaps(args, graph: bool = False) -> dict:
+    """GPU busy time, span and idle gaps per step of a do_bench-like loop, each system. ``graph``: the
+    step (forward and backward) replayed from a CUDA graph, the flush outside it: the gaps left
+    between kernels without any host time (what a kernel's launch and its first wave's ramp-up cost
+    after the previous kernel's last wave)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from fusedattn.bench.timing import capture_graph
 
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
     result = {}
     for name, fn in _systems(args).items():
         q, k, v, dout = _inputs(args, True)
 
-        def step():
+        def clear_grads():
             for t in (q, k, v):
                 t.grad = None
+
+        def eager_step():
+            fn(q, k, v).backward(dout)
+
+        replay = capture_graph(eager_step, before_each=clear_grads).replay if graph else eager_step
+
+        def step():
+            if not graph:
+                clear_grads()
             flush.zero_()
             torch.cuda.nvtx.range_push("step")
-            fn(q, k, v).backward(dout)
+            replay()
             torch.cuda.nvtx.range_pop()
 
         for _ in range(10):
@@ -295,7 +311,8 @@ def main() -> None:
     args = p.parse_args()
     report = {"label": args.label, "device": torch.cuda.get_device_name(), "args": vars(args)}
     for mode in args.mode.split(","):
-        report[mode] = {"gaps": gaps, "pieces": pieces, "cprofile": cprofile}[mode](args)
+        report[mode] = {"gaps": gaps, "graph_gaps": functools.partial(gaps, graph=True), "pieces": pieces,
+                        "cprofile": cprofile}[mode](args)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

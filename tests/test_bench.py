@@ -566,13 +566,13 @@ def test_gluon_modules_ab_routes_to_the_other_revisions_modules(tmp_path):
     assert not hasattr(sys.modules["fusedattn.kernels.gluon.common_other"], "OTHER_REVISION")
 
 
-def test_barrier_override_drops_only_barriers_that_order_nothing():
-    """benchmarks/barrier_override.py's PTX edit: a warpgroup bar.sync right before a try_wait loop goes
+def test_ptx_override_drops_only_barriers_that_order_nothing():
+    """benchmarks/ptx_override.py's PTX edit: a warpgroup bar.sync right before a try_wait loop goes
     (and before a one-thread arrive only in the "all" form, where a completed wgmma wait precedes it);
     one after an ordinary shared-memory store, or with a wgmma still in flight, stays, as do barriers
     before anything else."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from barrier_override import edit
+    from ptx_override import edit
 
     ptx = """
 	wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r1}, %rd1, %rd2, 1, 1, 1, 1, 1;
@@ -614,3 +614,77 @@ def test_barrier_override_drops_only_barriers_that_order_nothing():
     for address in ("%r7", "%r8"):
         arrive = every.index(f"\t@%p1 mbarrier.arrive.shared::cta.b64 _, [{address}];")
         assert "bar.sync" in every[arrive - 1]
+
+
+def test_ptx_override_prefetches_each_descriptor_parameter_where_it_is_converted():
+    """benchmarks/ptx_override.py's "prefetch" edit: a prefetch of the generic address right after each
+    ``cvta.param`` of a 128-byte, 64-aligned parameter (a TMA descriptor), none for other parameters
+    or for a descriptor the kernel never converts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from ptx_override import prefetch_descriptors
+
+    ptx = """
+	.param .align 64 .b8 k_param_0[128],
+	.param .u32 k_param_1,
+	.param .align 64 .b8 k_param_2[128],
+	.param .align 64 .b8 k_param_3[128],
+	.param .u64 .ptr .global .align 1 k_param_4
+	mov.b64 	%rd10, k_param_0;
+	mov.b64 	%rd11, k_param_4;
+	cvta.param.u64 	%rd1, %rd11;
+	mov.b64 	%rd12, k_param_2;
+	cvta.param.u64 	%rd2, %rd12;
+	cvta.param.u64 	%rd3, %rd10;
+""".split("\n")
+    edited, counts = prefetch_descriptors(ptx)
+    assert counts == {"prefetched": 2, "descriptors": 3}
+    prefetches = [line.strip() for line in edited if "prefetch" in line]
+    assert prefetches == ["prefetch.tensormap [%rd2];", "prefetch.tensormap [%rd3];"]
+    # each right after its conversion, the rest of the text unchanged
+    assert edited[edited.index("\tcvta.param.u64 \t%rd2, %rd12;") + 1] == "\tprefetch.tensormap [%rd2];"
+    assert [line for line in edited if "prefetch" not in line] == ptx
+
+
+def test_program_timeline_stamps_this_trees_dkdv_pass_and_reads_its_phases(tmp_path):
+    """benchmarks/program_timeline.py: every anchor of its stamps is found in this tree's dK/dV pass
+    (a changed kernel fails loudly, naming the anchor), the stamped module imports beside the real one,
+    and the phases and the gap between programs come out of a buffer of stamps as the differences
+    of its slots (the 32-bit clock's wrap included)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gluon_modules_ab as ab
+    import program_timeline as timeline
+    import fusedattn.kernels.gluon.bwd as bwd
+
+    source = Path(bwd.__file__).read_text()
+    stamped = timeline.stamped_source(source)
+    assert stamped.count("_stamp(") == 16 + 1  # the 16 slots' stamps and the function itself
+    with pytest.raises(RuntimeError, match="anchor found 0 times"):
+        timeline.stamped_source(source.replace("KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M\n",
+                                               "KEYS_PER_WG = WG_ROWS\n"))
+    (tmp_path / "bwd.py").write_text(stamped)
+    this = {"fwd": sys.modules["fusedattn.kernels.gluon.fwd"], "bwd": bwd}
+    try:
+        other = ab.load_other(str(tmp_path))
+        assert other["bwd"].TIMELINE == [] and hasattr(other["bwd"], "_stamp")
+    finally:
+        ab.route_to(this)
+
+    slots = timeline.SLOTS
+    # two programs on SM 7, the second starting 500 cycles after the first's last stamp; the first's
+    # clock wraps past 2**32 between its entry and its end
+    first = [7, 2**32 - 1000] + [0] * (slots - 2)
+    for slot, after in {2: 600, 3: 1400, 4: 9000, 5: 3600, 15: 6000, 6: 8000, 7: 8200, 8: 9000, 9: 8050,
+                        10: 11000, 11: 10000, 12: 11100, 14: 1300}.items():
+        first[slot] = (first[1] + after) % 2**32
+    first[13] = 4
+    second = [7, (first[1] + 11100 + 500) % 2**32] + [0] * (slots - 2)
+    for slot in range(2, slots):
+        second[slot] = first[slot] if slot == 13 else (first[slot] - first[1] + second[1]) % 2**32
+    stamps = torch.tensor([v - 2**32 if v >= 2**31 else v for v in first + second], dtype=torch.int32)
+    summary = timeline.summarise(stamps, 2)
+    assert summary["phases"]["wg0 interior steps"] == 2400
+    assert summary["phases"]["wg0 masked steps"] == 2000
+    assert summary["phases"]["done -> producer's stores read"] == 2000
+    assert summary["phases"]["wg1 steps over - wg0's"] == 50
+    assert summary["gap_between_programs"] == 500
+    assert summary["steps_median"] == 4 and summary["cycles_per_step_median"] == 4400 / 4

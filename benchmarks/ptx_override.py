@@ -1,22 +1,30 @@
-"""Price the warpgroup ``bar.sync`` that Triton's shared-memory barrier analysis puts before each
-mbarrier wait and arrive in the Gluon kernels' consumer partitions: dump the kernels' PTX, delete
-those barriers (only where no ordinary shared-memory access and no wgmma still in flight lies between
-the last synchronisation and the barrier), load the PTX back through Triton's kernel override, and
-time the fwd+bwd kernels beside the unmodified modules in one process. Timing only: a barrier before
-a one-thread arrive is what orders the other warps' reads before the release (the "all" form relies
-on the wgmma wait having completed the warpgroup's matmul, as CUTLASS's pipelines do).
+"""Price a PTX edit of the Gluon kernels without writing it in Gluon: dump the kernels' PTX, edit
+it, load it back through Triton's kernel override, and time the fwd+bwd kernels beside the
+unmodified modules in one process. Timing only.
 
-Forms: "wait" drops the barriers before try_wait loops, "all" also those before arrives. Each form is
-a copy of ``gluon/fwd.py`` and ``gluon/bwd.py`` shifted by leading lines, so its kernels hash apart
-from this tree's and from each other's (Triton keys dumps and overrides by that hash).
+Edits (forms):
+- "wait", "all": the warpgroup ``bar.sync`` that Triton's shared-memory barrier analysis puts
+  before each mbarrier wait ("wait"), and before each arrive too ("all"), in the consumer
+  partitions, deleted where no ordinary shared-memory access and no wgmma still in flight lies
+  between the last synchronisation and the barrier. A barrier before a one-thread arrive is what
+  orders the other warps' reads before the release (the "all" form relies on the wgmma wait having
+  completed the warpgroup's matmul, as CUTLASS's pipelines do).
+- "prefetch": every TMA descriptor the kernel takes prefetched at its entry (``prefetch.tensormap``
+  on the generic address each descriptor parameter is converted to), as FlashAttention-4's kernels
+  do before their first loads; Gluon has no such call.
 
-    export PYTHONPATH=src BARS_WORK=/tmp/bars TRITON_OVERRIDE_DIR=/tmp/bars/ovr
+Each form is a copy of ``gluon/fwd.py`` and ``gluon/bwd.py`` shifted by leading lines, so its
+kernels hash apart from this tree's and from each other's (Triton keys dumps and overrides by that
+hash). ``PTX_FORMS`` (comma-separated, default every form) picks the forms the edit and time phases
+take.
+
+    export PYTHONPATH=src BARS_WORK=/tmp/bars TRITON_OVERRIDE_DIR=/tmp/bars/ovr PTX_FORMS=wait,all
     for v in wait all; do TRITON_CACHE_DIR=/tmp/bars/c1_$v TRITON_KERNEL_DUMP=1 \
-        TRITON_DUMP_DIR=/tmp/bars/dump_$v python benchmarks/barrier_override.py dump $v & done; wait
-    python benchmarks/barrier_override.py edit        # writes $OUT/bars-edits.json
+        TRITON_DUMP_DIR=/tmp/bars/dump_$v python benchmarks/ptx_override.py dump $v & done; wait
+    python benchmarks/ptx_override.py edit        # writes $OUT/ptx-edits.json
     for v in base wait all; do TRITON_CACHE_DIR=/tmp/bars/c2 TRITON_KERNEL_OVERRIDE=1 \
-        python benchmarks/barrier_override.py dump $v & done; wait   # compiles, overridden
-    TRITON_CACHE_DIR=/tmp/bars/c2 TRITON_KERNEL_OVERRIDE=1 python benchmarks/barrier_override.py time
+        python benchmarks/ptx_override.py dump $v & done; wait   # compiles, overridden
+    TRITON_CACHE_DIR=/tmp/bars/c2 TRITON_KERNEL_OVERRIDE=1 python benchmarks/ptx_override.py time
 """
 import collections
 import importlib.util
@@ -28,8 +36,9 @@ import sys
 ROOT = os.getcwd()
 WORK = os.environ.get("BARS_WORK", "/tmp/bars")
 OUT = os.environ.get("OUT", "/tmp")
-VARIANTS = {"wait": 1, "all": 2}
-ROWS = ["4x16x4096x128xw1024", "4x16x4096x128xcausal", "4x16x4096x128xfull", "4x32x4096x64xcausal"]
+SHIFTS = {"wait": 1, "all": 2, "prefetch": 3}  # leading lines of each form's copies
+VARIANTS = {name: SHIFTS[name] for name in os.environ.get("PTX_FORMS", ",".join(SHIFTS)).split(",")}
+ROWS = os.environ.get("PTX_ROWS", "4x16x4096x128xw1024,4x16x4096x128xcausal,4x16x4096x128xfull,4x32x4096x64xcausal").split(",")
 
 
 def copies(variant):
@@ -39,7 +48,7 @@ def copies(variant):
         src = open(os.path.join(ROOT, f"src/fusedattn/kernels/gluon/{name}.py")).read()
         path = os.path.join(WORK, f"{name}_{variant}.py")
         # leading lines shift every function's starting line, so each copy's kernels hash apart
-        open(path, "w").write(f"# variant {variant}\n" * VARIANTS[variant] + src)
+        open(path, "w").write(f"# variant {variant}\n" * SHIFTS[variant] + src)
         spec = importlib.util.spec_from_file_location(f"fusedattn.kernels.gluon.{name}_{variant}", path)
         m = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(m)
@@ -100,6 +109,27 @@ def edit(lines, remove_arrive):
     return [l for i, l in enumerate(lines) if i not in drop], counts
 
 
+TENSORMAP_PARAM = re.compile(r"\s*\.param \.align 64 \.b8 (\w+)\[128\]")
+
+
+def prefetch_descriptors(lines):
+    """Each TMA descriptor parameter (128 bytes, 64-aligned) prefetched right where the kernel's entry
+    converts it to a generic address (``cvta.param``), which the bulk tensor copies then use."""
+    params = {m.group(1) for m in map(TENSORMAP_PARAM.match, lines) if m}
+    moved, out, counts = {}, [], collections.Counter()
+    for line in lines:
+        out.append(line)
+        m = re.match(r"\s*mov\.b64\s+(%rd\d+),\s*(\w+);", line)
+        if m and m.group(2) in params:
+            moved[m.group(1)] = m.group(2)
+        m = re.match(r"\s*cvta\.param\.u64\s+(%rd\d+),\s*(%rd\d+);", line)
+        if m and m.group(2) in moved:
+            out.append(f"\tprefetch.tensormap [{m.group(1)}];")
+            counts["prefetched"] += 1
+    counts["descriptors"] = len(params)
+    return out, counts
+
+
 def phase_edit():
     ovr = os.environ["TRITON_OVERRIDE_DIR"]
     report = {}
@@ -112,12 +142,15 @@ def phase_edit():
                 lines = open(os.path.join(dump, d, f)).read().split("\n")
                 if not any("mbarrier.try_wait" in l for l in lines):
                     continue
-                new, counts = edit(lines, variant == "all")
+                if variant == "prefetch":
+                    new, counts = prefetch_descriptors(lines)
+                else:
+                    new, counts = edit(lines, variant == "all")
                 os.makedirs(os.path.join(ovr, d), exist_ok=True)
                 open(os.path.join(ovr, d, f), "w").write("\n".join(new))
                 report[f"{variant}/{d[:8]}/{f}"] = dict(counts)
                 print(variant, d[:8], f, dict(counts))
-    json.dump(report, open(os.path.join(OUT, "bars-edits.json"), "w"), indent=1)
+    json.dump(report, open(os.path.join(OUT, "ptx-edits.json"), "w"), indent=1)
 
 
 def phase_time():
@@ -155,7 +188,7 @@ def phase_time():
         print(key, " | ".join(f"{n}: fwd {e['fwd_us']:.1f} ({e['fwd_us'] / b0['fwd_us'] - 1:+.1%}) total {e['total_us']:.1f} "
                               f"({e['total_us'] / b0['total_us'] - 1:+.1%}) eq {e['bitwise_equal_to_base']}" for n, e in entry.items()), flush=True)
         res[key] = entry
-    json.dump(res, open(os.path.join(OUT, "bars-time.json"), "w"), indent=1)
+    json.dump(res, open(os.path.join(OUT, "ptx-time.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":
