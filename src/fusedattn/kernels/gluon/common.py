@@ -301,6 +301,45 @@ def _where_le(s, a, b):
 
 
 @gluon.jit
+def _keep_by_key(s, keys, col0, cols, seq_k, diag, window_left, CAUSAL: gl.constexpr, LEFT: gl.constexpr,
+                 RAGGED: gl.constexpr):
+    """``keep_scores`` for keys along dim 0 (the dK/dV pass's S^T) under a causal bound or a left
+    window, with every bound held per key row: query col0 + c keeps key k where its distance
+    d = col0 + c + diag - k lies in [0, window_left] (a left window; [0, inf) causal, (-inf,
+    window_left] a left window alone), k < Sk. The columns split into their bits 1-2 and the rest
+    (``cols & 6``, ``cols & -7``: for a wgmma accumulator the first is the lane's part of every
+    column, the second a constant a register), so a score's bound is a per-row value against a
+    constant -- two values live a row where per-column bounds keep 16 live a thread."""
+    lane_part = gl.expand_dims(cols & 6, 0)
+    constant = gl.expand_dims(cols & -7, 0)
+    keys2 = gl.expand_dims(keys, 1)
+    if LEFT:
+        # d = (col0 + diag + lane part - k) + constant; a key past Sk gets a distance no bound keeps
+        if CAUSAL:
+            base = gl.where(keys2 < seq_k, (col0 + diag) - keys2 + lane_part, -(1 << 30))
+            return _where_offset_below(s, base, constant, window_left, True)
+        # (a window wider than 2^30 keys is no bound on any sequence that fits in memory)
+        base = gl.where(keys2 < seq_k, (col0 + diag) - keys2 + lane_part, 1 << 30)
+        return _where_offset_below(s, base, constant, gl.minimum(window_left, (1 << 30) - 256), False)
+    # causal alone: keep while k - diag - col0 - lane part <= constant
+    limit = keys2 - (col0 + diag) - lane_part
+    if RAGGED:
+        limit = gl.where(keys2 < seq_k, limit, 1 << 30)
+    return _where_le(s, limit, constant)
+
+
+@gluon.jit
+def _where_offset_below(s, base, offset, bound, UNSIGNED: gl.constexpr):
+    """``s`` where base + offset <= bound (unsigned with ``UNSIGNED``: also base + offset >= 0), else
+    -inf: an add, a compare and a select a score (``_where_le``'s form)."""
+    compare: gl.constexpr = "setp.le.u32" if UNSIGNED else "setp.le.s32"
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred keep; .reg .b32 d; add.s32 d, $2, $3; " + compare + " keep, d, $4; "
+        "selp.f32 $0, $1, 0fFF800000, keep; }",
+        "=r,r,r,r,r", [s, base, offset, bound], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _where_in_window(s, keys, first, last):
     """``s`` where first <= keys <= last, else -inf (``_where_le``'s form): one unsigned compare of
     keys - first against the span last - first + 1 (a query whose bounds cross keeps nothing)."""
@@ -349,7 +388,7 @@ def _keep_interval(s, lo, hi, cols):
 
 @gluon.jit
 def keep_scores(s, lines, col0, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.constexpr, RAGGED: gl.constexpr,
-                TRANSPOSED: gl.constexpr, BITS: gl.constexpr = False):
+                TRANSPOSED: gl.constexpr, BITS: gl.constexpr = False, KEY_ROWS: gl.constexpr = False):
     """The keep rule, one form for both Gluon kernels (the Triton kernels' is ``masking.apply_mask``):
     ``s`` with the (query, key) pairs the causal and window bounds drop set to -inf, and keys past Sk
     where ``RAGGED`` (a left window's bounds exclude those already). ``lines``: the indices along
@@ -362,7 +401,12 @@ def keep_scores(s, lines, col0, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.cons
     ``BITS`` (the forward, queries along dim 0; tiles of at most 128 keys): each query's keys [first,
     last] as a bit mask over the thread's columns (``_keep_interval``). Else a compare per score. The warp-specialised forward's masked steps run faster with the bit mask
     (window rows most); the dK/dV pass and the 8-warp forward ran slower with it (the bit words live
-    at their step's register peak), so they keep the compares."""
+    at their step's register peak), so they keep the compares.
+
+    ``KEY_ROWS`` (keys along dim 0, under a causal bound or a left window): every bound held per key
+    row against a constant a column (``_keep_by_key``), where the per-column form keeps 16 bounds
+    live a thread. The dK/dV pass's plain masked steps run faster so; with softcap, ALiBi or dropout
+    their compiled stacks grew and the pass keeps the per-column form."""
     diag, window_left = rule
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
     if TRANSPOSED:
@@ -386,6 +430,8 @@ def keep_scores(s, lines, col0, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.cons
             if RAGGED:
                 last = gl.minimum(last, seq_k - 1)
         kept = _keep_interval(s, lo, last + 1 - col0, cols)
+    elif KEY_ROWS and TRANSPOSED and (LEFT or CAUSAL):
+        kept = _keep_by_key(s, keys, col0, cols, seq_k, diag, window_left, CAUSAL, LEFT, RAGGED)
     elif LEFT:
         first, last = window_bounds(rows2, diag, window_left, seq_k, CAUSAL)
         kept = _where_in_window(s, keys2, first, last)
