@@ -13,8 +13,8 @@ atomics differs in its last bits between any two runs: compared within 2e-2 as w
 A module missing from the directory is taken from this tree (only ``fwd.py`` there: the forward's
 change alone).
 
-Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys), +det for
-``deterministic=True``; ``packed``:
+Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys), then any of
++det (``deterministic=True``), +cap30 (softcap 30), +alibi (random ALiBi slopes); ``packed``:
 causal packed sequences of nine lengths, 16 heads, D=128 (``flash_attn_varlen_func``); ``alibi``:
 causal ALiBi, 4x16x4096x128. ``packed`` and ``alibi`` time the forward."""
 import argparse
@@ -79,11 +79,15 @@ def make_call(row: str, forward_only: bool):
         slopes = torch.rand(16, device="cuda", generator=gen) * 0.1
         return lambda: (fusedattn.attention(q, k, v, layout="bhsd", causal=True, alibi_slopes=slopes),)
     b, h, s, d, mask = row.split("x")
-    mask, deterministic = mask.removesuffix("+det"), mask.endswith("+det")
+    mask, *extras = mask.split("+")
     q, k, v, do = (torch.randn(int(b), int(h), int(s), int(d), device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(4))
     options = dict(window=(int(mask[1:]) - 1, 0)) if mask[0] == "w" else dict(causal=mask == "causal")
-    options["deterministic"] = deterministic
+    options["deterministic"] = "det" in extras
+    if "cap30" in extras:
+        options["softcap"] = 30.0
+    if "alibi" in extras:
+        options["alibi_slopes"] = torch.rand(int(h), device="cuda", generator=gen) * 0.1
     if not forward_only:
         for t in (q, k, v):
             t.requires_grad_(True)
