@@ -309,7 +309,7 @@ def _keep_by_key(s, keys, col0, cols, seq_k, diag, window_left, CAUSAL: gl.const
     window_left] a left window alone), k < Sk. The columns split into their bits 1-2 and the rest
     (``cols & 6``, ``cols & -7``: for a wgmma accumulator the first is the lane's part of every
     column, the second a constant a register), so a score's bound is a per-row value against a
-    constant -- two values live a row where per-column bounds keep 16 live a thread."""
+    constant: one value live a key row (two a thread) where per-column bounds keep 16 a thread."""
     lane_part = gl.expand_dims(cols & 6, 0)
     constant = gl.expand_dims(cols & -7, 0)
     keys2 = gl.expand_dims(keys, 1)
