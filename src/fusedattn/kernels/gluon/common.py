@@ -314,13 +314,13 @@ def _keep_by_key(s, keys, col0, cols, seq_k, diag, window_left, CAUSAL: gl.const
     constant = gl.expand_dims(cols & -7, 0)
     keys2 = gl.expand_dims(keys, 1)
     if LEFT:
-        # d = (col0 + diag + lane part - k) + constant; a key past Sk gets a distance no bound keeps
-        if CAUSAL:
-            base = gl.where(keys2 < seq_k, (col0 + diag) - keys2 + lane_part, -(1 << 30))
-            return _where_offset_below(s, base, constant, window_left, True)
-        # (a window wider than 2^30 keys is no bound on any sequence that fits in memory)
-        base = gl.where(keys2 < seq_k, (col0 + diag) - keys2 + lane_part, 1 << 30)
-        return _where_offset_below(s, base, constant, gl.minimum(window_left, (1 << 30) - 256), False)
+        # d = (col0 + diag + lane part - k) + constant; a key past Sk gets a distance no bound keeps:
+        # below 0 where the compare is unsigned (causal: 0 <= d <= window), else above any window
+        # (one wider than 2^30 keys bounds no sequence that fits in memory)
+        PAST_SK: gl.constexpr = -(1 << 30) if CAUSAL else 1 << 30
+        base = gl.where(keys2 < seq_k, (col0 + diag) - keys2 + lane_part, PAST_SK)
+        bound = window_left if CAUSAL else gl.minimum(window_left, (1 << 30) - 256)
+        return _where_offset_below(s, base, constant, bound, CAUSAL)
     # causal alone: keep while k - diag - col0 - lane part <= constant
     limit = keys2 - (col0 + diag) - lane_part
     if RAGGED:
