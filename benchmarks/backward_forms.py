@@ -17,10 +17,13 @@ Forms (pinned configs; the forward is the heuristic's in every form):
 - ``det-heuristic``: ``deterministic=True`` with the heuristic's configs (dQ summed by the dK/dV
   pass in a fixed order where it can); ``det-dq-pass``, ``det-wg3``: ``deterministic=True`` with dQ
   in a pass of its own, after the heuristic's dK/dV pass or the 3-warpgroup one;
-  ``det-block-major``, ``det-chunks-16``: ``deterministic=True``, the dK/dV programs launched
-  block-major or in chunks of 16 head rows (``Knobs.chunk_heads``).
-Shapes: ``S:causal|full|windowN:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd; ``windowN``: a causal
-sliding window of N keys). Writes
+  ``det-block-major``, ``det-chunks-N``: ``deterministic=True``, the programs launched
+  block-major or in chunks of N head rows (``Knobs.chunk_heads``); ``chunks-N`` the same without
+  ``deterministic``; ``det-ordered``,
+  ``det-ordered-chunks-N``: the same with dQ summed in the fixed order wherever the pass can
+  (``AttentionConfigs.ordered_dq`` forced on: D=128 under a causal bound, short keys).
+Shapes: ``S:causal|full|windowN[+capC]:Hq:Hkv`` (B x S = 16k tokens, bf16, bhsd; ``windowN``: a causal
+sliding window of N keys; ``+capC``: softcap C). Writes
 ``<out>/backward-forms-D<head dim>-<gpu>.json`` and prints the medians.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,9 +69,21 @@ def forms_for(base, head_dim: int) -> dict:
         "det-heuristic": (base, True),
         "det-dq-pass": (dq_pass, True),
         "det-block-major": (base, True, dict(chunk_heads=0)),
-        "det-chunks-16": (base, True, dict(chunk_heads=16)),
+        "det-ordered": (replace(base, ordered_dq=True), True),
     })
     return forms
+
+
+def parsed_form(name: str, base):
+    """``chunks-N``, ``det-chunks-N``, ``det-ordered-chunks-N``: the heuristic's configs (deterministic
+    with ``det-``; dQ in the fixed order wherever the pass can with ``ordered-``,
+    ``AttentionConfigs.ordered_dq`` forced on), the programs launched in chunks of N head rows
+    (``Knobs.chunk_heads``). None for other names."""
+    match = re.fullmatch(r"(det-)?(ordered-)?chunks-(\d+)", name)
+    if match is None or (match.group(2) and not match.group(1)):
+        return None
+    configs = replace(base, ordered_dq=True) if match.group(2) else base
+    return configs, bool(match.group(1)), dict(chunk_heads=int(match.group(3)))
 
 
 def main() -> None:
@@ -85,17 +101,25 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         seqlen, kind, heads_q, heads_kv = shape.split(":")
+        kind, _, cap = kind.partition("+cap")
+        softcap = float(cap) if cap else 0.0
         seqlen, heads_q, heads_kv, causal = int(seqlen), int(heads_q), int(heads_kv), kind == "causal"
         window = int(kind[len("window"):]) if kind.startswith("window") else None
         masking = call_masking(window, causal)
+        if softcap:
+            masking["softcap"] = softcap
         batch = max(16384 // seqlen, 1)
         gen = torch.Generator(device=device).manual_seed(0)
         q, dout = (torch.randn(batch, heads_q, seqlen, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                    for _ in range(2))
         k, v = (torch.randn(batch, heads_kv, seqlen, head_dim, device=device, dtype=torch.bfloat16, generator=gen)
                 for _ in range(2))
-        base = heuristic_configs(q, v, seqlen, window, causal)
-        forms = {name: form for name, form in forms_for(base, head_dim).items() if name in args.forms.split(",")}
+        base = heuristic_configs(q, v, seqlen, window, causal, softcap)
+        known = forms_for(base, head_dim)
+        forms = {name: known.get(name) or parsed_form(name, base) for name in args.forms.split(",")}
+        unknown = [name for name, form in forms.items() if form is None]
+        if unknown:
+            raise SystemExit(f"unknown forms: {unknown}")
         first = None
         for rnd in range(args.rounds):
             for name, (configs, deterministic, *launch) in forms.items():
@@ -116,6 +140,7 @@ def main() -> None:
                     bwd = triton.testing.do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
                                                   warmup=50, rep=300)
                 rows.append(dict(D=head_dim, S=seqlen, B=batch, Hq=heads_q, Hkv=heads_kv, causal=causal, window=window,
+                                 softcap=softcap,
                                  form=name, round=rnd, fwdbwd_ms=fwdbwd, bwd_ms=bwd,
                                  max_grad_diff_vs_first_form=diff))
         first = None
@@ -125,7 +150,7 @@ def main() -> None:
     out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
     medians = collections.defaultdict(list)
     for r in rows:
-        medians[(r["S"], r.get("window") or r["causal"], r["Hq"], r["Hkv"], r["form"])].append(r)
+        medians[(r["S"], r.get("window") or r["causal"], r.get("softcap") or "", r["Hq"], r["Hkv"], r["form"])].append(r)
     for key, runs in medians.items():
         mid = sorted(runs, key=lambda r: r["fwdbwd_ms"])[len(runs) // 2]
         print(*key, f"f+b {mid['fwdbwd_ms']:.3f} ms  bwd {sorted(r['bwd_ms'] for r in runs)[len(runs) // 2]:.3f} ms"

@@ -67,11 +67,11 @@ def call_masking(window: int | None, causal: bool = True) -> dict:
     return dict(window=(window - 1, 0)) if window else dict(causal=causal)
 
 
-def heuristic_configs(q, v, seqlen_k: int, window: int | None, causal: bool = True):
+def heuristic_configs(q, v, seqlen_k: int, window: int | None, causal: bool = True, softcap: float = 0.0):
     """The configs fusedattn picks for such a call (``dispatch.configs_for``: a tuned entry, else the
     heuristics, with a window's band class), for the forms' scripts to pin variations of."""
     spec = AttentionSpec("bhsd", window - 1 if window else UNBOUNDED, 0 if window or causal else UNBOUNDED,
-                         q.shape[-1] ** -0.5, 0.0, False)
+                         q.shape[-1] ** -0.5, softcap, False)
     return configs_for(q, v, spec, seqlen_k)
 
 

@@ -688,3 +688,20 @@ def test_program_timeline_stamps_this_trees_dkdv_pass_and_reads_its_phases(tmp_p
     assert summary["phases"]["wg1 steps over - wg0's"] == 50
     assert summary["gap_between_programs"] == 500
     assert summary["steps_median"] == 4 and summary["cycles_per_step_median"] == 4400 / 4
+
+
+def test_backward_forms_reads_launch_chunks_and_the_fixed_order_from_a_forms_name():
+    """benchmarks/backward_forms.py: ``[det-][ordered-]chunks-N`` pins the launch order's chunk, the
+    deterministic flag and the fixed dQ order; ``ordered`` without ``det`` and other names are refused."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from backward_forms import parsed_form
+
+    from fusedattn.tuning.configs import INTERPRETER_CONFIGS
+
+    assert parsed_form("chunks-4", INTERPRETER_CONFIGS) == (INTERPRETER_CONFIGS, False, dict(chunk_heads=4))
+    assert parsed_form("det-chunks-16", INTERPRETER_CONFIGS) == (INTERPRETER_CONFIGS, True, dict(chunk_heads=16))
+    configs, deterministic, launch = parsed_form("det-ordered-chunks-2", INTERPRETER_CONFIGS)
+    assert configs.ordered_dq and not INTERPRETER_CONFIGS.ordered_dq
+    assert deterministic and launch == dict(chunk_heads=2)
+    assert parsed_form("ordered-chunks-2", INTERPRETER_CONFIGS) is None
+    assert parsed_form("det-heuristic", INTERPRETER_CONFIGS) is None
