@@ -11,7 +11,9 @@ are bitwise reproducible (dQ too where a dQ pass sums it) wherever one program w
 whole group -- with GQA outside deterministic mode, programs per query head add their dK/dV into
 fp32 group sums instead (every GQA case above runs that way with two warpgroups)."""
 
+import contextlib
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -285,7 +287,12 @@ REGISTER_ORDER_SCHEDULES = [(case, config) for case in REGISTER_ORDER_CASES
 
 @pytest.mark.parametrize("case,config", REGISTER_ORDER_SCHEDULES,
                          ids=[f"{case.id}-{schedule_id(config)}" for case, config in REGISTER_ORDER_SCHEDULES])
-def test_dq_in_register_order_matches_reference(case, config, gluon_launches, dq_forms):
+def test_dq_in_register_order_matches_reference(case, config, gluon_launches, dq_forms, monkeypatch):
+    from fusedattn import dispatch
+
+    # the deterministic causal case's fixed order at its few programs an SM (the planner would give
+    # such a launch the dQ pass, ``dispatch.ordered_dq_balances``)
+    monkeypatch.setattr(dispatch, "ORDERED_CAUSAL_PROGRAMS_PER_SM", 0)
     with pinned_dkdv(case, config, atomic_dq=True, dq_tma=True):
         check_case(case, "triton", "cuda")
     assert gluon_launches and all(gluon_launches)
@@ -362,12 +369,20 @@ ORDERED_CASES = [
 ]
 
 
+@contextlib.contextmanager
 def ordered_configs(case: Case):
-    """The heuristic's configs for the case, asking for dQ in a fixed order (the heuristic leaves
-    D=128 causal to the dQ pass; a tuned config may ask for the order there too)."""
+    """The heuristic's configs for the case, asking for dQ in a fixed order (the heuristic leaves D=128
+    causal at short keys, which these cases have, to the dQ pass; a tuned config may ask for the order
+    there too),
+    whatever the launch's program count (the planner keeps causal launches of few programs an SM on
+    the dQ pass, ``dispatch.ordered_dq_balances``: these cases' are small)."""
+    from fusedattn import dispatch
+
     base = select_configs(torch.device("cuda"), case.dtype, case.head_dim, case.dv, seqlen_k=case.seqlen_k,
                           has_right=case.causal, has_softcap=case.softcap is not None)
-    return pinned_configs(replace(base, ordered_dq=True))
+    with pinned_configs(replace(base, ordered_dq=True)), \
+            mock.patch.object(dispatch, "ORDERED_CAUSAL_PROGRAMS_PER_SM", 0):
+        yield
 
 
 @pytest.fixture
@@ -401,6 +416,19 @@ def test_deterministic_problems_the_order_cannot_count_keep_the_dq_pass(case, or
     with ordered_configs(case):
         check_case(case, "triton", "cuda")
     assert True not in ordered_launches
+
+
+@pytest.mark.parametrize("heads_kv, ordered", [(16, True), (2, False)], ids=["mha", "gqa-16-2"])
+def test_deterministic_causal_takes_the_fixed_order_with_many_programs_an_sm(heads_kv, ordered):
+    """The heuristic at 4k keys, D=128, causal, deterministic: 16 heads (2048 dK/dV programs) sum dQ
+    in the fixed order; GQA 16/2 (256 programs, lightest launched first) keeps the dQ pass
+    (``dispatch.ordered_dq_balances``). Explaining launches nothing."""
+    q = torch.randn(4, 4096, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 4096, heads_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    plan = fusedattn.explain(q, k, v, causal=True, deterministic=True, show=False)
+    steps = {step.name: step for step in plan.backward}
+    assert ("fixed order" in steps["dQ"].kernel) == ordered
+    assert ("Gluon dQ pass" in steps["dQ"].kernel) == (not ordered)
 
 
 def test_ordered_dq_on_tensors_tma_cannot_address_falls_back_to_a_fixed_order(gluon_launches, ordered_launches):
@@ -500,9 +528,9 @@ def test_biases_the_gluon_pass_does_not_take_run_the_triton_passes(case, bias_la
 
 def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
     """The heuristic's dK/dV config on sm_90 names the Gluon pass (D=64 and 128, causal or not).
-    Outside deterministic mode it sums dQ too (no Triton launch), except at D=64 with softcap,
-    where the Triton dQ pass runs; in deterministic mode at these short keys the Gluon dQ pass
-    (hopper_fwd.dq_pass) runs at D=128 and the Triton dQ pass at D=64."""
+    It sums dQ too (no Triton launch; in deterministic mode in a fixed order), except at D=64 with
+    softcap, where the Triton dQ pass runs, and in deterministic mode at D=128 under a causal bound
+    at these short keys, where the Gluon dQ pass (hopper_fwd.dq_pass) runs."""
     from fusedattn.kernels.gluon import fwd as hopper_fwd
 
     triton_launches = launcher_constexprs(monkeypatch, bwd._backward_kernel,
@@ -511,16 +539,17 @@ def test_the_default_backward_runs_the_gluon_pass(gluon_launches, monkeypatch):
     seqlen = 250  # the short length class
     for head_dim, causal, softcap, deterministic in [(64, False, None, False), (64, True, None, False),
                                                      (64, True, 30.0, False), (64, False, None, True),
-                                                     (128, True, None, False), (128, False, None, True)]:
+                                                     (128, True, None, False), (128, False, None, True),
+                                                     (128, True, None, True)]:
         configs = select_configs(torch.device("cuda"), torch.bfloat16, head_dim, head_dim, seqlen_k=seqlen,
                                  has_right=causal, has_softcap=softcap is not None)
         assert configs.dkdv.hopper_overlap is not None and configs.dkdv.hopper_split in (2, 3)
         assert configs.atomic_dq == configs.dq_tma == (softcap is None)
         check_case(Case(1, 2, 2, seqlen, seqlen, head_dim, causal=causal, softcap=softcap,
                         deterministic=deterministic, dtype=torch.bfloat16), "triton", "cuda")
-    assert gluon_launches == [True] * 6
-    assert triton_launches == [(False, True)] * 2  # the dQ pass alone: D=64 softcap, D=64 deterministic
-    assert gluon_dq_launches == [True]  # deterministic mode at D=128
+    assert gluon_launches == [True] * 7
+    assert triton_launches == [(False, True)]  # the dQ pass alone: D=64 softcap
+    assert gluon_dq_launches == [True]  # deterministic mode at D=128, causal
 
 
 @pytest.fixture

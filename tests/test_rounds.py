@@ -216,6 +216,50 @@ def test_the_causal_forward_launches_block_major_in_l2_sections(launchers_on_132
     assert chunk((4, 16, 4096, 128), 16, causal) == 8  # the experiment switch wins
 
 
+def test_the_ordered_dq_pass_launches_in_chunks_of_about_a_wave(launchers_on_132_sms):
+    """Deterministic mode's fixed dQ order (each key block's program waits on the previous block's
+    adds): chunks of about a wave of programs, causal or not -- measured 4-8% off the deterministic
+    backward at 4k keys against head-major order, level at 16k (benchmarks/NOTES.md v83). Without
+    the order, no causal bound keeps head-major order."""
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    bwd, _ = launchers_on_132_sms
+    lockstep = KernelConfig(64, 128, 4, 2, True, 0, 2, 0)  # D=128: dQ split by columns, no turns
+    device = torch.device("cuda", 0)
+    full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, False)
+    causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, False)
+
+    def chunk(q_shape, heads_kv, spec, ordered):
+        programs, tiles, rows = bwd.dkdv_programs(q_shape, heads_kv, q_shape[2], spec, lockstep, True, False, False,
+                                                  ordered, False, device)
+        assert programs == 0 and tiles == q_shape[0] * heads_kv * -(-q_shape[2] // 128)
+        return rows
+
+    assert chunk((4, 16, 4096, 128), 16, full, True) == round(SMS / 32)  # 32 key blocks a head row
+    assert chunk((4, 16, 4096, 128), 2, full, True) == round(SMS / 32)  # GQA: a KV head's row
+    assert chunk((1, 16, 16384, 128), 16, full, True) == 1  # 128 key blocks: about a wave already
+    assert chunk((4, 16, 4096, 128), 16, causal, True) == round(SMS / 32)
+    assert chunk((4, 16, 4096, 128), 16, full, False) == 1  # summed in any order: head-major
+
+
+def test_the_fixed_dq_order_takes_causal_launches_only_with_many_programs_an_sm():
+    """Under a causal bound the fixed order launches lightest first: with few programs an SM the
+    pass ends on the heaviest (benchmarks/NOTES.md v83: GQA 16/2 at 4k keys, 256 programs on 132 SMs,
+    1.5x the dQ pass's backward), so such launches keep the dQ pass; without a bound any count runs."""
+    from fusedattn.dispatch import ORDERED_CAUSAL_PROGRAMS_PER_SM, ordered_dq_balances
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+
+    full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, False)
+    causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, False)
+    assert ordered_dq_balances(causal, 4 * 16 * 32, SMS)  # MHA B4 H16 at 4k: 2048 programs
+    assert ordered_dq_balances(causal, 16 * 128, SMS)  # MHA B1 H16 at 16k
+    assert not ordered_dq_balances(causal, 4 * 2 * 32, SMS)  # GQA 16/2 B4 at 4k: a KV head's programs
+    assert ordered_dq_balances(full, 4 * 2 * 32, SMS)
+    assert ordered_dq_balances(causal, ORDERED_CAUSAL_PROGRAMS_PER_SM * SMS, SMS)
+    assert not ordered_dq_balances(causal, ORDERED_CAUSAL_PROGRAMS_PER_SM * SMS - 1, SMS)
+
+
 def test_the_8_warp_causal_forward_launches_block_major_at_short_keys(launchers_on_132_sms):
     """The 8-warp Gluon forward (D=64 at short keys: 128-row tiles, one program each) takes the L2
     sections at 1k-2k keys too (benchmarks/NOTES.md v79: 3-5% off its forward against head-major

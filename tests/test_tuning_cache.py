@@ -142,13 +142,12 @@ def test_hopper_heuristic_dkdv_runs_in_lockstep_except_with_softcap(head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_heuristic_orders_deterministic_dq_where_measured_faster(head_dim):
-    """Deterministic mode: dQ summed by the dK/dV pass in a fixed order at long keys, at D=64 and at
-    D=128 without a causal bound; D=128 causal, short keys (and D=64 softcap, whose pass sums no dQ)
-    keep the dQ pass."""
+    """Deterministic mode: dQ summed by the dK/dV pass in a fixed order, causal or not; D=128 causal
+    at short keys (and D=64 softcap, whose pass sums no dQ) keeps the dQ pass."""
     for seqlen_k in (1024, 8192):
         for softcap in (False, True):
             for causal in (False, True):
                 chosen = configs._cuda_configs(torch.bfloat16, head_dim, head_dim, seqlen_k, (9, 0),
                                                has_right=causal, has_softcap=softcap)
-                want = seqlen_k > 2048 and ((head_dim == 64 and not softcap) or (head_dim == 128 and not causal))
+                want = (head_dim == 128 or not softcap) and not (head_dim == 128 and causal and seqlen_k <= 2048)
                 assert chosen.ordered_dq == want

@@ -137,12 +137,11 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
             # (dispatch.dkdv_without_dq): level with 3 warpgroups or faster.
             dkdv = KernelConfig(128, 128, 4, 2, tma_loads=True, hopper_overlap=0, hopper_split=2, hopper_pingpong=0)
             dq_by_atomics = True
-        # Deterministic calls at long keys: the pass sums dQ in a fixed order of its programs (they
-        # take turns on each query block's reduce-adds) -- measured faster than the dK/dV pass without
-        # dQ plus the dQ pass at D=64 and at D=128 without a causal bound. D=128 causal keeps the dQ
-        # pass (measured faster there: its programs, launched lightest first for the order, end on a
-        # tail), and so do short keys (S=1k: level causal, slower full -- each program's turns wait
-        # on as many programs as it has steps).
+        # Deterministic calls: the pass sums dQ in a fixed order of its programs (they take turns on
+        # each query block's reduce-adds) -- measured faster than the dK/dV pass without dQ plus the
+        # dQ pass at D=64 and 128, causal or not, S=1k to 16k, once the programs are launched in
+        # chunks of about a wave (gluon/bwd.py, dkdv_programs). D=128 causal at short keys keeps the
+        # Gluon dQ pass (S=1k: 5% faster than the order; S=2k: 3% slower, one rule for both).
         # Where dQ has a pass of its own at D=128 (deterministic mode): the forward's warp-specialised
         # kernel as the dQ pass, 2 warpgroups of 64 rows taking turns over S and dP, 64-key steps:
         # measured faster than the Triton dQ pass. At D=64 (the dQ pass of deterministic calls and
@@ -151,7 +150,7 @@ def _cuda_configs(dtype: torch.dtype, head_dim: int, head_dim_v: int, seqlen_k: 
                     if head_dim == 128 else None)
         return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64,
                                 atomic_dq=dq_by_atomics, dq_tma=dq_by_atomics, gluon_dq=gluon_dq,
-                                ordered_dq=dq_by_atomics and not short and (head_dim == 64 or not has_right))
+                                ordered_dq=dq_by_atomics and not (short and has_right and head_dim == 128))
     return AttentionConfigs(forward=fwd, dkdv=dkdv, dq=dq, preprocess_block_m=64)
 
 

@@ -39,3 +39,8 @@ def problem_support(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
 @functools.lru_cache(maxsize=None)
 def major_capability(device_index: int | None) -> int:  # a driver query: kept, asked several times a step
     return torch.cuda.get_device_capability(device_index)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_index: int | None) -> int:  # a driver query: kept
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

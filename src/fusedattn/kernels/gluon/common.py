@@ -20,7 +20,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import WG_ROWS  # noqa: F401  (the kernels' modules take it from here too)
+from . import WG_ROWS, multiprocessors  # noqa: F401  (the kernels' modules take WG_ROWS from here too)
 from ..shared import constants, packed_tiles
 from ..shared.knobs import knobs
 from ..shared import descriptors
@@ -204,12 +204,7 @@ def packed_chunk_heads(heads: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    return _sm_count(device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return multiprocessors(device.index)
 
 
 def ws_registers(split: int) -> tuple[int, int, int]:
