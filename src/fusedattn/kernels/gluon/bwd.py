@@ -646,7 +646,7 @@ def _step(t, ds_t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty
     if MASK:
         # keys past Sk reach dQ or are another sequence's: RAGGED gives them p = 0 exactly
         s = keep_scores(s, keys, first_row, seq_k, rule, CAUSAL, LEFT, RAGGED, True,
-                        KEY_ROWS=not (SOFTCAP or ALIBI or DROPOUT))
+                        KEY_ROWS=not (DROPOUT or (SOFTCAP and not LEFT)))
     lse2 = lse_ring.index(slot).reshape([BLOCK_M]).load(col_layout)  # loaded late: not live across S^T
     if ALIBI:
         lse2 = lse2 + alibi_slope * gl.arange(0, BLOCK_M, layout=col_layout).to(gl.float32)
