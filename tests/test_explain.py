@@ -159,6 +159,20 @@ def test_explain_deterministic_sums_dq_in_a_fixed_order():
     assert "atomics" not in dq.kernel and "fixed order" in dq.why and "deterministic" in dq.why
 
 
+def test_explain_says_why_a_causal_launch_of_few_programs_keeps_the_dq_pass():
+    """The fixed order refused for its launch (``dispatch.ordered_dq_balances``): the reason names it,
+    and only then."""
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import INTERPRETER_CONFIGS
+
+    causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, True)  # deterministic
+    route = dict(atomic_dq=False, gluon_dkdv=True, gluon_dq=True, group_walk=False, mask=None, bias=None,
+                 packing=None)
+    refused = dispatch._dq_route(causal, INTERPRETER_CONFIGS, unbalanced=True, **route)
+    assert "too few programs an SM" in refused and "deterministic" in refused
+    assert "too few" not in dispatch._dq_route(causal, INTERPRETER_CONFIGS, **route)
+
+
 def test_explain_prints_the_plan_and_checks_arguments_like_attention(capsys):
     q, k, v = _inputs(1, 8, 8, 2, 2, 16)
     explanation = fusedattn.explain(q, k, v, causal=True)

@@ -429,6 +429,7 @@ def test_deterministic_causal_takes_the_fixed_order_with_many_programs_an_sm(hea
     steps = {step.name: step for step in plan.backward}
     assert ("fixed order" in steps["dQ"].kernel) == ordered
     assert ("Gluon dQ pass" in steps["dQ"].kernel) == (not ordered)
+    assert ("too few programs an SM" in steps["dQ"].why) == (not ordered)
 
 
 def test_ordered_dq_on_tensors_tma_cannot_address_falls_back_to_a_fixed_order(gluon_launches, ordered_launches):

@@ -423,11 +423,11 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
         dkdv_cfg = gluon_mask_dkdv(dkdv_cfg)
     group_walk = walks_group_with_dq_pass(q, k, spec, configs, mask, bias, packing)
     atomic_dq = configs.atomic_dq and not group_walk
-    ordered_dq = (spec.deterministic and configs.ordered_dq and atomic_dq and named
-                  and ordered_dq_form(spec, mask, bias, packing)
-                  and ordered_dq_balances(spec, batch * heads_kv * cdiv(bhsd_shape(k, layout)[2],
-                                                                        gluon.WG_ROWS * dkdv_cfg.hopper_split),
-                                          gluon.multiprocessors(q.device.index)))
+    ordered_form = bool(spec.deterministic and configs.ordered_dq and atomic_dq and named
+                        and ordered_dq_form(spec, mask, bias, packing))
+    ordered_dq = ordered_form and ordered_dq_balances(
+        spec, batch * heads_kv * cdiv(bhsd_shape(k, layout)[2], gluon.WG_ROWS * dkdv_cfg.hopper_split),
+        gluon.multiprocessors(q.device.index))
     if spec.deterministic and not ordered_dq:
         atomic_dq = False  # adds in arrival order: dQ gets a pass of its own
     # The Gluon pass reads a bias (and stores its gradient) in its 5-matmul form only.
@@ -444,7 +444,8 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
         dkdv_cfg = dkdv_without_dq(dkdv_cfg)
     gluon_dkdv = support.ok
     gluon_dq = gluon_dkdv and not atomic_dq and takes_gluon_dq(configs.gluon_dq, spec, mask, bias, packing)
-    dq_why = _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing)
+    dq_why = _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing,
+                       unbalanced=ordered_form and not ordered_dq)
     # Where the Gluon pass sums dQ it stages it in register order (16-byte stores without bank
     # conflicts, one reduce-add a tile): its runs are whole 64 x 64 tiles of a sequence's rows
     dq_register_order = (gluon_dkdv and atomic_dq and packing is None and seqlen_q % 64 == 0
@@ -464,19 +465,24 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
                         "" if gluon_dkdv else support.reason, dq_why)
 
 
-def _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing) -> str:
-    """Why dQ is summed the way the plan says, in words (``explain``)."""
+def _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, bias, packing,
+              unbalanced: bool = False) -> str:
+    """Why dQ is summed the way the plan says, in words (``explain``). ``unbalanced``: the fixed order
+    was possible but refused for its launch (``ordered_dq_balances``)."""
     if atomic_dq and spec.deterministic:
         return ("every row summed in a fixed order (deterministic mode: the dK/dV pass's programs take turns "
                 "on each query block's fp32 reduce-adds; 5 matmuls a tile, not 7)")
     if atomic_dq:
         return "the launch config asks for dQ by fp32 atomics from the dK/dV pass (5 matmuls a tile, not 7)"
+    unbalanced_why = ("deterministic mode: no atomics, and the dK/dV pass's fixed order would launch too few "
+                      "programs an SM under the causal bound (its heaviest would start last)")
     if gluon_dq:
         reason = "short causal GQA: one dK/dV program walks the whole group" if group_walk else \
+            unbalanced_why if unbalanced else \
             "deterministic mode: no atomics" if spec.deterministic else "the launch config names no atomics here"
         return f"every row summed in a fixed order ({reason})"
     if spec.deterministic:
-        reason = "deterministic mode: no atomics"
+        reason = unbalanced_why if unbalanced else "deterministic mode: no atomics"
     elif configs.atomic_dq:
         reason = "the dK/dV pass that would sum it cannot (head dim, tiles or problem)"
     else:
