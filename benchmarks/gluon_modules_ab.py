@@ -14,7 +14,8 @@ A module missing from the directory is taken from this tree (only ``fwd.py`` the
 change alone).
 
 Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys), then any of
-+det (``deterministic=True``), +cap30 (softcap 30), +alibi (random ALiBi slopes); ``packed``:
++det (``deterministic=True``), +cap30 (softcap 30), +alibi (random ALiBi slopes), +dropP (dropout
+P%, the same seed every call); ``packed``:
 causal packed sequences of nine lengths, 16 heads, D=128 (``flash_attn_varlen_func``); ``alibi``:
 causal ALiBi, 4x16x4096x128. ``packed`` and ``alibi`` time the forward."""
 import argparse
@@ -88,11 +89,16 @@ def make_call(row: str, forward_only: bool):
         options["softcap"] = 30.0
     if "alibi" in extras:
         options["alibi_slopes"] = torch.rand(int(h), device="cuda", generator=gen) * 0.1
+    drop = [extra for extra in extras if extra.startswith("drop")]
+    if drop:
+        options["dropout_p"] = int(drop[0][len("drop"):]) / 100
     if not forward_only:
         for t in (q, k, v):
             t.requires_grad_(True)
 
     def call():
+        if drop:  # the same seed every call: both revisions' outputs under one mask
+            torch.cuda.manual_seed(0)
         out = fusedattn.attention(q, k, v, layout="bhsd", **options)
         return (out,) if forward_only else (out, *torch.autograd.grad(out, (q, k, v), do))
     return call
