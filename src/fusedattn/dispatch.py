@@ -426,7 +426,7 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     ordered_form = bool(spec.deterministic and configs.ordered_dq and atomic_dq and named
                         and ordered_dq_form(spec, mask, bias, packing))
     ordered_dq = ordered_form and ordered_dq_balances(
-        spec, batch * heads_kv * cdiv(bhsd_shape(k, layout)[2], gluon.WG_ROWS * dkdv_cfg.hopper_split),
+        spec, batch * heads_kv * cdiv(bhsd_shape(k, layout)[2], gluon.dkdv_key_block(dkdv_cfg)),
         gluon.multiprocessors(q.device.index))
     if spec.deterministic and not ordered_dq:
         atomic_dq = False  # adds in arrival order: dQ gets a pass of its own
@@ -740,7 +740,7 @@ def prepare_packed_maps(q4, k4, v4, sinks, packing: Packing, spec: AttentionSpec
     forward, dkdv = configs.forward, configs.dkdv
     query_block = gluon.WG_ROWS * forward.hopper_split if forward.family == "gluon" and forward.hopper_split \
         else None
-    key_block = gluon.WG_ROWS * dkdv.hopper_split if dkdv.family == "gluon" and dkdv.hopper_split else None
+    key_block = gluon.dkdv_key_block(dkdv) if dkdv.family == "gluon" and dkdv.hopper_split else None
     packed_tiles.prepare(packing, spec, q4.device, query_block, key_block)
 
 

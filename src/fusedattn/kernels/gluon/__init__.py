@@ -19,6 +19,11 @@ HEAD_DIMS = (64, 128)
 WG_ROWS = 64  # rows of one consumer warpgroup's tile (one wgmma M)
 
 
+def dkdv_key_block(config) -> int:
+    """Keys one program of the Gluon dK/dV pass owns: WG_ROWS per consumer warpgroup of ``config``."""
+    return WG_ROWS * config.hopper_split
+
+
 def problem_support(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec) -> Support:
     """Whether the Gluon kernels compute the problem (else the Triton kernels do): sm_90, 16-bit,
     D = Dv in {64, 128}, a right window of none or 0 (causal), any left window; softcap or not."""

@@ -75,6 +75,7 @@ from ...spec import AttentionSpec, to_bhsd
 from ..shared.config import KernelConfig
 from ..shared.block_range import query_blocks_for_key_block
 from ..shared.constants import REGISTER_ORDER_BASES, score_constants
+from . import dkdv_key_block
 from .common import (LOG2E, WG_ROWS, Descriptor, UnswizzledDescriptor, bias_slice_args, chunk_head_rows, descriptor,
                      dropout_mark_t, keep_scores, launch_order, log2_scores, packed_chunk_heads, packed_tile,
                      row_stats_descriptor, sm_count, snake_tile, store_sequence_rows, tma_reduce_add, turn_pass,
@@ -1420,7 +1421,7 @@ def dkdv_pass(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config: K
         assert dq_accum is not None and head_dim == 128 and not spec.has_softcap
         if dbias is not None and not tma_addressable(dbias):
             return False
-        tile = (1, 1, config.block_m, KEYS_PER_WG * config.hopper_split)
+        tile = (1, 1, config.block_m, dkdv_key_block(config))
         bias_descs = (Descriptor(bias, tile), Descriptor(dbias, tile) if dbias is not None else dq_desc)
         bias_slices = bias_slice_args(bias, heads_q)
     else:
@@ -1447,7 +1448,7 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
     counters (any fp32 tensor where off). ``dropout_args``: (threshold, scale) with dropout;
     ``ordered``: dQ summed in a fixed order (``dkdv_pass``'s ``dq_lock``)."""
     batch, heads_q, seqlen_q, head_dim = q_shape
-    key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
+    key_blocks = cdiv(seqlen_k, dkdv_key_block(config))
     programs, tiles, chunk = dkdv_programs(q_shape, heads_kv, seqlen_k, spec, config, dq, has_lists, group_sum,
                                            ordered, bias_slices is not None, torch.device("cuda", device_index))
     heads = tiles // key_blocks
@@ -1497,7 +1498,7 @@ def dkdv_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionS
     the launch order a round): at some head counts one program per SM gives one program far more
     than its share (one sequence of 4k keys and 32 heads among them)."""
     batch, heads_q, seqlen_q, head_dim = q_shape
-    key_blocks = cdiv(seqlen_k, KEYS_PER_WG * config.hopper_split)
+    key_blocks = cdiv(seqlen_k, dkdv_key_block(config))
     heads = batch * (heads_q if group_sum else heads_kv)
     # A fixed dQ order chains each key block's program to the previous block's adds: launched in
     # chunks of about a wave, a program starts several launches after the one it waits on, not
@@ -1515,7 +1516,7 @@ def dkdv_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionS
         return 0, tiles, chunk
     # each tile walks its key block's query blocks for every query head of its KV head (no group sums here)
     work = rounds.dkdv_tile_work(seqlen_q, seqlen_k, spec.window_left if spec.has_window_left else None,
-                                 heads_q // heads_kv, heads, chunk, config.block_m, KEYS_PER_WG * config.hopper_split)
+                                 heads_q // heads_kv, heads, chunk, config.block_m, dkdv_key_block(config))
     return rounds.persistent_programs(work, sm_count(device), chunk * key_blocks), tiles, chunk
 
 
@@ -1549,7 +1550,7 @@ def _packed_dkdv(q, k, v, dout, lse2, delta, dk, dv, spec: AttentionSpec, config
         descs += descs[2:4]  # not read: the consumers store dK, dV by pointers
     descs += [row_stats_descriptor(t, config.block_m) for t in (lse2, delta)]
     dq_desc = dq_accumulator_descriptor(dq_accum, config.block_m) if dq_accum is not None else descs[-1]
-    tile_map = packed_tiles.key_block_map(packing, KEYS_PER_WG * config.hopper_split, spec, q.device)
+    tile_map = packed_tiles.key_block_map(packing, dkdv_key_block(config), spec, q.device)
     entries = tile_map.shape[1]
     if entries:
         launcher = _packed_dkdv_launcher(q4.shape, k4.shape, dk4.stride()[1:3], spec, config, dq_accum is not None,
