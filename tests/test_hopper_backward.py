@@ -57,6 +57,8 @@ CASES = [
     Case(2, 4, 1, 517, 333, 64, causal=True, dropout=0.3, layout="bhsd", lse_grad=True),
     Case(1, 4, 2, 700, 700, 128, causal=True, softcap=20.0, dropout=0.1, dtype=torch.bfloat16),
     Case(2, 2, 2, 300, 300, 64, causal=True, window=(90, 0), alibi="batch", dropout=0.5, dtype=torch.bfloat16),
+    Case(1, 4, 2, 1000, 1000, 128, causal=True, window=(300, 0), dropout=0.2, dtype=torch.bfloat16),
+    Case(2, 2, 2, 517, 700, 64, causal=True, window=(150, 0), dropout=0.1, lse_grad=True),
 ]
 
 

@@ -400,9 +400,9 @@ def keep_scores(s, lines, col0, seq_k, rule, CAUSAL: gl.constexpr, LEFT: gl.cons
 
     ``KEY_ROWS`` (keys along dim 0, under a causal bound or a left window): every bound held per key
     row against a constant a column (``_keep_by_key``), where the per-column form keeps 16 bounds
-    live a thread. The dK/dV pass's masked steps run faster so (plain, ALiBi, a window with softcap);
-    causal softcap's ran slower (its compiled stack grew) and keeps the per-column form, as does
-    dropout (not measured)."""
+    live a thread. The dK/dV pass's masked steps run faster so (plain, ALiBi, a window with softcap
+    or dropout); causal softcap's and causal dropout's ran slower (softcap's compiled stack grew) and
+    keep the per-column form."""
     diag, window_left = rule
     cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
     if TRANSPOSED:
