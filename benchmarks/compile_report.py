@@ -349,12 +349,13 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     stats_desc = f"tensordesc<fp32[{','.join(map(str, stats))}],{hopper.smem_layout(tuple(stats), torch.float32)!r}>"
     maxnreg, consumer_regs, producer_regs = hopper.ws_registers(cfg.hopper_split)
     constexprs = dict(BLOCK_M=cfg.block_m, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap, NUM_STAGES=cfg.num_stages,
-                      SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=causal, DQ=dq, LISTS=lists,
+                      SPLIT=cfg.hopper_split, PINGPONG=cfg.hopper_pingpong, CHUNKED=(1 if persistent else 2) if causal else 0,
+                      DQ=dq, LISTS=lists,
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
                       CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4,
                       PERSISTENT=persistent)
     if varlen:
-        constexprs["CHUNKED"] = False
+        constexprs["CHUNKED"] = 0
     else:  # the launcher passes no dK/dV pointers
         constexprs.update(DK=None, DV=None)
     dq_block = [1, 1, *hopper_bwd.dq_tile_shape(cfg.block_m)]

@@ -159,7 +159,8 @@ def launchers_on_132_sms(monkeypatch):
 
 def fastest(launcher, tiles, measured):
     """Whether the launch's grid is the timed launch form that ran fastest (within 1%)."""
-    programs = 0 if launcher.grid == (tiles,) else launcher.grid[0]  # a persistent grid: fewer programs
+    grid = launcher.grid
+    programs = grid[0] if len(grid) == 1 and grid[0] < tiles else 0  # a persistent grid: fewer programs
     return measured[programs] <= 1.01 * min(measured.values())
 
 
@@ -181,6 +182,38 @@ def test_the_launchers_ask_the_model(launchers_on_132_sms):
         launcher = fwd._forward_launcher.__wrapped__((batch, heads, length, 128), heads, length, causal,
                                                      forward_config, (0, 0, 0, 0), False, None, 0)
         assert fastest(launcher, batch * heads * (length // 128), measured), (batch, heads, length)
+
+
+def test_the_chunked_dkdv_launch_reads_its_order_off_a_grid_of_whole_chunks(launchers_on_132_sms):
+    """A dK/dV launch in chunks of about a wave (a window here) whose chunks are whole is a grid (rows
+    of a chunk, key blocks, chunks): programs started in the grid's order (x fastest) take the tiles
+    in launch order with no division in the kernel (CHUNKED 2); a last partial chunk keeps the 1-D
+    launch (CHUNKED 1) and no chunk the 2-D head-major grid (CHUNKED 0)."""
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    bwd, _ = launchers_on_132_sms
+    window = AttentionSpec("bhsd", 1023, 0, 0.125, 0.0, False)
+    full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, False)
+    config = KernelConfig(64, 128, 4, 2, True, 0, 2, 0)  # D=128, two warpgroups, 128-key programs
+
+    def launcher(batch, heads, length, spec):
+        return bwd._dkdv_launcher.__wrapped__((batch, heads, length, 128), heads, length, spec, config, True,
+                                              (0, 0, 0), False, False, None, False, 0)
+
+    built = launcher(4, 16, 4096, window)  # 64 head rows, 32 key blocks: chunks of 4 rows
+    assert built.grid == (4, 32, 16) and built.options["CHUNKED"] == 2
+    rows_in_chunk, blocks, chunks = built.grid
+    started = [(z * rows_in_chunk + x, y) for z in range(chunks) for y in range(blocks) for x in range(rows_in_chunk)]
+    in_launch_order = [(row, block) for first in range(0, 64, 4) for block in range(32)
+                       for row in range(first, first + 4)]
+    assert started == in_launch_order
+    assert [block for _, block in started] == rounds.launch_order_blocks(64, 32, 4).tolist()
+
+    built = launcher(7, 9, 4096, window)  # 63 rows: the last chunk has 3
+    assert built.grid == (63 * 32,) and built.options["CHUNKED"] == 1
+    built = launcher(4, 16, 4096, full)
+    assert built.grid == (32, 64) and built.options["CHUNKED"] == 0
 
 
 def test_the_causal_forward_launches_block_major_in_l2_sections(launchers_on_132_sms, monkeypatch):

@@ -1146,6 +1146,13 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     if VARLEN:  # an entry of the map (heaviest first) and a head row, in launch order; batch 0
         pid_bh, sequence, pid_n, q_start, seq_q, k_start, seq_k = packed_tile(
             gl.program_id(0), heads_q if GROUP_SUM else heads_kv, key_blocks, chunk_heads, tile_lists)
+    elif CHUNKED == 2:
+        # launch_order's chunks as a grid (rows of a chunk, key blocks, chunks), whole chunks only: the
+        # hardware starts programs in that order, so the order costs no divisions (whose chains, run
+        # before the warps part and again in the partitions, cost the chunked launch ~700 cycles a
+        # program more than the 2-D grid's start)
+        pid_n = gl.program_id(1)
+        pid_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
     elif CHUNKED:  # a 1-D launch, key block 0 (the heaviest under a causal bound) first in each chunk of rows
         pid_bh, pid_n = launch_order(gl.program_id(0), gl.num_programs(0) // key_blocks, key_blocks, chunk_heads)
     else:
@@ -1458,14 +1465,17 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                            *score_constants(spec), spec.scale, SLOT, *list_strides, SLOT, SLOT,
                            *(bias_slices or (0, 1)), key_blocks, chunk, tiles, None, None, 0, 0, SLOT, SLOT,
                            *dropout_args, SLOT))
+    chunked = chunk > 1
     if programs:
         grid = (programs,)
+    elif chunked and heads % chunk == 0 and max(key_blocks, heads // chunk) < 65536:
+        grid, chunked = (chunk, key_blocks, heads // chunk), 2  # launch_order's chunks read off the grid
     else:
-        grid = (tiles,) if chunk > 1 else (key_blocks, heads)
+        grid = (tiles,) if chunked else (key_blocks, heads)
     return Launcher(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
-                    CHUNKED=chunk > 1, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
+                    CHUNKED=int(chunked), DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
                     maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered,
                     PERSISTENT=programs > 0)
