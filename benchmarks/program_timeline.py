@@ -13,7 +13,8 @@ deterministic mode, which this script does not run). Each program writes:
     steps (interior ones before), 6 warpgroup 0's steps over, 7 after the last dS round, 8 dK/dV
     staged (``done``), 9 warpgroup 1's steps over, 10 producer's stores have read dK/dV, 11 the dQ
     drain's last reduce-add read, 12 back from the partitions (default warps), 13 the step count,
-    14 drain start.
+    14 drain start; 16 and 17 the global nanosecond timer at entry and back from the partitions (the
+    SM clock's rate: the cycles of 1 -> 12 over those nanoseconds).
 
 Per program the phases are differences of these (cycles); between programs on one SM, the gap
 from one program's last stamp to the next one's entry (the launch of a new program). Medians over
@@ -43,14 +44,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gluon_modules_ab import load_other, make_call, route_to  # noqa: E402
 from program_cost import kernel_times  # noqa: E402
 
-SLOTS = 16
+SLOTS = 18
 
 STAMP_FUNCTIONS = '''
 
 @gluon.jit
 def _stamp(stamps, EVENT: gl.constexpr, NW: gl.constexpr, VALUE=None):
-    """Timing experiment: the SM clock (EVENT 0: the SM id; VALUE: that value) into slot EVENT of this
-    program's SLOTS in the int32 buffer ``stamps``."""
+    """Timing experiment: the SM clock (EVENT 0: the SM id; 16 and up: the global nanosecond timer;
+    VALUE: that value) into slot EVENT of this program's SLOTS in the int32 buffer ``stamps``."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
     offs = gl.arange(0, 32 * NW, layout=layout)
     if VALUE is not None:
@@ -58,10 +59,13 @@ def _stamp(stamps, EVENT: gl.constexpr, NW: gl.constexpr, VALUE=None):
     elif EVENT == 0:
         value = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [offs], dtype=gl.int32, is_pure=False,
                                           pack=1)
+    elif EVENT >= 16:
+        value = gl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r,r", [offs], dtype=gl.int32,
+                                          is_pure=False, pack=1)
     else:
         value = gl.inline_asm_elementwise("mov.u32 $0, %clock;", "=r,r", [offs], dtype=gl.int32, is_pure=False,
                                           pack=1)
-    program = gl.program_id(0) + gl.program_id(1) * gl.num_programs(0)
+    program = gl.program_id(0) + (gl.program_id(1) + gl.program_id(2) * gl.num_programs(1)) * gl.num_programs(0)
     gl.store(stamps + program.to(gl.int64) * SLOTS + EVENT + offs * 0, value, mask=offs == 0)
 
 '''.replace("SLOTS", str(SLOTS))
@@ -103,7 +107,7 @@ EDITS = [
      "        gl.thread_barrier()  # a named barrier over this partition's warps\n        mbarrier.arrive(done.index(WG), count=1)\n        if WG == 0:\n            _stamp(stamps, 8, 4)\n", 1),
     # the kernel: entry, before the dispatch, after it; the partitions take the buffer
     ("    KEYS: gl.constexpr = k_desc.block_type.shape[2]\n    gl.static_assert(not GROUP_SUM or",
-     "    _stamp(DqLock, 0, 4)\n    _stamp(DqLock, 1, 4)\n    KEYS: gl.constexpr = k_desc.block_type.shape[2]\n    gl.static_assert(not GROUP_SUM or", 1),
+     "    _stamp(DqLock, 0, 4)\n    _stamp(DqLock, 1, 4)\n    _stamp(DqLock, 16, 4)\n    KEYS: gl.constexpr = k_desc.block_type.shape[2]\n    gl.static_assert(not GROUP_SUM or", 1),
     ("    elif SPLIT == 2:\n        gl.warp_specialize([",
      "    elif SPLIT == 2:\n        _stamp(DqLock, 2, 4)\n        gl.warp_specialize([", 1),
     ("                         DROPOUT, ORDERED and CAUSAL)),\n",
@@ -111,7 +115,7 @@ EDITS = [
     ("                         VARLEN, ORDERED and CAUSAL)),\n",
      "                         VARLEN, ORDERED and CAUSAL, DqLock)),\n", 2),
     ("                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),\n        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])\n    else:",
-     "                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),\n        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])\n        _stamp(DqLock, 12, 4)\n    else:", 1),
+     "                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),\n        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])\n        _stamp(DqLock, 12, 4)\n        _stamp(DqLock, 17, 4)\n    else:", 1),
 ]
 
 TIMELINE_BUFFER = '''
@@ -147,44 +151,61 @@ PHASES = [  # (name, from slot, to slot)
 ]
 
 
-def summarise(stamps: torch.Tensor, programs: int) -> dict:
-    """Median cycles per phase over the programs, and the gap between consecutive programs on an SM."""
+def summarise(stamps: torch.Tensor, programs: int, phases: list = PHASES, end_slots: tuple = (10, 11, 12),
+              steps_slot: int = 13, step_span: tuple = (5, 6), steps_less: int = 0, clock_span: tuple = (1, 12)) -> dict:
+    """Median cycles per phase over the programs, and the gap between consecutive programs on an SM.
+    Slots 0 (the SM) and 1 (entry) are every stamped kernel's; a program ends at the latest of
+    ``end_slots``; its steps are ``steps_slot``'s count, and its cycles a step ``step_span``'s over
+    that count less ``steps_less``; the SM clock (MHz) is ``clock_span``'s cycles over the
+    nanoseconds of slots 16 -> 17 (the same two points)."""
     rows = stamps[:programs * SLOTS].view(programs, SLOTS).cpu().tolist()
-    phases = {}
-    for name, a, b in PHASES:
+    medians = {}
+    for name, a, b in phases:
         values = [(r[b] - r[a]) & 0xFFFFFFFF for r in rows]
         values = [v - (1 << 32) if v >= 1 << 31 else v for v in values]
-        phases[name] = statistics.median(values)
+        medians[name] = statistics.median(values)
     by_sm = collections.defaultdict(list)
     for r in rows:
-        end = max(((r[s] - r[1]) & 0xFFFFFFFF) for s in (10, 11, 12))
+        end = max(((r[s] - r[1]) & 0xFFFFFFFF) for s in end_slots)
         by_sm[r[0]].append((r[1], r[1] + end))
     gaps = []
     for runs in by_sm.values():
         runs.sort()
         gaps += [start - prev_end for (_, prev_end), (start, _) in zip(runs, runs[1:]) if 0 <= start - prev_end < 1e6]
-    steps = [r[13] for r in rows]
-    per_step = [((r[6] - r[5]) & 0xFFFFFFFF) / max(r[13], 1) for r in rows]
-    return dict(phases=phases, gap_between_programs=statistics.median(gaps) if gaps else None,
+    steps = [r[steps_slot] for r in rows]
+    a, b = step_span
+    step_cycles = [(r[b] - r[a]) & 0xFFFFFFFF for r in rows]
+    step_counts = [r[steps_slot] - steps_less for r in rows]
+    per_step = [cycles / max(count, 1) for cycles, count in zip(step_cycles, step_counts)]
+    whole = [max(((r[s] - r[1]) & 0xFFFFFFFF) for s in end_slots) for r in rows]
+    a, b = clock_span
+    mhz = [1000 * ((r[b] - r[a]) & 0xFFFFFFFF) / ((r[17] - r[16]) & 0xFFFFFFFF) for r in rows if r[17] != r[16]]
+    return dict(phases=medians, gap_between_programs=statistics.median(gaps) if gaps else None,
                 steps_median=statistics.median(steps), cycles_per_step_median=statistics.median(per_step),
+                step_cycles_mean=sum(step_cycles) / max(sum(step_counts), 1),
+                entry_to_end_median=statistics.median(whole), entry_to_end_mean=statistics.fmean(whole),
+                clock_mhz_median=statistics.median(mhz) if mhz else None,
                 programs=programs, sms=len(by_sm))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--rows", default="4x16x4096x128xw1024,4x16x4096x128xcausal")
-    args = p.parse_args()
+def stamped_bwd_module():
+    """This tree's dK/dV pass with the stamps, loaded beside it, and the stamps' buffer."""
     directory = tempfile.mkdtemp(prefix="stamped-")
     with open(this_bwd.__file__) as f:
         source = stamped_source(f.read())
     with open(os.path.join(directory, "bwd.py"), "w") as f:
         f.write(source)
     stamped = load_other(directory)
-    buffer = torch.zeros(1 << 22, dtype=torch.int32, device="cuda")
+    buffer = torch.zeros(SLOTS << 18, dtype=torch.int32, device="cuda")
     stamped["bwd"].TIMELINE.append(buffer)
-    results = {"device": torch.cuda.get_device_name(), "rows": {}}
-    for row in args.rows.split(","):
+    return stamped, buffer
+
+
+def time_rows(rows: list[str], stamped: dict, buffer: torch.Tensor, raw_dir: str | None = None) -> dict:
+    """Per row: the phases (``summarise``) and the dK/dV kernel's time unstamped and stamped (the
+    stamps themselves saved in ``raw_dir``, one (programs, SLOTS) tensor a row)."""
+    results = {}
+    for row in rows:
         call = make_call(row, forward_only=False)
         route_to({"fwd": this_fwd, "bwd": this_bwd})
         plain = kernel_times(call, 10)
@@ -195,12 +216,24 @@ def main() -> None:
         torch.cuda.synchronize()
         route_to({"fwd": this_fwd, "bwd": this_bwd})
         programs = int((buffer.view(-1, SLOTS)[:, 1] != 0).nonzero().max()) + 1
+        if raw_dir:
+            torch.save(buffer[:programs * SLOTS].view(programs, SLOTS).cpu(), os.path.join(raw_dir, f"fusedattn-{row}.pt"))
         summary = summarise(buffer, programs)
         dkdv = {k: v for k, v in plain.items() if "dkdv" in k}
         dkdv_stamped = {k: v for k, v in timed.items() if "dkdv" in k}
         summary["dkdv_us"] = dict(plain=dkdv, stamped=dkdv_stamped)
-        results["rows"][row] = summary
+        results[row] = summary
         print(row, json.dumps(summary, indent=1), flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", default="4x16x4096x128xw1024,4x16x4096x128xcausal")
+    args = p.parse_args()
+    stamped, buffer = stamped_bwd_module()
+    results = {"device": torch.cuda.get_device_name(), "rows": time_rows(args.rows.split(","), stamped, buffer)}
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -657,7 +657,7 @@ def test_program_timeline_stamps_this_trees_dkdv_pass_and_reads_its_phases(tmp_p
 
     source = Path(bwd.__file__).read_text()
     stamped = timeline.stamped_source(source)
-    assert stamped.count("_stamp(") == 16 + 1  # the 16 slots' stamps and the function itself
+    assert stamped.count("_stamp(") == 18 + 1  # the 18 slots' stamps and the function itself
     with pytest.raises(RuntimeError, match="anchor found 0 times"):
         timeline.stamped_source(source.replace("KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M\n",
                                                "KEYS_PER_WG = WG_ROWS\n"))
@@ -688,6 +688,45 @@ def test_program_timeline_stamps_this_trees_dkdv_pass_and_reads_its_phases(tmp_p
     assert summary["phases"]["wg1 steps over - wg0's"] == 50
     assert summary["gap_between_programs"] == 500
     assert summary["steps_median"] == 4 and summary["cycles_per_step_median"] == 4400 / 4
+
+
+def test_fa4_program_timeline_writes_each_stamp_at_its_anchor_and_reads_fa4s_phases():
+    """benchmarks/fa4_program_timeline.py: each stamp goes in at its own anchor of FA4's backward
+    source, once (FA4's source is not here: a stand-in holding every anchor once between other
+    lines); a missing or repeated anchor fails loudly; FA4's phases and cycles a step (its first step
+    stamped apart) come out of a buffer of stamps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fa4_program_timeline as fa4
+    import program_timeline as timeline
+
+    anchors = [anchor for anchor, _ in fa4.EDITS]
+    source = "".join(f"line {i}\n{anchor}" for i, anchor in enumerate(anchors)) + "end\n"
+    stamped = fa4.stamped_fa4_source(source)
+    for anchor, replacement in fa4.EDITS:
+        assert stamped.count(replacement) == 1
+    # the stand-in's own lines all kept, in order
+    kept = [line for line in stamped.split("\n") if line.startswith("line ")]
+    assert kept == [f"line {i}" for i in range(len(anchors))]
+    events = sorted(int(e) for e in re.findall(r"_stamp\((\d+),", stamped))
+    assert events == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 13, 15, 16, 17]
+    with pytest.raises(RuntimeError, match="anchor found 0 times"):
+        fa4.stamped_fa4_source(source.replace(anchors[3], ""))
+    with pytest.raises(RuntimeError, match="anchor found 2 times"):
+        fa4.stamped_fa4_source(source + anchors[5])
+
+    slots = timeline.SLOTS
+    row = [3, 1000] + [0] * (slots - 2)
+    for slot, after in {2: 500, 3: 900, 4: 5000, 5: 1200, 15: 4000, 6: 13000, 8: 13600, 9: 13100,
+                        10: 15000, 11: 14000}.items():
+        row[slot] = row[1] + after
+    row[13] = 4  # the first step and three more of 3000 cycles
+    row[16], row[17] = 50_000, 50_000 + 10_000  # 15000 cycles (entry -> stores read) in 10 us
+    summary = timeline.summarise(torch.tensor(row, dtype=torch.int32), 1, fa4.PHASES, end_slots=(10, 11),
+                                 step_span=(15, 6), steps_less=1, clock_span=(1, 10))
+    assert summary["phases"]["producer start -> wg0's first step over"] == 3100
+    assert summary["phases"]["stores issued -> stores read"] == 1400
+    assert summary["cycles_per_step_median"] == 3000 and summary["entry_to_end_median"] == 15000
+    assert summary["step_cycles_mean"] == 3000 and summary["clock_mhz_median"] == 1500
 
 
 def test_backward_forms_reads_launch_chunks_and_the_fixed_order_from_a_forms_name():
