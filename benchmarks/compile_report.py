@@ -263,7 +263,9 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
     """The Gluon forward of kernels/hopper_fwd.py as its launcher builds it (4-D descriptors);
     ``lists``: walking a mask's tile lists, ``bias``: reading a bias of the inputs' dtype,
     ``persistent``: the tile loop of a launch of fewer programs than tiles, ``varlen``: packed
-    sequences (warp-specialised kernel); ``grad_q``: the same kernel as the backward's dQ pass."""
+    sequences (warp-specialised kernel); ``grad_q``: the same kernel as the backward's dQ pass. The
+    8-warp kernel takes its tile off a ``chunk_grid`` launch (``GRID``), its launcher's form at whole
+    chunks."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, cols: int = head_dim) -> str:
@@ -288,7 +290,7 @@ def compile_hopper_forward(head_dim: int, dtype: str, cfg, causal: bool, softcap
     else:
         kernel, rows, num_warps = hopper_fwd._attn_fwd_kernel, hopper_fwd.BLOCK_M, hopper_fwd.NUM_WARPS
         constexprs = dict(BLOCK_M=rows, BLOCK_N=cfg.block_n, HEAD_D=head_dim, CAUSAL=causal, LEFT=left, SOFTCAP=softcap,
-                          OVERLAP=cfg.hopper_overlap, NUM_STAGES=cfg.num_stages, num_warps=num_warps)
+                          OVERLAP=cfg.hopper_overlap, NUM_STAGES=cfg.num_stages, GRID=True, num_warps=num_warps)
         options = dict(num_warps=num_warps, num_stages=1)
         list_args = {}
     signature = dict(q_desc=desc(rows), k_desc=desc(cfg.block_n), v_desc=desc(cfg.block_n), o_desc=desc(rows),

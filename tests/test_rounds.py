@@ -216,6 +216,46 @@ def test_the_chunked_dkdv_launch_reads_its_order_off_a_grid_of_whole_chunks(laun
     assert built.grid == (32, 64) and built.options["CHUNKED"] == 0
 
 
+def test_the_8_warp_forward_reads_its_tile_off_a_grid_of_whole_chunks(launchers_on_132_sms):
+    """The 8-warp forward (one program per 128-row tile) is a ``chunk_grid`` launch where its chunks are
+    whole (GRID): started x fastest, the grid gives each program the tile the 1-D launch order gave it
+    -- a causal launch's L2 sections, head-major order (chunks of one row); a last partial chunk keeps
+    the 1-D launch, and so does the warp-specialised forward."""
+    from fusedattn.kernels.gluon.common import chunk_grid
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    _, fwd = launchers_on_132_sms
+    eight = KernelConfig(128, 128, 8, 2, True, 0, 0, 0)  # D=64 short keys: the 8-warp kernel
+    three = KernelConfig(192, 128, 4, 2, True, 0, 3, 1)  # 192-row tiles, warp-specialised
+    causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, False)
+    full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, False)
+    device = torch.device("cuda", 0)
+
+    def launch(batch, heads, length, spec, config=eight):
+        built = fwd._forward_launcher.__wrapped__((batch, heads, length, 64), heads, length, spec, config,
+                                                  (0, 0, 0, 0), False, None, 0)
+        _, tiles, chunk = fwd.forward_programs((batch, heads, length, 64), heads, length, spec, config, True,
+                                               False, device)
+        return built, tiles, chunk
+
+    for batch, spec in ((16, causal), (16, full), (2, causal)):
+        built, tiles, chunk = launch(batch, 32, 1024, spec)
+        rows = batch * 32
+        blocks = tiles // rows
+        assert built.grid == chunk_grid(rows, blocks, chunk) == (chunk, blocks, rows // chunk), (spec, built.grid)
+        assert built.options["GRID"]
+        started = [(z * chunk + x, y) for z in range(rows // chunk) for y in range(blocks) for x in range(chunk)]
+        in_order = [(row, block) for first in range(0, rows, chunk) for block in range(blocks)
+                    for row in range(first, first + chunk)]
+        assert started == in_order
+        assert [y for _, y in started] == rounds.launch_order_blocks(rows, blocks, chunk).tolist()
+    built, tiles, chunk = launch(3, 100, 1024, causal)  # 300 rows in L2 sections of 128
+    assert chunk == 128 and built.grid == (tiles,) and not built.options["GRID"]
+    built, tiles, chunk = launch(4, 16, 4096, causal, three)
+    assert built.grid == (tiles,) and "GRID" not in built.options
+
+
 def test_the_causal_forward_launches_block_major_in_l2_sections(launchers_on_132_sms, monkeypatch):
     """One program per tile under a causal bound at long keys: block-major chunks of as many head rows
     as their K and V fit in L2, a power of two (benchmarks/NOTES.md v78: 4-7% off the forward at 4k

@@ -76,10 +76,10 @@ from ..shared.config import KernelConfig
 from ..shared.block_range import query_blocks_for_key_block
 from ..shared.constants import REGISTER_ORDER_BASES, score_constants
 from . import dkdv_key_block
-from .common import (LOG2E, WG_ROWS, Descriptor, UnswizzledDescriptor, bias_slice_args, chunk_head_rows, descriptor,
-                     dropout_mark_t, keep_scores, launch_order, log2_scores, packed_chunk_heads, packed_tile,
-                     row_stats_descriptor, sm_count, snake_tile, store_sequence_rows, tma_reduce_add, turn_pass,
-                     turn_wait, ws_registers)
+from .common import (LOG2E, WG_ROWS, Descriptor, UnswizzledDescriptor, bias_slice_args, chunk_grid, chunk_head_rows,
+                     descriptor, dropout_mark_t, grid_tile, keep_scores, launch_order, log2_scores, packed_chunk_heads,
+                     packed_tile, row_stats_descriptor, sm_count, snake_tile, store_sequence_rows, tma_reduce_add,
+                     turn_pass, turn_wait, ws_registers)
 from ..shared.knobs import knobs
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
@@ -1146,13 +1146,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     if VARLEN:  # an entry of the map (heaviest first) and a head row, in launch order; batch 0
         pid_bh, sequence, pid_n, q_start, seq_q, k_start, seq_k = packed_tile(
             gl.program_id(0), heads_q if GROUP_SUM else heads_kv, key_blocks, chunk_heads, tile_lists)
-    elif CHUNKED == 2:
-        # launch_order's chunks as a grid (rows of a chunk, key blocks, chunks), whole chunks only: the
-        # hardware starts programs in that order, so the order costs no divisions (whose chains, run
-        # before the warps part and again in the partitions, cost the chunked launch ~700 cycles a
-        # program more than the 2-D grid's start)
-        pid_n = gl.program_id(1)
-        pid_bh = gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+    elif CHUNKED == 2:  # launch_order's chunks read off the grid (``common.chunk_grid``): no divisions
+        pid_bh, pid_n = grid_tile()
     elif CHUNKED:  # a 1-D launch, key block 0 (the heaviest under a causal bound) first in each chunk of rows
         pid_bh, pid_n = launch_order(gl.program_id(0), gl.num_programs(0) // key_blocks, key_blocks, chunk_heads)
     else:
@@ -1468,8 +1463,8 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
     chunked = chunk > 1
     if programs:
         grid = (programs,)
-    elif chunked and heads % chunk == 0 and max(key_blocks, heads // chunk) < 65536:
-        grid, chunked = (chunk, key_blocks, heads // chunk), 2  # launch_order's chunks read off the grid
+    elif chunked and chunk_grid(heads, key_blocks, chunk) is not None:
+        grid, chunked = chunk_grid(heads, key_blocks, chunk), 2
     else:
         grid = (tiles,) if chunked else (key_blocks, heads)
     return Launcher(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,

@@ -62,9 +62,9 @@ from ..shared.config import SHORT_KEYS, KernelConfig
 from ..shared.block_range import key_blocks_for_query_block
 from . import common as hopper
 from ..shared.constants import score_constants
-from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_head_rows, descriptor, dropout_zero,
-                     keep_scores, l2_section_rows, launch_order, log2_scores, packed_tile, sm_count, snake_tile,
-                     store_sequence_rows, turn_pass, turn_wait, ws_registers)
+from .common import (LOG2E, WG_ROWS, Descriptor, bias_slice_args, chunk_grid, chunk_head_rows, descriptor,
+                     dropout_zero, grid_tile, keep_scores, l2_section_rows, launch_order, log2_scores, packed_tile,
+                     sm_count, snake_tile, store_sequence_rows, turn_pass, turn_wait, ws_registers)
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared import packed_tiles, rounds
 from ..shared.knobs import knobs
@@ -274,8 +274,14 @@ def _step_overlap(q, k_ring, v_ring, k_bars, v_bars, acc, o_tok, p_busy, p, m_i,
 
 
 @gluon.jit
-def _program_tile(query_blocks, chunk_heads, CAUSAL: gl.constexpr):
-    """(batch * heads + head, query block) of this program of a 1-D launch of one program per tile."""
+def _program_tile(query_blocks, chunk_heads, CAUSAL: gl.constexpr, GRID: gl.constexpr):
+    """(batch * heads + head, query block) of this program of a launch of one program per tile: a 1-D
+    one, or with GRID a ``common.chunk_grid`` (the launch order read off the program's indices)."""
+    if GRID:
+        pid_bh, block = grid_tile()
+        if CAUSAL:
+            block = query_blocks - 1 - block
+        return pid_bh, block
     return _tile_block(gl.program_id(0), gl.num_programs(0) // query_blocks, query_blocks, chunk_heads, CAUSAL)
 
 
@@ -298,7 +304,8 @@ def _tile_block(t, head_rows, query_blocks, chunk_heads, CAUSAL: gl.constexpr):
 def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_heads, group, window_left, qk_scale,
                      softcap_log2, query_blocks, chunk_heads, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, SOFTCAP: gl.constexpr,
-                     OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+                     OVERLAP: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+                     GRID: gl.constexpr = False):
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -308,7 +315,7 @@ def _attn_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seq_q, seq_k, num_head
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    pid_bh, pid_m = _program_tile(query_blocks, chunk_heads, CAUSAL)
+    pid_bh, pid_m = _program_tile(query_blocks, chunk_heads, CAUSAL, GRID)
     batch = pid_bh // num_heads
     head = pid_bh % num_heads
     head_kv = head // group
@@ -1183,9 +1190,15 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
             *score_constants(spec), query_blocks, chunk)
     if not config.hopper_split:
         assert not has_lists and bias_slices is None, "tile lists, bias: the warp-specialised kernel only"
+        # launch_order's chunks read off a grid where they are whole, no divisions at entry (measured
+        # faster). Reading its tile that way, the warp-specialised forward ran faster at D=128 but
+        # slower at D=64 causal (not understood yet), so it keeps the 1-D launch.
+        tile_grid = chunk_grid(tiles // query_blocks, query_blocks, chunk)
+        grid = tile_grid or grid
         return Launcher(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim,
                         CAUSAL=causal, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
-                        OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS)
+                        OVERLAP=config.hopper_overlap, NUM_STAGES=config.num_stages, num_warps=NUM_WARPS,
+                        GRID=tile_grid is not None)
     persistent = programs > 0
     if persistent:
         grid = (programs,)
