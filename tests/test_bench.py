@@ -729,6 +729,45 @@ def test_fa4_program_timeline_writes_each_stamp_at_its_anchor_and_reads_fa4s_pha
     assert summary["step_cycles_mean"] == 3000 and summary["clock_mhz_median"] == 1500
 
 
+def test_step_phases_writes_its_clock_reads_into_both_kernels_and_averages_them(tmp_path):
+    """benchmarks/step_phases.py: every anchor of its phase sums is found once in this tree's dK/dV
+    pass (the sums' address baked in) and the stamped module imports beside the real one; FA4's
+    edits go in once each (a stand-in for FA4's source holding each anchor once), a missing anchor
+    fails loudly; the sums and the step count give each phase's mean cycles a step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gluon_modules_ab as ab
+    import step_phases as phases
+    import fusedattn.kernels.gluon.bwd as bwd
+
+    stamped = phases.stamped_ours(Path(bwd.__file__).read_text(), 123456789)
+    assert "PHASE_ADDRESS" not in stamped and "gl.constexpr(123456789)" in stamped
+    slots = sorted(int(m) for m in re.findall(r"_phase\(_c, (\d+), WG", stamped))
+    assert slots == list(range(len(phases.PHASES)))
+    with pytest.raises(RuntimeError, match="anchor found 0 times"):
+        phases.stamped_ours(Path(bwd.__file__).read_text().replace("deps=[dp_tok])", "deps=[dp_tok] )"), 0)
+
+    (tmp_path / "bwd.py").write_text(stamped)
+    this = {"fwd": sys.modules["fusedattn.kernels.gluon.fwd"], "bwd": bwd}
+    try:
+        other = ab.load_other(str(tmp_path))
+        assert hasattr(other["bwd"], "_phase")
+    finally:
+        ab.route_to(this)
+
+    anchors = [anchor for anchor, _ in phases.FA4_EDITS]
+    source = "".join(f"line {i}\n{anchor}" for i, anchor in enumerate(anchors))
+    fa4 = phases.stamped_fa4(source)
+    assert [int(m) for m in re.findall(r"_phase\(_c, (\d+)", fa4)] == list(range(len(phases.PHASES)))
+    assert [line for line in fa4.split("\n") if line.startswith("line ")] == [f"line {i}" for i in range(len(anchors))]
+    with pytest.raises(RuntimeError, match="anchor found 0 times"):
+        phases.stamped_fa4(source.replace(anchors[4], ""))
+
+    sums = [100 * (i + 1) * 10 for i in range(len(phases.PHASES))] + [10]  # 10 steps
+    summary = phases.summarise(sums)
+    assert summary["steps"] == 10 and summary["phases"]["Q, dO landed"] == 100
+    assert summary["phases"]["dK retired"] == 800 and summary["step"] == sum(100 * (i + 1) for i in range(8))
+
+
 def test_backward_forms_reads_launch_chunks_and_the_fixed_order_from_a_forms_name():
     """benchmarks/backward_forms.py: ``[det-][ordered-]chunks-N`` pins the launch order's chunk, the
     deterministic flag and the fixed dQ order; ``ordered`` without ``det`` and other names are refused."""
