@@ -40,19 +40,29 @@ sys.path.insert(0, os.path.dirname(__file__))
 from program_timeline import SLOTS, stamped_bwd_module, summarise, time_rows  # noqa: E402
 from program_cost import kernel_times  # noqa: E402
 
-STAMP_FUNCTIONS = '''
+FA4_IMPORTS = """
 from cutlass.cutlass_dsl import dsl_user_op as _dsl_user_op
 from cutlass._mlir.dialects import llvm as _llvm
+"""
 
-STAMP_BASE = [0]  # the stamps' buffer's address (fa4_program_timeline.py sets it before compiling)
 
+def fa4_global_u32_op(name: str, instruction: str) -> str:
+    """CuTe DSL source, for a copy of FA4's kernel source, of ``name(address, value)``: the calling
+    thread's ``instruction`` (``st.global.u32``, ``red.global.add.u32``) of a 32-bit value at a 64-bit
+    global address."""
+    return f'''
 
 @_dsl_user_op
-def _store_u32(address, value, *, loc=None, ip=None):
+def {name}(address, value, *, loc=None, ip=None):
     _llvm.inline_asm(None, [cutlass.Int64(address).ir_value(loc=loc, ip=ip),
                             cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
-                     "st.global.u32 [$0], $1;", "l,r", has_side_effects=True, is_align_stack=False,
+                     "{instruction} [$0], $1;", "l,r", has_side_effects=True, is_align_stack=False,
                      asm_dialect=_llvm.AsmDialect.AD_ATT)
+'''
+
+
+STAMP_FUNCTIONS = FA4_IMPORTS + fa4_global_u32_op("_store_u32", "st.global.u32") + '''
+STAMP_BASE = [0]  # the stamps' buffer's address (fa4_program_timeline.py sets it before compiling)
 
 
 @cute.jit

@@ -35,6 +35,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from fa4_program_timeline import FA4_IMPORTS, fa4_call, fa4_global_u32_op  # noqa: E402
 from gluon_modules_ab import load_other, make_call, route_to  # noqa: E402
 
 PHASES = ["Q, dO landed", "S landed", "P (exponentials)", "dP landed", "dS staged", "dV retired, dQ issued",
@@ -99,19 +100,8 @@ OURS_EDITS = [  # (anchor, replacement): each anchor exactly once in gluon/bwd.p
      "        dk, _ = warpgroup_mma_wait(num_outstanding=0, deps=[dk, ds_a])\n        _c = _phase(_c, 7, WG, True)\n"),
 ]
 
-FA4_FUNCTIONS = '''
-from cutlass.cutlass_dsl import dsl_user_op as _dsl_user_op
-from cutlass._mlir.dialects import llvm as _llvm
-
+FA4_FUNCTIONS = FA4_IMPORTS + fa4_global_u32_op("_red_add_u32", "red.global.add.u32") + '''
 PHASE_BASE = [0]  # the sums' address (step_phases.py sets it before compiling)
-
-
-@_dsl_user_op
-def _red_add_u32(address, value, *, loc=None, ip=None):
-    _llvm.inline_asm(None, [cutlass.Int64(address).ir_value(loc=loc, ip=ip),
-                            cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
-                     "red.global.add.u32 [$0], $1;", "l,r", has_side_effects=True, is_align_stack=False,
-                     asm_dialect=_llvm.AsmDialect.AD_ATT)
 
 
 @cute.jit
@@ -183,11 +173,6 @@ def summarise(sums: list[int]) -> dict:
     return dict(steps=sums[COUNT_SLOT], phases=phases, step=sum(phases.values()))
 
 
-def _fa4_call(row: str):
-    from fa4_program_timeline import fa4_call
-    return fa4_call(row)
-
-
 def run_fa4(rows: list[str]) -> dict:
     import flash_attn.cute.flash_bwd_sm90 as real
     import flash_attn.cute.interface as interface
@@ -207,7 +192,7 @@ def run_fa4(rows: list[str]) -> dict:
     interface.FlashAttentionBackwardSm90 = module.FlashAttentionBackwardSm90
     try:
         for row in rows:
-            call = _fa4_call(row)
+            call = fa4_call(row)
             call()  # compiles
             torch.cuda.synchronize()
             sums.zero_()
