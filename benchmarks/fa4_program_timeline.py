@@ -150,18 +150,25 @@ def stamped_fa4_source(source: str) -> str:
     return source
 
 
-def stamped_fa4_module():
-    """FA4's backward class compiled from the stamped source, and the stamps' buffer."""
+def load_fa4_copy(edit, suffix: str):
+    """FA4's ``flash_bwd_sm90.py`` as ``edit(source)`` writes it, imported beside the real module as
+    ``flash_attn.cute.flash_bwd_sm90_<suffix>`` (from a file: CuTe DSL reads a kernel's source)."""
     import flash_attn.cute.flash_bwd_sm90 as real
     with open(real.__file__) as f:
-        source = stamped_fa4_source(f.read())
-    path = os.path.join(tempfile.mkdtemp(prefix="fa4-stamped-"), "flash_bwd_sm90_stamped.py")
+        source = edit(f.read())
+    path = os.path.join(tempfile.mkdtemp(prefix=f"fa4-{suffix}-"), f"flash_bwd_sm90_{suffix}.py")
     with open(path, "w") as f:
         f.write(source)
-    spec = importlib.util.spec_from_file_location("flash_attn.cute.flash_bwd_sm90_stamped", path)
+    spec = importlib.util.spec_from_file_location(f"flash_attn.cute.flash_bwd_sm90_{suffix}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def stamped_fa4_module():
+    """FA4's backward class compiled from the stamped source, and the stamps' buffer."""
+    module = load_fa4_copy(stamped_fa4_source, "stamped")
     buffer = torch.zeros(SLOTS << 18, dtype=torch.int32, device="cuda")
     module.STAMP_BASE[0] = buffer.data_ptr()
     return module, buffer

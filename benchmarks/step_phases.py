@@ -24,7 +24,6 @@ address is baked into the copies when they are made.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import site
@@ -35,7 +34,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fa4_program_timeline import FA4_IMPORTS, fa4_call, fa4_global_u32_op  # noqa: E402
+from fa4_program_timeline import FA4_IMPORTS, fa4_call, fa4_global_u32_op, load_fa4_copy  # noqa: E402
 from gluon_modules_ab import load_other, make_call, route_to  # noqa: E402
 
 PHASES = ["Q, dO landed", "S landed", "P (exponentials)", "dP landed", "dS staged", "dV retired, dQ issued",
@@ -174,17 +173,8 @@ def summarise(sums: list[int]) -> dict:
 
 
 def run_fa4(rows: list[str]) -> dict:
-    import flash_attn.cute.flash_bwd_sm90 as real
     import flash_attn.cute.interface as interface
-    with open(real.__file__) as f:
-        source = stamped_fa4(f.read())
-    path = os.path.join(tempfile.mkdtemp(prefix="fa4-phases-"), "flash_bwd_sm90_phases.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("flash_attn.cute.flash_bwd_sm90_phases", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_fa4_copy(stamped_fa4, "phases")
     sums = torch.zeros(COUNT_SLOT + 1, dtype=torch.int32, device="cuda")
     module.PHASE_BASE[0] = sums.data_ptr()
     real_class, results = interface.FlashAttentionBackwardSm90, {}
