@@ -140,14 +140,20 @@ PHASES = [  # (name, from slot, to slot)
 ]
 
 
-def stamped_fa4_source(source: str) -> str:
-    """FA4's ``flash_bwd_sm90.py`` with the stamps written in (``EDITS``)."""
-    for anchor, replacement in EDITS:
+def apply_edits(source: str, edits: list, what: str) -> str:
+    """``source`` with each (anchor, replacement) of ``edits`` applied; each anchor must occur exactly
+    once (a changed source fails loudly, naming ``what`` and the anchor)."""
+    for anchor, replacement in edits:
         found = source.count(anchor)
         if found != 1:
-            raise RuntimeError(f"fa4_program_timeline: anchor found {found} times, expected 1:\n{anchor}")
+            raise RuntimeError(f"{what}: anchor found {found} times, expected 1:\n{anchor}")
         source = source.replace(anchor, replacement)
     return source
+
+
+def stamped_fa4_source(source: str) -> str:
+    """FA4's ``flash_bwd_sm90.py`` with the stamps written in (``EDITS``)."""
+    return apply_edits(source, EDITS, "fa4_program_timeline")
 
 
 def load_fa4_copy(edit, suffix: str):

@@ -34,7 +34,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from fa4_program_timeline import FA4_IMPORTS, fa4_call, fa4_global_u32_op, load_fa4_copy  # noqa: E402
+from fa4_program_timeline import (FA4_IMPORTS, apply_edits, fa4_call, fa4_global_u32_op,  # noqa: E402
+                                  load_fa4_copy)
 from gluon_modules_ab import load_other, make_call, route_to  # noqa: E402
 
 PHASES = ["Q, dO landed", "S landed", "P (exponentials)", "dP landed", "dS staged", "dV retired, dQ issued",
@@ -146,23 +147,14 @@ FA4_EDITS = [  # (anchor, replacement): each anchor exactly once in flash_bwd_sm
 ]
 
 
-def _edited(source: str, edits: list, what: str) -> str:
-    for anchor, replacement in edits:
-        found = source.count(anchor)
-        if found != 1:
-            raise RuntimeError(f"step_phases: {what} anchor found {found} times, expected 1:\n{anchor}")
-        source = source.replace(anchor, replacement)
-    return source
-
-
 def stamped_ours(source: str, address: int) -> str:
     """This tree's ``gluon/bwd.py`` with the phase sums at ``address`` written in."""
-    return _edited(source, OURS_EDITS, "gluon/bwd.py").replace("PHASE_ADDRESS", str(address))
+    return apply_edits(source, OURS_EDITS, "step_phases, gluon/bwd.py").replace("PHASE_ADDRESS", str(address))
 
 
 def stamped_fa4(source: str) -> str:
     """FA4's ``flash_bwd_sm90.py`` with the phase sums written in (their address: ``PHASE_BASE[0]``)."""
-    return _edited(source, FA4_EDITS, "flash_bwd_sm90.py")
+    return apply_edits(source, FA4_EDITS, "step_phases, flash_bwd_sm90.py")
 
 
 def summarise(sums: list[int]) -> dict:
