@@ -1460,17 +1460,19 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                            *score_constants(spec), spec.scale, SLOT, *list_strides, SLOT, SLOT,
                            *(bias_slices or (0, 1)), key_blocks, chunk, tiles, None, None, 0, 0, SLOT, SLOT,
                            *dropout_args, SLOT))
-    chunked = chunk > 1
+    # CHUNKED: 0 head-major (a 2-D grid), 1 launch_order's chunks in a 1-D launch, 2 read off a chunk_grid
+    chunked = int(chunk > 1)
+    tile_grid = chunk_grid(heads, key_blocks, chunk) if chunked else None
     if programs:
         grid = (programs,)
-    elif chunked and chunk_grid(heads, key_blocks, chunk) is not None:
-        grid, chunked = chunk_grid(heads, key_blocks, chunk), 2
+    elif tile_grid is not None:
+        grid, chunked = tile_grid, 2
     else:
         grid = (tiles,) if chunked else (key_blocks, heads)
     return Launcher(_dkdv_ws_kernel, grid, args, BLOCK_M=config.block_m, HEAD_D=head_dim,
                     CAUSAL=spec.window_right == 0, LEFT=spec.has_window_left, SOFTCAP=spec.has_softcap,
                     NUM_STAGES=config.num_stages, SPLIT=config.hopper_split, PINGPONG=config.hopper_pingpong,
-                    CHUNKED=int(chunked), DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
+                    CHUNKED=chunked, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
                     maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered,
                     PERSISTENT=programs > 0)

@@ -279,20 +279,24 @@ def _program_tile(query_blocks, chunk_heads, CAUSAL: gl.constexpr, GRID: gl.cons
     one, or with GRID a ``common.chunk_grid`` (the launch order read off the program's indices)."""
     if GRID:
         pid_bh, block = grid_tile()
-        if CAUSAL:
-            block = query_blocks - 1 - block
-        return pid_bh, block
+        return pid_bh, _heaviest_first(block, query_blocks, CAUSAL)
     return _tile_block(gl.program_id(0), gl.num_programs(0) // query_blocks, query_blocks, chunk_heads, CAUSAL)
 
 
 @gluon.jit
 def _tile_block(t, head_rows, query_blocks, chunk_heads, CAUSAL: gl.constexpr):
-    """(batch * heads + head, query block) of tile ``t`` in launch order (``common.launch_order``):
-    under a causal bound the last query block, which sees the most keys, counts as block 0."""
+    """(batch * heads + head, query block) of tile ``t`` in launch order (``common.launch_order``)."""
     pid_bh, block = launch_order(t, head_rows, query_blocks, chunk_heads)
+    return pid_bh, _heaviest_first(block, query_blocks, CAUSAL)
+
+
+@gluon.jit
+def _heaviest_first(block, query_blocks, CAUSAL: gl.constexpr):
+    """The query block of launch-order block ``block``: under a causal bound the last query block,
+    which sees the most keys, counts as block 0."""
     if CAUSAL:
         block = query_blocks - 1 - block
-    return pid_bh, block
+    return block
 
 
 # --------------------------------------------------------------------------- kernel
