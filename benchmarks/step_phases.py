@@ -18,6 +18,11 @@ Both kernels are copies of their sources with the clock reads written in at anch
 occur exactly once (``stamped_ours``, ``stamped_fa4``), loaded beside the real modules; the sums'
 address is baked into the copies when they are made.
 
+Caveat (measured): the clock reads and adds are barriers to the compilers' scheduling, so they undo
+the overlap between phases that is being compared. On one H200 (D=128, 4k) a stamped step took ~45%
+more cycles than the unstamped one in ours and ~80% more in FA4's: compare a phase across kernels only
+where both kernels do the same work in it, and the whole step only unstamped (``program_timeline``).
+
     PYTHONPATH=src python benchmarks/step_phases.py --fa4-site /root/fa4/site --out phases.json \\
         [--rows 4x16x4096x128xw1024,4x16x4096x128xcausal,4x16x4096x128xfull]
 """
