@@ -104,8 +104,8 @@ def chunk_grid(head_rows: int, blocks: int, chunk_heads: int) -> tuple | None:
     """``launch_order``'s chunks as a grid (rows of a chunk, blocks, chunks) where the chunks are whole,
     else None. The hardware starts a grid's programs x fastest, then y, then z -- ``launch_order``'s
     order -- so a program reads its head row and block off its indices (``grid_tile``) instead of
-    dividing at entry, where the divisions' chains (run again in each warp-specialised partition)
-    cost a dK/dV program ~650 cycles."""
+    dividing at entry, where the divisions' chains run again in each warp-specialised partition
+    (measured: benchmarks/NOTES.md, the chunked launch read off its grid)."""
     if head_rows % chunk_heads or max(blocks, head_rows // chunk_heads) >= 65536:
         return None
     return chunk_heads, blocks, head_rows // chunk_heads

@@ -1195,8 +1195,9 @@ def _forward_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attent
     if not config.hopper_split:
         assert not has_lists and bias_slices is None, "tile lists, bias: the warp-specialised kernel only"
         # launch_order's chunks read off a grid where they are whole, no divisions at entry (measured
-        # faster). Reading its tile that way, the warp-specialised forward ran faster at D=128 but
-        # slower at D=64 causal (not understood yet), so it keeps the 1-D launch.
+        # faster). The warp-specialised forward keeps the 1-D launch: on the grid its programs start
+        # in the same order, but at D=64 causal its long tiles ran slower with the same loop code at
+        # other addresses, more than the divisions saved.
         tile_grid = chunk_grid(tiles // query_blocks, query_blocks, chunk)
         grid = tile_grid or grid
         return Launcher(_attn_fwd_kernel, grid, args, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, HEAD_D=head_dim,
