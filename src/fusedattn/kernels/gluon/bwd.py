@@ -270,9 +270,15 @@ def _group_sum_staging(k_smem, v_smem, q_ring, do_ring, WG: gl.constexpr, layout
 
 
 @gluon.jit
-def _load_acquire(ptr):
-    """The int32 at ``ptr``, loaded with acquire semantics at GPU scope by every lane (one address)."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+def _load_turn(ptr):
+    """The int32 at ``ptr`` (a turn counter), read at GPU scope -- from L2, where the predecessor's
+    release lands -- by every lane (one address). Relaxed, not acquire: what the turn orders is the
+    drain's TMA reduce-adds, which are performed in L2 after the predecessor's (completed before its
+    release, ``_bulk_writes_done``) because they are issued only once this read has returned the
+    turn; the drain reads nothing through L1, which an acquire would invalidate. So the read can be
+    issued a step early (``_drain``), its latency under the completion wait. An acquire there waits
+    for the read before the completion wait starts (measured: half the gain)."""
+    return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
                                      is_pure=False, pack=1)
 
 
@@ -344,15 +350,18 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         ds_s, dq_empty = dq_state[0], dq_state[4]
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ or VARLEN, LISTS)
+        query_blocks = gl.cdiv(seq_q, BLOCK_M)
+        locks = order_at[0] + (batch * order_at[1] + first_head).to(gl.int64) * query_blocks  # the group's first head
+        if ORDERED:  # the first step's counter (the group's first one where there is no step: in bounds)
+            member, blk = _step_coords(0, walk, LEFT, LISTS, CAUSAL)
+            seen = _load_turn(locks + gl.where(n_steps > 0, member * query_blocks + blk, 0))
         for t in range(n_steps):
             member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
             if ORDERED:
-                lock_index = (batch * order_at[1] + first_head + member).to(gl.int64) * gl.cdiv(seq_q, BLOCK_M) + blk
-                lock = order_at[0] + lock_index
+                lock = locks + member * query_blocks + blk
                 turn = _dq_turn(blk, n0 // BLOCK_N, seq_q, seq_k, order_at[2], BLOCK_M, BLOCK_N, CAUSAL)
-                seen = _load_acquire(lock)
-                while seen != turn:
-                    seen = _load_acquire(lock)
+                while seen != turn:  # ``seen``: read a step early
+                    seen = _load_turn(lock)
             _reduce_dq(t, dq_desc, dq_state, batch, first_head + member, q_start + blk * BLOCK_M, SPLIT, BLOCK_M,
                        HEAD_D, ORDERED)
             if DBIAS:  # every warpgroup's dQ wgmma came after its dS store: the whole tile is there
@@ -361,7 +370,13 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
             tma.store_wait(pendings=0)
             for w in gl.static_range(SPLIT):
                 mbarrier.arrive(dq_empty.index(w), count=1)
-            if ORDERED:  # the next program's turn once the adds are in memory
+            if ORDERED:
+                # The next step's counter read now, its round trip under this step's completion wait:
+                # read after it, the drain's step (read, adds, completion, release) outlasts a
+                # 64-row step at D=128 and paces the consumers (they wait for dq_empty).
+                member, blk = _step_coords(gl.minimum(t + 1, n_steps - 1), walk, LEFT, LISTS, CAUSAL)
+                seen = _load_turn(locks + member * query_blocks + blk)
+                # the next program's turn once the adds are in memory
                 gl.atomic_add(lock, 1 + _bulk_writes_done(), sem="release", scope="gpu")
 
 
