@@ -41,3 +41,28 @@ def test_hopper_kernels_compile_with_pipelined_wgmma(head_dim):
     assert "forward (Gluon" in result.stdout  # the heuristic's Hopper forward is the Gluon kernel
     assert "bwd dkdv (Gluon" in result.stdout  # and so is its dK/dV pass
     assert "SERIALIZED" not in result.stdout and "FAILED" not in result.stdout, result.stdout
+
+
+def test_the_ordered_drain_reads_its_next_turn_under_its_completion_wait():
+    """Deterministic mode's dK/dV pass (dQ summed in a fixed order, D=128): each step the drain reads
+    the next step's turn counter (relaxed, from L2) after its reduce-adds' sources are read and before
+    it waits for their completion, then passes its own turn on. Read after the completion wait, the
+    drain's serial cycle outlasted a 64-row step and paced the pass: 12% of it at 4k keys
+    (benchmarks/NOTES.md v86); an acquire read would wait for the load before the completion wait."""
+    import re
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
+    code = ("import torch, compile_report as cr\n"
+            "from fusedattn.tuning.configs import _cuda_configs\n"
+            "cfg = _cuda_configs(torch.bfloat16, 128, 128, 4096, (9, 0), has_left=False, has_right=False).dkdv\n"
+            "print(cr.compile_hopper_dkdv(128, 'bf16', cfg, False, dq=True, ordered=True)['asm']['ptx'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ops = re.findall(r"ld\.acquire\.gpu|ld\.relaxed\.gpu\.global\.b32|cp\.async\.bulk\.wait_group\.read\s+0"
+                     r"|cp\.async\.bulk\.wait_group 0;|atom\.global\.gpu\.release", result.stdout)
+    names = ["acquire" if "acquire" in op else "read turn" if "relaxed" in op else "sources read" if ".read" in op
+             else "completed" if "wait_group" in op else "release" for op in ops]
+    assert "acquire" not in names, names
+    step = ["sources read", "read turn", "completed", "release"]
+    assert any(names[i:i + 4] == step for i in range(len(names))), names
