@@ -350,9 +350,9 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         ds_s, dq_empty = dq_state[0], dq_state[4]
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
                                     DQ or VARLEN, LISTS)
-        query_blocks = gl.cdiv(seq_q, BLOCK_M)
-        locks = order_at[0] + (batch * order_at[1] + first_head).to(gl.int64) * query_blocks  # the group's first head
         if ORDERED:  # the first step's counter (the group's first one where there is no step: in bounds)
+            query_blocks = gl.cdiv(seq_q, BLOCK_M)
+            locks = order_at[0] + (batch * order_at[1] + first_head).to(gl.int64) * query_blocks  # its first head's
             member, blk = _step_coords(0, walk, LEFT, LISTS, CAUSAL)
             seen = _load_turn(locks + gl.where(n_steps > 0, member * query_blocks + blk, 0))
         for t in range(n_steps):
