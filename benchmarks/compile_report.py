@@ -356,6 +356,8 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                       GROUP_SUM=group_sum, BIAS=bias, DBIAS=dbias, VARLEN=varlen, PRODUCER_REGS=producer_regs,
                       CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4,
                       PERSISTENT=persistent)
+    if hasattr(hopper_bwd, "dkdv_walk"):  # the walk of a fixed dQ order (a module without it has one form)
+        constexprs["WALK"] = hopper_bwd.dkdv_walk(causal, cfg, ordered)
     if varlen:
         constexprs["CHUNKED"] = 0
     else:  # the launcher passes no dK/dV pointers

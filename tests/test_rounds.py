@@ -291,9 +291,11 @@ def test_the_causal_forward_launches_block_major_in_l2_sections(launchers_on_132
 
 def test_the_ordered_dq_pass_launches_in_chunks_of_about_a_wave(launchers_on_132_sms):
     """Deterministic mode's fixed dQ order (each key block's program waits on the previous block's
-    adds): chunks of about a wave of programs, causal or not -- measured 4-8% off the deterministic
-    backward at 4k keys against head-major order, level at 16k (benchmarks/NOTES.md v83). Without
-    the order, no causal bound keeps head-major order."""
+    adds): chunks of about a wave of programs -- measured 4-8% off the deterministic backward at 4k
+    keys against head-major order, level at 16k (benchmarks/NOTES.md v83) -- but where a causal
+    order launches its heaviest programs first (64-row steps), which takes chunks of sqrt(64 SMs /
+    key blocks) rows, to a power of two: 16 at 32 key blocks, 8 at 128 (benchmarks/NOTES.md v87).
+    Without the order, no causal bound keeps head-major order."""
     from fusedattn.spec import UNBOUNDED, AttentionSpec
     from fusedattn.tuning.configs import KernelConfig
 
@@ -312,25 +314,51 @@ def test_the_ordered_dq_pass_launches_in_chunks_of_about_a_wave(launchers_on_132
     assert chunk((4, 16, 4096, 128), 16, full, True) == round(SMS / 32)  # 32 key blocks a head row
     assert chunk((4, 16, 4096, 128), 2, full, True) == round(SMS / 32)  # GQA: a KV head's row
     assert chunk((1, 16, 16384, 128), 16, full, True) == 1  # 128 key blocks: about a wave already
-    assert chunk((4, 16, 4096, 128), 16, causal, True) == round(SMS / 32)
     assert chunk((4, 16, 4096, 128), 16, full, False) == 1  # summed in any order: head-major
+    assert chunk((4, 16, 4096, 128), 16, causal, True) == 16  # heaviest first
+    assert chunk((1, 16, 16384, 128), 16, causal, True) == 8
+    assert chunk((4, 16, 4096, 128), 2, causal, True) == 8  # GQA 16/2: all 8 KV head rows
+    lightest_first = KernelConfig(128, 128, 4, 2, True, 0, 2, 0)  # D=64: 128-row steps
+    programs, _, rows = bwd.dkdv_programs((4, 32, 4096, 64), 32, 4096, causal, lightest_first, True, False, False,
+                                          True, False, device)
+    assert programs == 0 and rows == round(SMS / 32)
 
 
-def test_the_fixed_dq_order_takes_causal_launches_only_with_many_programs_an_sm():
-    """Under a causal bound the fixed order launches lightest first: with few programs an SM the
-    pass ends on the heaviest (benchmarks/NOTES.md v83: GQA 16/2 at 4k keys, 256 programs on 132 SMs,
-    1.5x the dQ pass's backward), so such launches keep the dQ pass; without a bound any count runs."""
+def test_the_causal_fixed_order_walks_heaviest_first_with_64_row_steps():
+    """Under a causal bound the fixed dQ order launches its heaviest programs first, every walk from
+    the last query block down, with 64-row steps (D=128), and its lightest first, masked steps first,
+    with 128-row steps (D=64; benchmarks/NOTES.md v87); any other pass walks ascending."""
+    from fusedattn.kernels.gluon import bwd
+    from fusedattn.tuning.configs import KernelConfig
+
+    rows64, rows128 = KernelConfig(64, 128, 4, 2, True, 0, 2, 0), KernelConfig(128, 128, 4, 2, True, 0, 2, 0)
+    assert bwd.dkdv_walk(True, rows64, True) == bwd.WALK_DESCENDING
+    assert bwd.dkdv_walk(True, rows128, True) == bwd.WALK_MASKED_FIRST
+    for config in (rows64, rows128):
+        assert bwd.dkdv_walk(False, config, True) == bwd.WALK_ASCENDING  # every program visits every block
+        assert bwd.dkdv_walk(True, config, False) == bwd.WALK_ASCENDING  # summed in any order
+
+
+def test_the_fixed_dq_order_takes_causal_launches_lightest_first_only_with_many_programs_an_sm():
+    """Where the causal fixed order launches lightest first (128-row steps), with few programs an SM
+    the pass ends on the heaviest (benchmarks/NOTES.md v83: GQA 16/2 at 4k keys, 256 programs on 132
+    SMs, 1.5x the dQ pass's backward), so such launches keep the dQ pass; launched heaviest first
+    (64-row steps) the same GQA launch beats the dQ pass (v87); without a bound any count runs."""
     from fusedattn.dispatch import ORDERED_CAUSAL_PROGRAMS_PER_SM, ordered_dq_balances
     from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
 
     full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, False)
     causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, False)
-    assert ordered_dq_balances(causal, 4 * 16 * 32, SMS)  # MHA B4 H16 at 4k: 2048 programs
-    assert ordered_dq_balances(causal, 16 * 128, SMS)  # MHA B1 H16 at 16k
-    assert not ordered_dq_balances(causal, 4 * 2 * 32, SMS)  # GQA 16/2 B4 at 4k: a KV head's programs
-    assert ordered_dq_balances(full, 4 * 2 * 32, SMS)
-    assert ordered_dq_balances(causal, ORDERED_CAUSAL_PROGRAMS_PER_SM * SMS, SMS)
-    assert not ordered_dq_balances(causal, ORDERED_CAUSAL_PROGRAMS_PER_SM * SMS - 1, SMS)
+    lightest_first = KernelConfig(128, 128, 4, 2, True, 0, 2, 0)  # 128-row steps (D=64)
+    heaviest_first = KernelConfig(64, 128, 4, 2, True, 0, 2, 0)  # 64-row steps (D=128)
+    assert ordered_dq_balances(causal, lightest_first, 4 * 32 * 32, SMS)  # MHA B4 H32 at 4k: 4096 programs
+    assert ordered_dq_balances(causal, lightest_first, 32 * 128, SMS)  # MHA B1 H32 at 16k
+    assert not ordered_dq_balances(causal, lightest_first, 4 * 2 * 32, SMS)  # B4, 2 KV heads at 4k
+    assert ordered_dq_balances(causal, heaviest_first, 4 * 2 * 32, SMS)  # GQA 16/2 B4 at 4k
+    assert ordered_dq_balances(full, lightest_first, 4 * 2 * 32, SMS)
+    assert ordered_dq_balances(causal, lightest_first, ORDERED_CAUSAL_PROGRAMS_PER_SM * SMS, SMS)
+    assert not ordered_dq_balances(causal, lightest_first, ORDERED_CAUSAL_PROGRAMS_PER_SM * SMS - 1, SMS)
 
 
 def test_the_8_warp_causal_forward_launches_block_major_at_short_keys(launchers_on_132_sms):

@@ -426,7 +426,7 @@ def _decide_backward(q, k, v, out, dout, dlse, spec: AttentionSpec, configs: Att
     ordered_form = bool(spec.deterministic and configs.ordered_dq and atomic_dq and named
                         and ordered_dq_form(spec, mask, bias, packing))
     ordered_dq = ordered_form and ordered_dq_balances(
-        spec, batch * heads_kv * cdiv(bhsd_shape(k, layout)[2], gluon.dkdv_key_block(dkdv_cfg)),
+        spec, dkdv_cfg, batch * heads_kv * cdiv(bhsd_shape(k, layout)[2], gluon.dkdv_key_block(dkdv_cfg)),
         gluon.multiprocessors(q.device.index))
     if spec.deterministic and not ordered_dq:
         atomic_dq = False  # adds in arrival order: dQ gets a pass of its own
@@ -529,15 +529,17 @@ def ordered_dq_form(spec: AttentionSpec, mask, bias, packing: Packing | None) ->
 ORDERED_CAUSAL_PROGRAMS_PER_SM = 8  # the fewest dK/dV programs an SM for the fixed order under a causal bound
 
 
-def ordered_dq_balances(spec: AttentionSpec, programs: int, sms: int) -> bool:
-    """Whether the fixed dQ order's launch ends evenly. Under a causal bound the order launches the
-    dK/dV pass's ``programs`` lightest first (their adds go in descending key-block order), so the
+def ordered_dq_balances(spec: AttentionSpec, config: KernelConfig, programs: int, sms: int) -> bool:
+    """Whether the fixed dQ order's launch ends evenly. Under a causal bound, where the order launches
+    the dK/dV pass's ``programs`` lightest first (``gluon.ordered_heaviest_first``: 128-row steps), the
     heaviest start last, and with few programs an SM the pass ends on them: measured at D=128, 4k keys
-    (the backward, one H200), GQA 16/2 -- 256 programs, each walking a KV head's group, on 132 SMs --
-    1.5x the backward with the dQ pass; 16 heads (2048 programs) 6% faster than it. Such launches
-    keep the dQ pass below ORDERED_CAUSAL_PROGRAMS_PER_SM programs an SM; without a causal bound the
-    programs are even."""
-    return spec.window_right != 0 or programs >= ORDERED_CAUSAL_PROGRAMS_PER_SM * sms
+    (the backward, one H200, when that order ran there), GQA 16/2 -- 256 programs, each walking a KV
+    head's group, on 132 SMs -- 1.5x the backward with the dQ pass; 16 heads (2048 programs) 6% faster
+    than it. Such launches keep the dQ pass below ORDERED_CAUSAL_PROGRAMS_PER_SM programs an SM. Launched
+    heaviest first (64-row steps), GQA 16/2 runs 3% faster than with the dQ pass; without a causal
+    bound the programs are even."""
+    return (spec.window_right != 0 or gluon.ordered_heaviest_first(config)
+            or programs >= ORDERED_CAUSAL_PROGRAMS_PER_SM * sms)
 
 
 def walks_group_with_dq_pass(q, k, spec: AttentionSpec, configs: AttentionConfigs, mask, bias,

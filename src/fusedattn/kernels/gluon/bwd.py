@@ -75,17 +75,25 @@ from ...spec import AttentionSpec, to_bhsd
 from ..shared.config import KernelConfig
 from ..shared.block_range import query_blocks_for_key_block
 from ..shared.constants import REGISTER_ORDER_BASES, score_constants
-from . import dkdv_key_block
+from . import dkdv_key_block, ordered_heaviest_first
 from .common import (LOG2E, WG_ROWS, Descriptor, UnswizzledDescriptor, bias_slice_args, chunk_grid, chunk_head_rows,
-                     descriptor, dropout_mark_t, grid_tile, keep_scores, launch_order, log2_scores, packed_chunk_heads,
-                     packed_tile, row_stats_descriptor, sm_count, snake_tile, store_sequence_rows, tma_reduce_add,
-                     turn_pass, turn_wait, ws_registers)
+                     descriptor, dropout_mark_t, grid_tile, keep_scores, launch_order, log2_scores, ordered_chunk_rows,
+                     packed_chunk_heads, packed_tile, row_stats_descriptor, sm_count, snake_tile, store_sequence_rows,
+                     tma_reduce_add, turn_pass, turn_wait, ws_registers)
 from ..shared.knobs import knobs
 from ..shared.launch import SLOT, Launcher, cdiv, per_problem
 from ..shared.descriptors import tma_addressable
 from ..shared import packed_tiles, rounds
 
 KEYS_PER_WG = WG_ROWS  # keys per consumer warpgroup: one wgmma M
+
+# A program's walk of its query blocks (``_step_coords``): ascending, or under a causal bound with dQ
+# summed in a fixed order (``_drain``) one of that order's two forms -- lightest program first (turns
+# descending, the diagonal's program adding first) or heaviest first (turns ascending, every walk from
+# the last block down). ``dkdv_walk`` picks.
+WALK_ASCENDING: gl.constexpr = gl.constexpr(0)
+WALK_MASKED_FIRST: gl.constexpr = gl.constexpr(1)
+WALK_DESCENDING: gl.constexpr = gl.constexpr(2)
 
 
 # --------------------------------------------------------------------------- the walk
@@ -140,26 +148,36 @@ def _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M: gl.const
             n_masked = n_lead
         n_interior_steps = group * n_inner
         n_steps = n_interior_steps + group * n_masked
-        walk = (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, group * n_masked)
+        walk = (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, group * n_masked, group)
     return n_steps, walk
 
 
 @gluon.jit
-def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr, MASKED_FIRST: gl.constexpr = False):
-    """(member of the KV group, query block) of step t of ``walk`` (``_query_walk``). MASKED_FIRST
-    (no lists, no left window): the masked steps come first, then the interior ones."""
+def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr, WALK: gl.constexpr = WALK_ASCENDING):
+    """(member of the KV group, query block) of step t of ``walk`` (``_query_walk``). WALK (no lists,
+    no left window but WALK_ASCENDING): WALK_ASCENDING the interior steps, then the masked ones, each
+    phase's blocks ascending, a member's blocks at a time; WALK_MASKED_FIRST the masked steps first;
+    WALK_DESCENDING each phase's blocks from the last down, the group's members a block at a time -- every
+    program that visits query block m (the last being M - 1) reaches it at the same step, (M - 1 - m) *
+    group + member, its interior and masked steps alike. The last two are the fixed dQ orders under a
+    causal bound (``_drain``)."""
     if LISTS:
         entry = gl.load(walk[1] + t)
         member = entry // walk[2]
         blk = entry - member * walk[2]
     else:
-        n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, n_masked_steps = walk
-        if MASKED_FIRST:
+        n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, n_masked_steps, group = walk
+        if WALK == WALK_MASKED_FIRST:
             inner = t >= n_masked_steps
             u = gl.where(inner, t - n_masked_steps, t)
         else:
             inner = t < n_interior_steps
             u = gl.where(inner, t, t - n_interior_steps)
+        if WALK == WALK_DESCENDING:
+            back = u // group
+            member = u - back * group
+            # interior: down from inner_begin + n_inner - 1 (the last block); masked: from inner_begin - 1
+            return member, gl.where(inner, inner_begin + n_inner, begin + n_lead) - 1 - back
         n = gl.maximum(gl.where(inner, n_inner, n_masked), 1)
         member = u // n
         v = u - member * n
@@ -177,12 +195,12 @@ def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr, MASKED_FIRST:
 def _load_step(g, t, walk, q_desc, do_desc, lse_desc, dl_desc, bias_desc, q_ring, do_ring, lse_ring, dl_ring,
                bias_ring, ready, empty, batch, first_head, stats_row0, q_start, n0, bias_at, BLOCK_M: gl.constexpr,
                NUM_STAGES: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr, BIAS: gl.constexpr,
-               MASKED_FIRST: gl.constexpr):
+               WALK: gl.constexpr):
     """Step t of ``walk``: its Q, dO, lse2 and delta (and bias tile) into the ring's step g (its slot
     and round; g = t but in the persistent pass), once the consumers have released the slot."""
     slot = g % NUM_STAGES
     mbarrier.wait(empty.index(slot), ((g // NUM_STAGES) & 1) ^ 1)  # a fresh barrier: round 0 passes
-    member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
+    member, blk = _step_coords(t, walk, LEFT, LISTS, WALK)
     head = first_head + member
     row = stats_row0 + head
     bar = ready.index(slot)
@@ -204,7 +222,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
               seq_k, heads_q, group, window_left, entries, bias_at, packed, SPLIT: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
               LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr,
-              VARLEN: gl.constexpr, MASKED_FIRST: gl.constexpr):
+              VARLEN: gl.constexpr, WALK: gl.constexpr):
     """``group``: the query heads the walk covers, from ``first_head`` on (1 with GROUP_SUM). BIAS:
     each step's bias tile (queries x the program's keys) lands in the ring slot with Q and dO, read
     in the bias's own shape at batch ``bias_at[0]``, head ``head // bias_at[1]``. ``packed``
@@ -229,7 +247,7 @@ def _producer(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_de
     for t in range(n_steps):
         _load_step(t, t, walk, q_desc, do_desc, lse_desc, dl_desc, bias_desc, q_ring, do_ring, lse_ring, dl_ring,
                    bias_ring, ready, empty, batch, first_head, stats_row0, q_start, n0, bias_at, BLOCK_M, NUM_STAGES,
-                   LEFT, LISTS, BIAS, MASKED_FIRST)
+                   LEFT, LISTS, BIAS, WALK)
     # Each consumer's dK, dV out by TMA, rows past Sk clipped: stored (16-bit, in its K/V buffers),
     # or with GROUP_SUM added into the fp32 group sums (staged by ``_group_sum_staging``). The
     # producer issues them so that no consumer touches a descriptor: in a consumer, ptxas kept the
@@ -293,13 +311,16 @@ def _bulk_writes_done():
 
 @gluon.jit
 def _dq_turn(blk, pid_n, seq_q, seq_k, key_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             CAUSAL: gl.constexpr):
-    """ORDERED: how many programs add into query block ``blk``'s dQ before program ``pid_n``. Without
-    a window every program visits every query block, in launch order (ascending key blocks). Causal:
-    the programs that visit ``blk`` are key blocks 0 .. n_max(blk), the last whose keys a row of
-    ``blk`` sees; they add in descending order (the launch order there, and the walk runs the
-    masked steps first), so the diagonal's program, whose first step is ``blk``, never waits."""
-    if CAUSAL:
+             WALK: gl.constexpr):
+    """ORDERED: how many programs add into query block ``blk``'s dQ before program ``pid_n``. The
+    programs visiting a block add in launch order. Ascending key blocks -- without a window every
+    program visits every query block; WALK_DESCENDING, under a causal bound, key blocks 0 .. n_max(blk)
+    (the last whose keys a row of ``blk`` sees) visit it, heaviest first, each walk reaching it at the
+    same step, so a program's adds trail its predecessor's by a drain hop and it must start well after
+    it (``common.ordered_chunk_rows``). WALK_MASKED_FIRST (causal): descending key blocks, the lightest
+    launched first and walking its masked steps first, so the diagonal's program, whose first step is
+    ``blk``, never waits, nor does any program reach a block before its predecessor has."""
+    if WALK == WALK_MASKED_FIRST:
         last_visible_key = (blk + 1) * BLOCK_M - 1 + (seq_k - seq_q)  # >= pid_n * BLOCK_N: pid_n visits blk
         return gl.minimum(last_visible_key // BLOCK_N, key_blocks - 1) - pid_n
     else:
@@ -334,7 +355,7 @@ def _reduce_dq(g, dq_desc, dq_state, batch, head, first_row, SPLIT: gl.constexpr
 def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, group, window_left, entries, bias_at,
            q_start, order_at, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
            HEAD_D: gl.constexpr, CAUSAL: gl.constexpr, LEFT: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr,
-           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr):
+           DBIAS: gl.constexpr, VARLEN: gl.constexpr, ORDERED: gl.constexpr, WALK: gl.constexpr):
     """DQ: per step, each consumer's dQ tile (fp32, shared) into the fp32 accumulator by one TMA
     reduce-add (rows past Sq clipped), then the staging buffers are handed back: its columns
     (D=128), its rows (D=64, 128-row steps) or all columns over its own keys (D=64, ``_dq_tile``).
@@ -345,7 +366,8 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
     ORDERED (deterministic mode; no lists, window, bias or packing): each query block's dQ is summed
     in a fixed order of programs. ``order_at`` = (the zeroed int32 turn counters, one per (batch *
     Hq + head, query block), heads_q, key_blocks): the drain waits for its turn (``_dq_turn``) before
-    its reduce-adds and passes the turn on once they have completed."""
+    its reduce-adds and passes the turn on once they have completed; WALK (``_step_coords``) is the
+    order the programs reach the blocks in."""
     if DQ:
         ds_s, dq_empty = dq_state[0], dq_state[4]
         n_steps, walk = _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M, BLOCK_N, CAUSAL, LEFT,
@@ -353,13 +375,13 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
         if ORDERED:  # the first step's counter (the group's first one where there is no step: in bounds)
             query_blocks = gl.cdiv(seq_q, BLOCK_M)
             locks = order_at[0] + (batch * order_at[1] + first_head).to(gl.int64) * query_blocks  # its first head's
-            member, blk = _step_coords(0, walk, LEFT, LISTS, CAUSAL)
+            member, blk = _step_coords(0, walk, LEFT, LISTS, WALK)
             seen = _load_turn(locks + gl.where(n_steps > 0, member * query_blocks + blk, 0))
         for t in range(n_steps):
-            member, blk = _step_coords(t, walk, LEFT, LISTS, ORDERED and CAUSAL)
+            member, blk = _step_coords(t, walk, LEFT, LISTS, WALK)
             if ORDERED:
                 lock = locks + member * query_blocks + blk
-                turn = _dq_turn(blk, n0 // BLOCK_N, seq_q, seq_k, order_at[2], BLOCK_M, BLOCK_N, CAUSAL)
+                turn = _dq_turn(blk, n0 // BLOCK_N, seq_q, seq_k, order_at[2], BLOCK_M, BLOCK_N, WALK)
                 while seen != turn:  # ``seen``: read a step early
                     seen = _load_turn(lock)
             _reduce_dq(t, dq_desc, dq_state, batch, first_head + member, q_start + blk * BLOCK_M, SPLIT, BLOCK_M,
@@ -374,7 +396,7 @@ def _drain(dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, g
                 # The next step's counter read now, its round trip under this step's completion wait:
                 # read after it, the drain's step (read, adds, completion, release) outlasts a
                 # 64-row step at D=128 and paces the consumers (they wait for dq_empty).
-                member, blk = _step_coords(gl.minimum(t + 1, n_steps - 1), walk, LEFT, LISTS, CAUSAL)
+                member, blk = _step_coords(gl.minimum(t + 1, n_steps - 1), walk, LEFT, LISTS, WALK)
                 seen = _load_turn(locks + member * query_blocks + blk)
                 # the next program's turn once the adds are in memory
                 gl.atomic_add(lock, 1 + _bulk_writes_done(), sem="release", scope="gpu")
@@ -564,10 +586,10 @@ def _dq_tile(t, ds_t, k_smem, dq_state, dq_zero, scale, WG: gl.constexpr, SPLIT:
 
 @gluon.jit
 def _alibi_step(t, walk, alibi_at, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr,
-                ALIBI: gl.constexpr, MASKED_FIRST: gl.constexpr = False):
+                ALIBI: gl.constexpr, WALK: gl.constexpr = WALK_ASCENDING):
     """(slope in log2 units, first query row) of step t for ALiBi (``_step``); (0.0, 0) without it."""
     if ALIBI:
-        member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
+        member, blk = _step_coords(t, walk, LEFT, LISTS, WALK)
         slopes, first_row = alibi_at
         return gl.load(slopes + first_row + member) * LOG2E, blk * BLOCK_M
     else:
@@ -576,12 +598,12 @@ def _alibi_step(t, walk, alibi_at, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LI
 
 @gluon.jit
 def _dropout_step(t, walk, dropout_at, first_key, BLOCK_M: gl.constexpr, LEFT: gl.constexpr, LISTS: gl.constexpr,
-                  DROPOUT: gl.constexpr, MASKED_FIRST: gl.constexpr = False):
+                  DROPOUT: gl.constexpr, WALK: gl.constexpr = WALK_ASCENDING):
     """Step t's dropout arguments for ``_step``: (seed, batch * Hq + head, first query row, first key,
     threshold, scale); ``dropout_at`` = (the call's seed, the statistics row of the group's first
     head, the threshold, the scale). Zeros without DROPOUT."""
     if DROPOUT:
-        member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
+        member, blk = _step_coords(t, walk, LEFT, LISTS, WALK)
         seed, first_row, threshold, keep_scale = dropout_at
         return seed, first_row + member, blk * BLOCK_M, first_key, threshold, keep_scale
     else:
@@ -753,9 +775,9 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
               PINGPONG: gl.constexpr, DQ: gl.constexpr, LISTS: gl.constexpr, GROUP_SUM: gl.constexpr,
               stage_layout: gl.constexpr, BIAS: gl.constexpr, packed, VARLEN: gl.constexpr, alibi_at=0,
               ALIBI: gl.constexpr = False, dropout_at=0, DROPOUT: gl.constexpr = False,
-              MASKED_FIRST: gl.constexpr = False):
-    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup. MASKED_FIRST (with DQ, no lists or
-    left window): the masked steps first, then the interior ones (the drain's ordered dQ). ALIBI
+              WALK: gl.constexpr = WALK_ASCENDING):
+    """Keys [n0 + WG * 64, + 64) of the program, on one warpgroup, its steps in WALK's order
+    (``_step_coords``; with DQ, no lists or left window but WALK_ASCENDING: the drain's ordered dQ). ALIBI
     (causal, no lists, bias or packing): ``alibi_at`` = (the (B, Hq) slopes, the statistics row of
     the group's first head); each step reads its query head's slope. DROPOUT (no lists, bias or
     packing): ``dropout_at`` (``_dropout_step``). VARLEN (packed sequences): dK, dV of the keys
@@ -794,28 +816,28 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         active = nc >= 0
         for c in gl.static_range(SPLIT):
             mbarrier.wait(kv_bars.index(c), 0)
-        # Two phases, interior steps then masked ones -- or, MASKED_FIRST, the other way round (a
-        # phase's MASK is ``(phase == 0) == MASKED_FIRST``, written out: an unrolled constexpr cannot
-        # be bound to a name twice).
-        first_end = n_steps - n_interior_steps if MASKED_FIRST else n_interior_steps
+        # Two phases, interior steps then masked ones -- or, WALK_MASKED_FIRST, the other way round (a
+        # phase's MASK is ``(phase == 0) == (WALK == WALK_MASKED_FIRST)``, written out: an unrolled
+        # constexpr cannot be bound to a name twice).
+        first_end = n_steps - n_interior_steps if WALK == WALK_MASKED_FIRST else n_interior_steps
         for phase in gl.static_range(2):
             if phase == 0:
                 t_begin, t_end = 0, first_end
             else:
                 t_begin, t_end = first_end, n_steps
             for t in range(t_begin, t_end):
-                if (phase == 0) == MASKED_FIRST:
-                    member, blk = _step_coords(t, walk, LEFT, LISTS, MASKED_FIRST)
+                if (phase == 0) == (WALK == WALK_MASKED_FIRST):
+                    member, blk = _step_coords(t, walk, LEFT, LISTS, WALK)
                     first_row = blk * BLOCK_M
                 else:
                     first_row = 0
-                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI, MASKED_FIRST)
-                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT, MASKED_FIRST)
+                slope, row0 = _alibi_step(t, walk, alibi_at, BLOCK_M, LEFT, LISTS, ALIBI, WALK)
+                drop = _dropout_step(t, walk, dropout_at, nc, BLOCK_M, LEFT, LISTS, DROPOUT, WALK)
                 dk, dv = _step(t, t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
                                dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
                                BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG,
-                               (phase == 0) == MASKED_FIRST, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope,
-                               row0, DROPOUT, drop)
+                               (phase == 0) == (WALK == WALK_MASKED_FIRST), CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED,
+                               ALIBI, slope, row0, DROPOUT, drop)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
@@ -1115,7 +1137,8 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                     LISTS: gl.constexpr, GROUP_SUM: gl.constexpr, BIAS: gl.constexpr, DBIAS: gl.constexpr,
                     VARLEN: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     num_warps: gl.constexpr, ALIBI: gl.constexpr = False, DROPOUT: gl.constexpr = False,
-                    ORDERED: gl.constexpr = False, PERSISTENT: gl.constexpr = False):
+                    ORDERED: gl.constexpr = False, PERSISTENT: gl.constexpr = False,
+                    WALK: gl.constexpr = WALK_ASCENDING):
     """The default partition is consumer warpgroup 0 (4 warps); workers: consumer warpgroups 1 (and
     2), 4 warps each, the 1-warp producer and, with DQ, the 1-warp dQ drain. LISTS: the steps come
     from the host's tile list of the program's key block (a mask), else from ``_query_walk``'s rule.
@@ -1132,14 +1155,15 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
     pointers (``DK``, ``DV``: row and head strides ``stride_kv_*``) or into the group sums.
     ORDERED (deterministic mode, with DQ; no lists, left window, bias, group sums or packing): each
     query block's dQ summed in a fixed order of programs (``_drain``), ``DqLock`` its turn counters
-    (int32 (B * Hq, query blocks), zeroed); causal programs then start in descending key-block
-    order and walk their masked steps first.
+    (int32 (B * Hq, query blocks), zeroed); causal programs then walk in WALK's order
+    (``_step_coords``, ``dkdv_walk``).
     PERSISTENT (with DQ split by rows, two warpgroups without turns; no lists, bias, group sums,
     packing, ALiBi, dropout or fixed order): a program per SM walks the launch's ``tiles`` tiles in
     rounds (``_consumer_tiles``)."""
     gl.static_assert(not (VARLEN and (LISTS or BIAS)), "packed sequences: no mask, no bias")
     gl.static_assert(not ORDERED or (DQ and not (LISTS or LEFT or BIAS or GROUP_SUM or VARLEN)),
                      "dQ in a fixed order: with DQ; no lists, left window, bias, group sums or packing")
+    gl.static_assert(WALK == WALK_ASCENDING or (ORDERED and CAUSAL), "a fixed order's walk: ordered, causal")
     gl.static_assert(not BIAS or (DQ and not SOFTCAP and HEAD_D == 128), "a bias: D=128, with dQ, no softcap")
     gl.static_assert(BIAS or not DBIAS, "a bias gradient needs the bias")
     gl.static_assert(num_warps == 4, "the default partition is one consumer warpgroup")
@@ -1170,7 +1194,7 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
         # across the loops (computed ones cost D=64's three-warpgroup pass 8 bytes of spills).
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
-    if ORDERED and CAUSAL:  # descending key blocks: the order their dQ adds take (``_dq_turn``)
+    if WALK == WALK_MASKED_FIRST:  # descending key blocks: the order their dQ adds take (``_dq_turn``)
         pid_n = key_blocks - 1 - pid_n
     if GROUP_SUM:  # one query head
         batch = pid_bh // heads_q
@@ -1301,20 +1325,20 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, WALK)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, WALK)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
                          packed, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS,
-                         VARLEN, ORDERED and CAUSAL)),
+                         VARLEN, WALK)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
                       entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, WALK)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -1322,25 +1346,25 @@ def _dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 0, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, WALK)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 1, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, WALK)),
             (_consumer, (k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready, empty, done, walked,
                          turn_bars, dq_state, n0, seq_q, seq_k, walk_group, window_left, entries, qk_scale,
                          softcap_log2, scale, 2, SPLIT, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, LEFT, SOFTCAP,
                          PINGPONG, DQ, LISTS, GROUP_SUM, STAGE_LAYOUT, BIAS, packed, VARLEN, alibi_at, ALIBI, dropout_at,
-                         DROPOUT, ORDERED and CAUSAL)),
+                         DROPOUT, WALK)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, dl_desc, bias_desc, k_smem,
                          v_smem, q_ring, do_ring, lse_ring, dl_ring, bias_ring, kv_bars, ready, empty, done, batch,
                          head_kv, first_head, n0, seq_q, seq_k, heads_q, walk_group, window_left, entries, bias_at,
                          packed, SPLIT, BLOCK_M, BLOCK_N, NUM_STAGES, CAUSAL, LEFT, DQ, LISTS, GROUP_SUM, BIAS,
-                         VARLEN, ORDERED and CAUSAL)),
+                         VARLEN, WALK)),
             (_drain, (dq_desc, dbias_desc, dq_state, batch, first_head, n0, seq_q, seq_k, walk_group, window_left,
                       entries, bias_at, q_start, (DqLock, heads_q, key_blocks), SPLIT, BLOCK_M, BLOCK_N, HEAD_D,
-                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),
+                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, WALK)),
         ], [4, 4, 1, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
@@ -1490,7 +1514,15 @@ def _dkdv_launcher(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: Attention
                     CHUNKED=chunked, DQ=dq, LISTS=has_lists, GROUP_SUM=group_sum, BIAS=bias_slices is not None,
                     DBIAS=dbias, VARLEN=False, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs, num_warps=4,
                     maxnreg=maxnreg, ALIBI=spec.alibi, DROPOUT=spec.has_dropout, ORDERED=ordered,
-                    PERSISTENT=programs > 0)
+                    PERSISTENT=programs > 0, WALK=dkdv_walk(spec.window_right == 0, config, ordered))
+
+
+def dkdv_walk(causal: bool, config: KernelConfig, ordered: bool) -> int:
+    """The programs' walk (``_step_coords``): ascending but with dQ summed in a fixed order under a
+    causal bound, whose launch goes heaviest first or lightest first (``ordered_heaviest_first``)."""
+    if not (ordered and causal):
+        return int(WALK_ASCENDING)
+    return int(WALK_DESCENDING if ordered_heaviest_first(config) else WALK_MASKED_FIRST)
 
 
 def persistent_dkdv_fits(head_dim: int, config: KernelConfig, dq: bool, extras: bool) -> bool:
@@ -1525,8 +1557,12 @@ def dkdv_programs(q_shape: tuple, heads_kv: int, seqlen_k: int, spec: AttentionS
     heads = batch * (heads_q if group_sum else heads_kv)
     # A fixed dQ order chains each key block's program to the previous block's adds: launched in
     # chunks of about a wave, a program starts several launches after the one it waits on, not
-    # next to it (measured faster at 4k keys, level at 16k where a chunk is one head row).
-    chunk = chunk_head_rows(heads, key_blocks, spec.has_window_right or ordered, device)
+    # next to it (measured faster at 4k keys, level at 16k where a chunk is one head row). Launched
+    # heaviest first, its chunks are wider (``ordered_chunk_rows``).
+    if dkdv_walk(spec.window_right == 0, config, ordered) == WALK_DESCENDING:
+        chunk = ordered_chunk_rows(heads, key_blocks, device)
+    else:
+        chunk = chunk_head_rows(heads, key_blocks, spec.has_window_right or ordered, device)
     tiles = heads * key_blocks
     forced = knobs().dkdv_programs
     extras = lists or group_sum or ordered or bias or spec.alibi or spec.has_dropout
