@@ -79,12 +79,12 @@ EDITS = [
     ("lse2 if dropout is None else dropout[0], dq_lock if dq_lock is not None else lse2)",
      "lse2 if dropout is None else dropout[0], dq_lock if dq_lock is not None else TIMELINE[0])", 1),
     # the producer: its signature, start, loads issued, stores read
-    ("              VARLEN: gl.constexpr, MASKED_FIRST: gl.constexpr):\n",
-     "              VARLEN: gl.constexpr, MASKED_FIRST: gl.constexpr, stamps=0):\n", 1),
+    ("              VARLEN: gl.constexpr, WALK: gl.constexpr):\n",
+     "              VARLEN: gl.constexpr, WALK: gl.constexpr, stamps=0):\n", 1),
     ("    q_start, k_start, stats_row0 = packed[0], packed[1], packed[2]\n    KEYS: gl.constexpr = k_desc.block_type.shape[2]\n    for c in gl.static_range(SPLIT):\n",
      "    q_start, k_start, stats_row0 = packed[0], packed[1], packed[2]\n    _stamp(stamps, 3, 1)\n    KEYS: gl.constexpr = k_desc.block_type.shape[2]\n    for c in gl.static_range(SPLIT):\n", 1),
-    ("                   LEFT, LISTS, BIAS, MASKED_FIRST)\n    # Each consumer's dK, dV out by TMA",
-     "                   LEFT, LISTS, BIAS, MASKED_FIRST)\n    _stamp(stamps, 4, 1)\n    # Each consumer's dK, dV out by TMA", 1),
+    ("                   LEFT, LISTS, BIAS, WALK)\n    # Each consumer's dK, dV out by TMA",
+     "                   LEFT, LISTS, BIAS, WALK)\n    _stamp(stamps, 4, 1)\n    # Each consumer's dK, dV out by TMA", 1),
     ("                    tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], v_smem.index(c))\n        tma.store_wait(pendings=0)\n",
      "                    tma.async_copy_shared_to_global(dv_desc, [batch, head_kv, nc, 0], v_smem.index(c))\n        tma.store_wait(pendings=0)\n    _stamp(stamps, 10, 1)\n", 1),
     # the drain: start and end
@@ -93,8 +93,8 @@ EDITS = [
     ("                gl.atomic_add(lock, 1 + _bulk_writes_done(), sem=\"release\", scope=\"gpu\")\n\n\n# ---",
      "                gl.atomic_add(lock, 1 + _bulk_writes_done(), sem=\"release\", scope=\"gpu\")\n    _stamp(order_at[0], 11, 1)\n\n\n# ---", 1),
     # the consumers: signature, K/V landed, masked steps' start, steps over, last dS round, done
-    ("              MASKED_FIRST: gl.constexpr = False):\n    \"\"\"Keys [n0 + WG * 64, + 64) of the program",
-     "              MASKED_FIRST: gl.constexpr = False, stamps=0):\n    \"\"\"Keys [n0 + WG * 64, + 64) of the program", 1),
+    ("              WALK: gl.constexpr = WALK_ASCENDING):\n    \"\"\"Keys [n0 + WG * 64, + 64) of the program",
+     "              WALK: gl.constexpr = WALK_ASCENDING, stamps=0):\n    \"\"\"Keys [n0 + WG * 64, + 64) of the program", 1),
     ("        for c in gl.static_range(SPLIT):\n            mbarrier.wait(kv_bars.index(c), 0)\n        # Two phases",
      "        for c in gl.static_range(SPLIT):\n            mbarrier.wait(kv_bars.index(c), 0)\n        if WG == 0:\n            _stamp(stamps, 5, 4)\n            _stamp(stamps, 13, 4, n_steps)\n        # Two phases", 1),
     ("                t_begin, t_end = first_end, n_steps\n",
@@ -110,12 +110,12 @@ EDITS = [
      "    _stamp(DqLock, 0, 4)\n    _stamp(DqLock, 1, 4)\n    _stamp(DqLock, 16, 4)\n    KEYS: gl.constexpr = k_desc.block_type.shape[2]\n    gl.static_assert(not GROUP_SUM or", 1),
     ("    elif SPLIT == 2:\n        gl.warp_specialize([",
      "    elif SPLIT == 2:\n        _stamp(DqLock, 2, 4)\n        gl.warp_specialize([", 1),
-    ("                         DROPOUT, ORDERED and CAUSAL)),\n",
-     "                         DROPOUT, ORDERED and CAUSAL, DqLock)),\n", 5),
-    ("                         VARLEN, ORDERED and CAUSAL)),\n",
-     "                         VARLEN, ORDERED and CAUSAL, DqLock)),\n", 2),
-    ("                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),\n        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])\n    else:",
-     "                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED)),\n        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])\n        _stamp(DqLock, 12, 4)\n        _stamp(DqLock, 17, 4)\n    else:", 1),
+    ("                         DROPOUT, WALK)),\n",
+     "                         DROPOUT, WALK, DqLock)),\n", 5),
+    ("                         VARLEN, WALK)),\n",
+     "                         VARLEN, WALK, DqLock)),\n", 2),
+    ("                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, WALK)),\n        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])\n    else:",
+     "                      CAUSAL, LEFT, DQ, LISTS, DBIAS, VARLEN, ORDERED, WALK)),\n        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])\n        _stamp(DqLock, 12, 4)\n        _stamp(DqLock, 17, 4)\n    else:", 1),
 ]
 
 TIMELINE_BUFFER = '''
