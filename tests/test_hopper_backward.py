@@ -368,6 +368,11 @@ ORDERED_CASES = [
     Case(1, 4, 4, 333, 517, 128, causal=True, alibi="heads", deterministic=True, dtype=torch.bfloat16),
     Case(2, 4, 4, 517, 333, 64, causal=True, dropout=0.3, deterministic=True, dtype=torch.bfloat16),
     Case(1, 4, 4, 700, 700, 128, causal=True, softcap=20.0, deterministic=True, dtype=torch.bfloat16),
+    # D=128 under a causal bound walks from the last query block down, a GQA group's members a block
+    # at a time: more query rows than keys, a group, dropout (past SHORT_KEYS keys, where short causal
+    # GQA takes its own form, ``dispatch.walks_group_with_dq_pass``)
+    Case(1, 4, 2, 2177, 2100, 128, causal=True, deterministic=True, dtype=torch.bfloat16),
+    Case(1, 4, 2, 2100, 2100, 128, causal=True, dropout=0.2, deterministic=True, dtype=torch.bfloat16),
 ]
 
 
