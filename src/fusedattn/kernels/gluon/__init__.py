@@ -28,9 +28,9 @@ def ordered_heaviest_first(config) -> bool:
     """Whether the dK/dV pass summing dQ in a fixed order under a causal bound launches its heaviest
     programs first (every walk from the last query block down, turns ascending) rather than its
     lightest (turns descending, the diagonal's program adding first): with 64-row steps (D=128).
-    Measured against each other (the dK/dV pass, one H200, 4k and 16k keys): heaviest first 6.7-7.9%
-    faster with 64-row steps, where lightest first ends on its heaviest programs with 7-8% of the SMs
-    idle; 3-8% slower with 128-row steps (D=64)."""
+    Measured against each other (the dK/dV pass, one H200, two runs at 4k and 16k keys): heaviest first
+    1-7% faster at 4k and 6-8% at 16k with 64-row steps, where lightest first ends on its heaviest
+    programs with 7-8% of the SMs idle; 3-8% slower with 128-row steps (D=64)."""
     return config.block_m <= 64
 
 
