@@ -159,6 +159,26 @@ def test_explain_deterministic_sums_dq_in_a_fixed_order():
     assert "atomics" not in dq.kernel and "fixed order" in dq.why and "deterministic" in dq.why
 
 
+def test_explain_names_the_causal_fixed_orders_launch():
+    """Deterministic mode's fixed dQ order under a causal bound launches heaviest first with 64-row
+    steps and lightest first with 128-row ones (``gluon.ordered_heaviest_first``); without a bound
+    there is no such choice to name."""
+    from dataclasses import replace
+
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import INTERPRETER_CONFIGS, KernelConfig
+
+    causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, True)  # deterministic
+    full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, True)
+    route = dict(atomic_dq=True, gluon_dkdv=True, gluon_dq=False, group_walk=False, mask=None, bias=None,
+                 packing=None)
+    rows64 = replace(INTERPRETER_CONFIGS, dkdv=KernelConfig(64, 128, 4, 2, True, 0, 2, 0))
+    rows128 = replace(INTERPRETER_CONFIGS, dkdv=KernelConfig(128, 128, 4, 2, True, 0, 2, 0))
+    assert "heaviest programs launched first" in dispatch._dq_route(causal, rows64, **route)
+    assert "lightest programs launched first" in dispatch._dq_route(causal, rows128, **route)
+    assert "launched first" not in dispatch._dq_route(full, rows64, **route)
+
+
 def test_explain_says_why_a_causal_launch_of_few_programs_keeps_the_dq_pass():
     """The fixed order refused for its launch (``dispatch.ordered_dq_balances``): the reason names it,
     and only then."""

@@ -470,8 +470,12 @@ def _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, 
     """Why dQ is summed the way the plan says, in words (``explain``). ``unbalanced``: the fixed order
     was possible but refused for its launch (``ordered_dq_balances``)."""
     if atomic_dq and spec.deterministic:
+        causal_order = ""
+        if spec.window_right == 0:  # the order's two forms under a causal bound (``gluon.ordered_heaviest_first``)
+            first = "heaviest" if gluon.ordered_heaviest_first(configs.dkdv) else "lightest"
+            causal_order = f", {first} programs launched first under the causal bound"
         return ("every row summed in a fixed order (deterministic mode: the dK/dV pass's programs take turns "
-                "on each query block's fp32 reduce-adds; 5 matmuls a tile, not 7)")
+                f"on each query block's fp32 reduce-adds{causal_order}; 5 matmuls a tile, not 7)")
     if atomic_dq:
         return "the launch config asks for dQ by fp32 atomics from the dK/dV pass (5 matmuls a tile, not 7)"
     unbalanced_why = ("deterministic mode: no atomics, and the dK/dV pass's fixed order would launch too few "
