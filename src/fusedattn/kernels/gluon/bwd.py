@@ -148,7 +148,7 @@ def _query_walk(n0, seq_q, seq_k, group, window_left, entries, BLOCK_M: gl.const
             n_masked = n_lead
         n_interior_steps = group * n_inner
         n_steps = n_interior_steps + group * n_masked
-        walk = (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, group * n_masked, group)
+        walk = (n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, group)
     return n_steps, walk
 
 
@@ -166,8 +166,9 @@ def _step_coords(t, walk, LEFT: gl.constexpr, LISTS: gl.constexpr, WALK: gl.cons
         member = entry // walk[2]
         blk = entry - member * walk[2]
     else:
-        n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, n_masked_steps, group = walk
+        n_interior_steps, n_inner, inner_begin, n_masked, n_lead, begin, group = walk
         if WALK == WALK_MASKED_FIRST:
+            n_masked_steps = group * n_masked
             inner = t >= n_masked_steps
             u = gl.where(inner, t - n_masked_steps, t)
         else:
@@ -817,16 +818,17 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
         for c in gl.static_range(SPLIT):
             mbarrier.wait(kv_bars.index(c), 0)
         # Two phases, interior steps then masked ones -- or, WALK_MASKED_FIRST, the other way round (a
-        # phase's MASK is ``(phase == 0) == (WALK == WALK_MASKED_FIRST)``, written out: an unrolled
-        # constexpr cannot be bound to a name twice).
-        first_end = n_steps - n_interior_steps if WALK == WALK_MASKED_FIRST else n_interior_steps
+        # phase's MASK is ``(phase == 0) == MASKED_FIRST``, written out: an unrolled constexpr cannot
+        # be bound to a name twice).
+        MASKED_FIRST: gl.constexpr = WALK == WALK_MASKED_FIRST
+        first_end = n_steps - n_interior_steps if MASKED_FIRST else n_interior_steps
         for phase in gl.static_range(2):
             if phase == 0:
                 t_begin, t_end = 0, first_end
             else:
                 t_begin, t_end = first_end, n_steps
             for t in range(t_begin, t_end):
-                if (phase == 0) == (WALK == WALK_MASKED_FIRST):
+                if (phase == 0) == MASKED_FIRST:
                     member, blk = _step_coords(t, walk, LEFT, LISTS, WALK)
                     first_row = blk * BLOCK_M
                 else:
@@ -836,8 +838,8 @@ def _consumer(k_smem, v_smem, q_ring, do_ring, lse_ring, dl_ring, kv_bars, ready
                 dk, dv = _step(t, t, k_smem, v_s, q_ring, do_ring, lse_ring, dl_ring, ready, empty, turn_bars, dq_state,
                                dk, dv, s_zero, dq_zero, keys, first_row, rule, seq_k, qk_scale, softcap_log2, scale,
                                BLOCK_M, HEAD_D, NUM_STAGES, s_layout, a_layout, WG, SPLIT, PINGPONG,
-                               (phase == 0) == (WALK == WALK_MASKED_FIRST), CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED,
-                               ALIBI, slope, row0, DROPOUT, drop)
+                               (phase == 0) == MASKED_FIRST, CAUSAL, LEFT, SOFTCAP, DQ, BIAS, RAGGED, ALIBI, slope,
+                               row0, DROPOUT, drop)
         if not _dq_by_keys(DQ_ROWS, DQ_COLS, BLOCK_M, HEAD_D):
             # The other warpgroups' dQ wgmmas read this K tile: one more round of ds_bar before it
             # is overwritten with dK.
