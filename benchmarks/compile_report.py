@@ -333,13 +333,14 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                        softcap: bool = False, left: bool = False, lists: bool = False, group_sum: bool = False,
                        bias: bool = False, dbias: bool = False, varlen: bool = False, alibi: bool = False,
                        dropout: bool = False, ordered: bool = False, register_order: bool | None = None,
-                       persistent: bool = False):
+                       persistent: bool = False, interleaved: bool = False):
     """The warp-specialised Gluon dK/dV pass of kernels/hopper_bwd.py as its launcher builds it
     (``group_sum``: one program per query head, dK/dV added into fp32 sums over the GQA group;
     ``bias``, ``dbias``: reading a bias of the inputs' dtype, storing its gradient; ``varlen``:
     packed sequences, dK/dV stored by pointers; ``register_order``: dQ staged as register-order runs,
     by default as the planner stages it for lengths that are multiples of 64, i.e. without packing;
-    ``persistent``: a program per SM walking tiles, ``hopper_bwd.dkdv_programs``)."""
+    ``persistent``: a program per SM walking tiles, ``hopper_bwd.dkdv_programs``; ``interleaved``: the
+    fixed order's causal launch in ``interleaved_order``, ``hopper_bwd.fixed_order_launch``)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def desc(rows: int, ty: str = dtype) -> str:
@@ -357,7 +358,9 @@ def compile_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
                       CONSUMER_REGS=consumer_regs, ALIBI=alibi, DROPOUT=dropout, ORDERED=ordered, num_warps=4,
                       PERSISTENT=persistent)
     if hasattr(hopper_bwd, "dkdv_walk"):  # the walk of a fixed dQ order (a module without it has one form)
-        constexprs["WALK"] = hopper_bwd.dkdv_walk(causal, cfg, ordered)
+        constexprs["WALK"] = hopper_bwd.dkdv_walk(causal, cfg, ordered, **({"interleaved": True} if interleaved else {}))
+    if interleaved:
+        constexprs["CHUNKED"] = 3
     if varlen:
         constexprs["CHUNKED"] = 0
     else:  # the launcher passes no dK/dV pointers
@@ -407,21 +410,25 @@ def _report_hopper_dkdv(head_dim: int, dtype: str, cfg, causal: bool, dq: bool =
     # causal GQA outside deterministic mode sums dK/dV over the group where the pass can (group sums)
     group_sums = ((False, True) if causal and not ordered and dispatch.sums_over_group(CAUSAL_SPEC, 2, 1, cfg, lists)
                   else (False,))
-    forms = [(group_sum, False) for group_sum in group_sums]
+    forms = [(group_sum, False, False) for group_sum in group_sums]
     # the persistent pass where the planner may run it (hopper_bwd.dkdv_programs: short causal rows)
     if causal and hopper_bwd.persistent_dkdv_fits(head_dim, cfg, dq, lists or bias or ordered or varlen or alibi
                                                   or dropout):
-        forms.append((False, True))
-    for group_sum, persistent in forms:
+        forms.append((False, True, False))
+    if causal and ordered:  # the fixed order's interleaved launch (hopper_bwd.fixed_order_launch)
+        forms.append((False, False, True))
+    for group_sum, persistent, interleaved in forms:
         try:
             r = compile_hopper_dkdv(head_dim, dtype, cfg, causal, dq, softcap, left, lists, group_sum,
-                                    bias, bias, varlen, alibi, dropout, ordered, persistent=persistent)
+                                    bias, bias, varlen, alibi, dropout, ordered, persistent=persistent,
+                                    interleaved=interleaved)
         except Exception as e:
             print(f"  {shown}  FAILED: {type(e).__name__}: {str(e)[:400]}")
             return 1
         serial = f"  WGMMA SERIALIZED: {r['serialized']}" if r["serialized"] else ""
         spilled = "  SPILLS" if r["spills"] else ""
-        print(f"  {shown}{' group sums' if group_sum else ''}{' persistent' if persistent else ''}  "
+        print(f"  {shown}{' group sums' if group_sum else ''}{' persistent' if persistent else ''}"
+              f"{' interleaved' if interleaved else ''}  "
               f"regs={r['regs']} stack={r['spills']} smem={r['shared']}{serial}{spilled}")
         # The 5-matmul form spills 80-96 bytes and still beat everything else (NOTES.md v19); the
         # sliding-window pass 40-48 bytes at D=128 and still beat the Triton one it replaced (v25),

@@ -14,7 +14,7 @@ A module missing from the directory is taken from this tree (only ``fwd.py`` the
 change alone).
 
 Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys), then any of
-+det (``deterministic=True``), +cap30 (softcap 30), +alibi (random ALiBi slopes), +dropP (dropout
++det (``deterministic=True``), +kvN (N key/value heads: GQA), +cap30 (softcap 30), +alibi (random ALiBi slopes), +dropP (dropout
 P%, the same seed every call); ``packed``:
 causal packed sequences of nine lengths, 16 heads, D=128 (``flash_attn_varlen_func``); ``alibi``:
 causal ALiBi, 4x16x4096x128. ``packed`` and ``alibi`` time the forward."""
@@ -81,8 +81,10 @@ def make_call(row: str, forward_only: bool):
         return lambda: (fusedattn.attention(q, k, v, layout="bhsd", causal=True, alibi_slopes=slopes),)
     b, h, s, d, mask = row.split("x")
     mask, *extras = mask.split("+")
-    q, k, v, do = (torch.randn(int(b), int(h), int(s), int(d), device="cuda", dtype=torch.bfloat16, generator=gen)
-                   for _ in range(4))
+    kv = [extra for extra in extras if extra.startswith("kv")]
+    heads_kv = int(kv[0][len("kv"):]) if kv else int(h)
+    q, k, v, do = (torch.randn(int(b), int(h) if i in (0, 3) else heads_kv, int(s), int(d), device="cuda",
+                               dtype=torch.bfloat16, generator=gen) for i in range(4))
     options = dict(window=(int(mask[1:]) - 1, 0)) if mask[0] == "w" else dict(causal=mask == "causal")
     options["deterministic"] = "det" in extras
     if "cap30" in extras:

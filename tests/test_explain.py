@@ -160,23 +160,26 @@ def test_explain_deterministic_sums_dq_in_a_fixed_order():
 
 
 def test_explain_names_the_causal_fixed_orders_launch():
-    """Deterministic mode's fixed dQ order under a causal bound launches heaviest first with 64-row
-    steps and lightest first with 128-row ones (``gluon.ordered_heaviest_first``); without a bound
-    there is no such choice to name."""
-    from dataclasses import replace
-
+    """Deterministic mode's fixed dQ order under a causal bound: its launch depends on the shape
+    (``gluon.bwd.fixed_order_launch``), so dQ's reason points at the dK/dV step, whose launch form names
+    it -- heaviest or lightest programs first, the chunk, interleaved or not; without a bound there is
+    no such choice to name."""
     from fusedattn.spec import UNBOUNDED, AttentionSpec
-    from fusedattn.tuning.configs import INTERPRETER_CONFIGS, KernelConfig
+    from fusedattn.tuning.configs import INTERPRETER_CONFIGS
 
     causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, True)  # deterministic
     full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, True)
     route = dict(atomic_dq=True, gluon_dkdv=True, gluon_dq=False, group_walk=False, mask=None, bias=None,
                  packing=None)
-    rows64 = replace(INTERPRETER_CONFIGS, dkdv=KernelConfig(64, 128, 4, 2, True, 0, 2, 0))
-    rows128 = replace(INTERPRETER_CONFIGS, dkdv=KernelConfig(128, 128, 4, 2, True, 0, 2, 0))
-    assert "heaviest programs launched first" in dispatch._dq_route(causal, rows64, **route)
-    assert "lightest programs launched first" in dispatch._dq_route(causal, rows128, **route)
-    assert "launched first" not in dispatch._dq_route(full, rows64, **route)
+    assert "launched as the dK/dV step says" in dispatch._dq_route(causal, INTERPRETER_CONFIGS, **route)
+    assert "launched" not in dispatch._dq_route(full, INTERPRETER_CONFIGS, **route)
+    interleaved = dispatch._launch_form(0, 512, (True, 8, True))
+    assert interleaved.startswith("one program per tile (512 tiles), heaviest programs first")
+    assert "chunks of 8 head rows" in interleaved and "lighter half launched among" in interleaved
+    lightest = dispatch._launch_form(0, 2048, (False, 4, False))
+    assert "lightest programs first" in lightest and "chunks of 4 head rows" in lightest
+    assert "among" not in lightest
+    assert dispatch._launch_form(0, 512) == "one program per tile (512 tiles)"
 
 
 def test_explain_says_why_a_causal_launch_of_few_programs_keeps_the_dq_pass():
@@ -263,3 +266,35 @@ def test_explain_reports_the_launch_form_that_runs(batch, seqlen, heads, head_di
             assert launch == f"one program per tile ({math.prod(grid)} tiles)", (step, grid, launch)
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:
         assert {step for step in grids if steps[step].launch.startswith("persistent")} == persistent, str(explanation)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernels run on sm_90 GPUs only")
+@pytest.mark.parametrize("batch,heads,head_dim", [(1, 16, 128), (2, 32, 64)])
+def test_explain_names_the_fixed_orders_launch_that_runs(batch, heads, head_dim, monkeypatch):
+    """Deterministic, causal, 4k keys: the dK/dV step's launch form names the launch the launcher
+    builds -- its grid, its chunk of head rows, and the interleave exactly where the launch is
+    ``interleaved_order``'s (CHUNKED 3)."""
+    from fusedattn.kernels.gluon import bwd as gluon_bwd
+
+    built = []
+    real = gluon_bwd._dkdv_launcher
+
+    def launcher(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(gluon_bwd, "_dkdv_launcher", launcher)
+    q, k, v = _inputs(batch, 4096, 4096, heads, heads, head_dim)
+    explanation = fusedattn.explain(q, k, v, causal=True, deterministic=True, show=False)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    fusedattn.attention(*leaves, causal=True, deterministic=True).float().square().sum().backward()
+    launch = {s.name: s for s in explanation.backward}["dK/dV"].launch
+    assert len(built) == 1 and built[0].options["ORDERED"], str(explanation)
+    tiles, key_blocks = math.prod(built[0].grid), 4096 // 128
+    rows = next(b for a, b, c in zip(built[0].template, built[0].template[1:], built[0].template[2:])
+                if (a, c) == (key_blocks, tiles))
+    assert launch.startswith(f"one program per tile ({tiles} tiles), heaviest programs first"), launch
+    assert f"chunks of {rows} head rows" in launch, launch
+    assert ("among the next chunk's heavier half" in launch) == (built[0].options["CHUNKED"] == 3), launch
+    if torch.cuda.get_device_properties(0).L2_cache_size >= 48 * 2 ** 20:  # the rule's chunks fit twice
+        assert built[0].options["CHUNKED"] == 3, launch

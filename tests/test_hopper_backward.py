@@ -483,6 +483,39 @@ def test_ordered_dq_gives_the_same_bits_in_every_launch_order(chunk, causal, ord
     assert ordered_launches == [True] * 3
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_the_interleaved_fixed_order_is_right_and_adds_in_the_heaviest_first_order(head_dim, monkeypatch):
+    """Deterministic, causal: each chunk's lighter half launched among the next chunk's heavier half
+    (``interleaved_order``, CHUNKED 3; chunks of 2 head rows forced here, 4 chunks, ragged key blocks).
+    Right against the reference and the same bits in a second run; at D=128 the same bits as the
+    launch without the interleave, whose programs add in the same order (heaviest first)."""
+    from fusedattn.kernels.gluon import bwd as hopper_bwd
+
+    launches = launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel,
+                                   lambda c: (c["ORDERED"], c["CHUNKED"], c["WALK"]))
+    case = Case(2, 4, 4, 1100, 1100, head_dim, causal=True, deterministic=True, dtype=torch.bfloat16)
+    q, k, v, dout, _ = make_inputs(case, "cuda")
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fusedattn.attention(*leaves, causal=True, deterministic=True).backward(dout)
+        return [t.grad for t in leaves]
+
+    with ordered_configs(case):
+        set_knobs(monkeypatch, chunk_heads=2)
+        check_case(case, "triton", "cuda")
+        first, second = grads(), grads()
+        assert launches == [(True, 3, hopper_bwd.WALK_DESCENDING)] * 3, launches
+        set_knobs(monkeypatch, ordered_interleave=False)
+        plain = grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    if head_dim == 128:
+        assert launches[-1] == (True, 2, hopper_bwd.WALK_DESCENDING)
+        assert all(torch.equal(a, b) for a, b in zip(first, plain))
+    else:  # lightest first: another order of adds
+        assert launches[-1] == (True, 2, hopper_bwd.WALK_MASKED_FIRST)
+
+
 def test_masks_with_partial_tiles_run_the_triton_pass(gluon_launches):
     case = Case(1, 2, 2, 300, 300, 128, mask="full", mask_blocks=(64, 64), dtype=torch.bfloat16)
     with pinned_dkdv(case, dkdv(2, 1)):

@@ -289,19 +289,21 @@ def test_the_causal_forward_launches_block_major_in_l2_sections(launchers_on_132
     assert chunk((4, 16, 4096, 128), 16, causal) == 8  # the experiment switch wins
 
 
-def test_the_ordered_dq_pass_launches_in_chunks_of_about_a_wave(launchers_on_132_sms):
+def test_the_ordered_dq_pass_launches_in_chunks_of_about_a_wave(launchers_on_132_sms, monkeypatch):
     """Deterministic mode's fixed dQ order (each key block's program waits on the previous block's
     adds): chunks of about a wave of programs -- measured 4-8% off the deterministic backward at 4k
     keys against head-major order, level at 16k (benchmarks/NOTES.md v83) -- but where a causal
-    order launches its heaviest programs first (64-row steps), which takes chunks of sqrt(64 SMs /
-    key blocks) rows, to a power of two: 16 at 32 key blocks, 8 at 128 (benchmarks/NOTES.md v87).
-    Without the order, no causal bound keeps head-major order."""
+    order launches its heaviest programs first (64-row steps, not interleaved: the switch off), which
+    takes chunks of sqrt(64 SMs / key blocks) rows, to a power of two: 16 at 32 key blocks, 8 at 128
+    (benchmarks/NOTES.md v87). Without the order, no causal bound keeps head-major order."""
     from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.kernels.shared import knobs
     from fusedattn.tuning.configs import KernelConfig
 
     bwd, _ = launchers_on_132_sms
     lockstep = KernelConfig(64, 128, 4, 2, True, 0, 2, 0)  # D=128: dQ split by columns, no turns
     device = torch.device("cuda", 0)
+    monkeypatch.setattr(knobs, "_current", knobs.Knobs(ordered_interleave=False))
     full = AttentionSpec("bhsd", UNBOUNDED, UNBOUNDED, 0.125, 0.0, False)
     causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, False)
 
@@ -322,6 +324,9 @@ def test_the_ordered_dq_pass_launches_in_chunks_of_about_a_wave(launchers_on_132
     programs, _, rows = bwd.dkdv_programs((4, 32, 4096, 64), 32, 4096, causal, lightest_first, True, False, False,
                                           True, False, device)
     assert programs == 0 and rows == round(SMS / 32)
+    monkeypatch.setattr(knobs, "_current", knobs.Knobs())  # interleaved (``fixed_order_launch``)
+    assert chunk((4, 16, 4096, 128), 16, causal, True) == 8
+    assert chunk((1, 16, 16384, 128), 16, causal, True) == 2
 
 
 def test_the_causal_fixed_order_walks_heaviest_first_with_64_row_steps():
@@ -334,9 +339,107 @@ def test_the_causal_fixed_order_walks_heaviest_first_with_64_row_steps():
     rows64, rows128 = KernelConfig(64, 128, 4, 2, True, 0, 2, 0), KernelConfig(128, 128, 4, 2, True, 0, 2, 0)
     assert bwd.dkdv_walk(True, rows64, True) == bwd.WALK_DESCENDING
     assert bwd.dkdv_walk(True, rows128, True) == bwd.WALK_MASKED_FIRST
+    assert bwd.dkdv_walk(True, rows128, True, interleaved=True) == bwd.WALK_DESCENDING
     for config in (rows64, rows128):
         assert bwd.dkdv_walk(False, config, True) == bwd.WALK_ASCENDING  # every program visits every block
         assert bwd.dkdv_walk(True, config, False) == bwd.WALK_ASCENDING  # summed in any order
+
+
+def walk_interleaved_order(head_rows, blocks, chunk_heads):
+    """(row, block) in launch order: chunk 0's heavy half (blocks [0, blocks // 2)), then for each
+    chunk its light half's groups alternating with the next chunk's heavy half's, light first, a
+    group being one block of each of the chunk's rows; the last chunk's light half alone at the end."""
+    half = blocks // 2
+    chunks = [range(first, first + chunk_heads) for first in range(0, head_rows, chunk_heads)]
+
+    def groups(rows, block_range):
+        return [[(row, block) for row in rows] for block in block_range]
+
+    order = sum(groups(chunks[0], range(half)), [])
+    for k, rows in enumerate(chunks):
+        light = groups(rows, range(half, blocks))
+        heavy = groups(chunks[k + 1], range(half)) if k + 1 < len(chunks) else []
+        for i in range(max(len(light), len(heavy))):
+            order += (light[i] if i < len(light) else []) + (heavy[i] if i < len(heavy) else [])
+    return order
+
+
+@pytest.mark.parametrize("head_rows,blocks,chunk_heads", [(4, 5, 2), (16, 32, 8), (12, 7, 3), (8, 2, 4), (6, 9, 2)])
+def test_the_interleaved_launch_follows_its_definition_and_keeps_each_rows_blocks_in_order(head_rows, blocks,
+                                                                                           chunk_heads):
+    """``interleaved_order``'s host mirror against a walk written from its definition; every tile once,
+    and each row's blocks in ascending launch order: a program's dQ adds wait on the previous block's
+    program of its row (heaviest first), which must have been launched before it."""
+    rows, blocks_ = rounds.interleaved_order_tiles(head_rows, blocks, chunk_heads)
+    order = list(zip(rows.tolist(), blocks_.tolist()))
+    assert order == walk_interleaved_order(head_rows, blocks, chunk_heads)
+    assert sorted(order) == [(r, b) for r in range(head_rows) for b in range(blocks)]
+    for r in range(head_rows):
+        assert [b for row, b in order if row == r] == list(range(blocks))
+
+
+def test_the_causal_fixed_order_interleaves_where_two_chunks_of_rows_fit_l2(launchers_on_132_sms, monkeypatch):
+    """Heaviest first with each chunk's light half among the next chunk's heavy half
+    (``gluon.bwd.fixed_order_launch``) in chunks of the power of two nearest L2 / (2 rows' Q, dO and dQ
+    accumulator), at most the spaced chunk: the sweep's best at each measured shape (benchmarks/NOTES.md
+    v88, one H200, 60 MiB of L2: 8 rows at D=128 4k, 4 at 8k, 2 at 16k; 16 at D=64 4k, 4 at 16k). Not
+    at one row a chunk, a single chunk, chunks that do not divide the rows, or GQA (each program walks
+    a KV group); there the earlier orders stand: heaviest first with 64-row steps, lightest first
+    with 128-row ones."""
+    from fusedattn.kernels.shared import knobs
+    from fusedattn.tuning.configs import KernelConfig
+
+    bwd, _ = launchers_on_132_sms
+    device = torch.device("cuda", 0)
+    rows64, rows128 = KernelConfig(64, 128, 4, 2, True, 0, 2, 0), KernelConfig(128, 128, 4, 2, True, 0, 2, 0)
+    heaviest, lightest = bwd.WALK_DESCENDING, bwd.WALK_MASKED_FIRST
+
+    def launch(q_shape, heads_kv, config):
+        return bwd.fixed_order_launch(q_shape, heads_kv, q_shape[2], config, device)
+
+    assert launch((4, 16, 4096, 128), 16, rows64) == (heaviest, 8, True)  # 4 MiB a row: 7.5 -> 8
+    assert launch((2, 16, 8192, 128), 16, rows64) == (heaviest, 4, True)
+    assert launch((1, 16, 16384, 128), 16, rows64) == (heaviest, 2, True)
+    assert launch((1, 16, 32768, 128), 16, rows64) == (heaviest, 8, False)  # 1 row a chunk: spaced chunks
+    assert launch((16, 16, 1024, 128), 16, rows64) == (heaviest, 32, True)  # at most the spaced chunk
+    assert launch((4, 16, 4096, 64), 16, rows128) == (heaviest, 16, True)
+    assert launch((1, 16, 16384, 64), 16, rows128) == (heaviest, 4, True)
+    assert launch((1, 12, 16384, 64), 12, rows128) == (heaviest, 4, True)
+    assert launch((1, 10, 16384, 64), 10, rows128) == (lightest, 1, False)  # 4 does not divide 10 rows
+    assert launch((1, 2, 16384, 128), 2, rows64) == (heaviest, 2, False)  # one chunk
+    assert launch((4, 16, 4096, 128), 2, rows64) == (heaviest, 8, False)  # GQA 16/2
+    assert launch((4, 16, 4096, 64), 2, rows128) == (lightest, 4, False)
+    monkeypatch.setattr(knobs, "_current", knobs.Knobs(ordered_interleave=False))
+    assert launch((4, 16, 4096, 128), 16, rows64) == (heaviest, 16, False)
+    assert launch((4, 16, 4096, 64), 16, rows128) == (lightest, 4, False)
+
+
+def test_the_interleaved_fixed_order_is_a_1d_launch_with_its_chunk_and_walk(launchers_on_132_sms, monkeypatch):
+    """The launcher passes the decision on: an interleaved launch is 1-D (CHUNKED 3, the kernel's
+    ``interleaved_order``), its chunk the rule's, its walk heaviest first -- at D=64 too, where the
+    order without the interleave goes lightest first."""
+    from fusedattn.kernels.shared import knobs
+    from fusedattn.spec import UNBOUNDED, AttentionSpec
+    from fusedattn.tuning.configs import KernelConfig
+
+    bwd, _ = launchers_on_132_sms
+    causal = AttentionSpec("bhsd", UNBOUNDED, 0, 0.125, 0.0, True)  # deterministic
+
+    def built(q_shape, config):
+        return bwd._dkdv_launcher.__wrapped__(q_shape, q_shape[1], q_shape[2], causal, config, True, (0, 0, 0),
+                                              False, False, None, False, 0, ordered=True)
+
+    rows64, rows128 = KernelConfig(64, 128, 4, 2, True, 0, 2, 0), KernelConfig(128, 128, 4, 2, True, 0, 2, 0)
+    for q_shape, config, rows in (((4, 16, 4096, 128), rows64, 8), ((1, 16, 16384, 64), rows128, 4)):
+        launch = built(q_shape, config)
+        tiles = q_shape[0] * q_shape[1] * q_shape[2] // 128
+        assert launch.grid == (tiles,) and launch.options["CHUNKED"] == 3, launch.grid
+        key_blocks = q_shape[2] // 128
+        triples = list(zip(launch.template, launch.template[1:], launch.template[2:]))
+        assert launch.options["WALK"] == bwd.WALK_DESCENDING and (key_blocks, rows, tiles) in triples
+    monkeypatch.setattr(knobs, "_current", knobs.Knobs(ordered_interleave=False))
+    launch = built((1, 16, 16384, 64), rows128)
+    assert launch.options["CHUNKED"] != 3 and launch.options["WALK"] == bwd.WALK_MASKED_FIRST
 
 
 def test_the_fixed_dq_order_takes_causal_launches_lightest_first_only_with_many_programs_an_sm():

@@ -470,10 +470,8 @@ def _dq_route(spec, configs, atomic_dq, gluon_dkdv, gluon_dq, group_walk, mask, 
     """Why dQ is summed the way the plan says, in words (``explain``). ``unbalanced``: the fixed order
     was possible but refused for its launch (``ordered_dq_balances``)."""
     if atomic_dq and spec.deterministic:
-        causal_order = ""
-        if spec.window_right == 0:  # the order's two forms under a causal bound (``gluon.ordered_heaviest_first``)
-            first = "heaviest" if gluon.ordered_heaviest_first(configs.dkdv) else "lightest"
-            causal_order = f", {first} programs launched first under the causal bound"
+        # under a causal bound the order's launch depends on the shape: the dK/dV step names it
+        causal_order = ", launched as the dK/dV step says" if spec.window_right == 0 else ""
         return ("every row summed in a fixed order (deterministic mode: the dK/dV pass's programs take turns "
                 f"on each query block's fp32 reduce-adds{causal_order}; 5 matmuls a tile, not 7)")
     if atomic_dq:
@@ -541,7 +539,9 @@ def ordered_dq_balances(spec: AttentionSpec, config: KernelConfig, programs: int
     head's group, on 132 SMs -- 1.5x the backward with the dQ pass; 16 heads (2048 programs) 6% faster
     than it. Such launches keep the dQ pass below ORDERED_CAUSAL_PROGRAMS_PER_SM programs an SM. Launched
     heaviest first (64-row steps), GQA 16/2 runs 3% faster than with the dQ pass; without a causal
-    bound the programs are even."""
+    bound the programs are even. The rule keys on the order without the interleave: 128-row launches
+    that the interleave takes heaviest first (``gluon.bwd.fixed_order_launch``) were measured only with
+    more programs an SM than that, and keep the refusal below it."""
     return (spec.window_right != 0 or gluon.ordered_heaviest_first(config)
             or programs >= ORDERED_CAUSAL_PROGRAMS_PER_SM * sms)
 
@@ -855,11 +855,21 @@ def _describe(config: KernelConfig) -> str:
     return f"{text}, {config.num_warps} warps" + (", TMA loads" if config.tma_loads else "")
 
 
-def _launch_form(programs: int, tiles: int) -> str:
-    """A Gluon launch's form, from the launcher's decision (programs 0: one a tile)."""
-    if not programs:
-        return f"one program per tile ({tiles} tiles)"
-    return f"persistent: {programs} programs walk {tiles} tiles in rounds"
+def _launch_form(programs: int, tiles: int, fixed_order: tuple | None = None) -> str:
+    """A Gluon launch's form, from the launcher's decision (programs 0: one a tile); ``fixed_order``:
+    the dK/dV pass's launch for dQ in a fixed order under a causal bound (``gluon.bwd.fixed_order_launch``:
+    heaviest first or not, head rows per chunk, interleaved or not)."""
+    if programs:
+        return f"persistent: {programs} programs walk {tiles} tiles in rounds"
+    form = f"one program per tile ({tiles} tiles)"
+    if fixed_order is None:
+        return form
+    heaviest, rows, interleaved = fixed_order
+    form += (f", {'heaviest' if heaviest else 'lightest'} programs first (dQ's fixed order under the causal "
+             f"bound) in chunks of {rows} head rows")
+    if interleaved:
+        form += ", each chunk's lighter half launched among the next chunk's heavier half"
+    return form
 
 
 def _gluon_forward_name(config: KernelConfig) -> str:
@@ -914,9 +924,14 @@ def explain_plans(q, k, v, spec: AttentionSpec, sinks, mask: BlockMask | None, b
         programs, tiles, _ = gluon_bwd.dkdv_programs((batch, heads_q, seqlen_q, head_dim), heads_kv, seqlen_k, spec,
                                                      bplan.dkdv, bplan.atomic_dq, mask is not None, group_sum,
                                                      bplan.ordered_dq, bias is not None, q.device)
+        fixed_order = None
+        if bplan.ordered_dq and spec.window_right == 0:
+            walk, rows, interleaved = gluon_bwd.fixed_order_launch((batch, heads_q, seqlen_q, head_dim), heads_kv,
+                                                                   seqlen_k, bplan.dkdv, q.device)
+            fixed_order = (walk == int(gluon_bwd.WALK_DESCENDING), rows, interleaved)
         steps.append(Step("dK/dV", f"Gluon dK/dV pass, warp-specialised{summed}",
                           "mask by its tile lists (no partial tile)" if mask is not None else "", bplan.dkdv,
-                          _launch_form(programs, tiles)))
+                          _launch_form(programs, tiles, fixed_order)))
     else:
         dkdv_cfg = triton_dkdv_fallback(bplan.dkdv) if bplan.dkdv.family == "gluon" else bplan.dkdv
         order = "block-major" if bplan.block_major else "head-major"

@@ -101,6 +101,38 @@ def launch_order(pid, head_rows, blocks, chunk_heads):
     return first_row + within - block * rows, block
 
 
+@gluon.jit
+def interleaved_order(pid, head_rows, blocks, chunk_heads):
+    """(head row, block) of program ``pid`` of a 1-D launch in ``launch_order``'s chunks (block-major
+    within a chunk), each chunk's light half -- blocks [blocks // 2, blocks) -- launched interleaved,
+    block by block, with the next chunk's heavy half: H_0, (T_0 H_1), (T_1 H_2), ..., T_last, where a
+    merged segment alternates its groups (one block of each of the chunk's rows) T, H, T, H, ...
+    A row's blocks stay in ascending launch order; its light ones start twice as many launches apart
+    as in ``launch_order``, among long programs, so they do not all start together when a chunk's
+    heavy programs end. ``head_rows`` a multiple of ``chunk_heads`` (``interleaved_chunk_rows``); the
+    host's mirror is ``rounds.interleaved_order_tiles``."""
+    half = blocks // 2
+    chunks = head_rows // chunk_heads
+    heavy_head = chunk_heads * half  # H_0: the first chunk's heavy half alone
+    first = pid < heavy_head
+    within = gl.maximum(pid - heavy_head, 0)
+    segment_tiles = chunk_heads * blocks
+    segment = within // segment_tiles
+    within = within - segment * segment_tiles
+    group = within // chunk_heads
+    row = within - group * chunk_heads
+    last = segment == chunks - 1  # the last segment is T_last alone
+    even = (group % 2) == 0  # in the others, the even groups are T's
+    block = gl.where(last, half + group, gl.where(even, half + group // 2, group // 2))
+    chunk = gl.where(last | even, segment, segment + 1)
+    first_group = pid // chunk_heads
+    first_row = pid - first_group * chunk_heads
+    block = gl.where(first, first_group, block)
+    chunk = gl.where(first, 0, chunk)
+    row = gl.where(first, first_row, row)
+    return chunk * chunk_heads + row, block
+
+
 def chunk_grid(head_rows: int, blocks: int, chunk_heads: int) -> tuple | None:
     """``launch_order``'s chunks as a grid (rows of a chunk, blocks, chunks) where the chunks are whole,
     else None. The hardware starts a grid's programs x fastest, then y, then z -- ``launch_order``'s
@@ -195,6 +227,26 @@ def ordered_chunk_rows(head_rows: int, blocks: int, device: torch.device) -> int
         return forced
     rows = max(1.0, (64 * sm_count(device) / blocks) ** 0.5)
     return min(head_rows, 1 << round(math.log2(rows)))
+
+
+def interleaved_chunk_rows(head_rows: int, row_bytes: int, spaced_rows: int, device: torch.device) -> int:
+    """Head rows per chunk of ``interleaved_order`` for the dK/dV pass summing dQ in a fixed order
+    heaviest first, or 0 where it does not run. ``row_bytes``: what one head row's programs keep in
+    flight, its queries' Q and dO (16-bit) and dQ accumulator (fp32). Interleaved, two chunks' rows are
+    in flight at once: the power of two nearest L2 / (2 row_bytes), at most ``spaced_rows``
+    (``ordered_chunk_rows``). Measured (the dK/dV pass, one H200, chunks of 1 to 32 rows): best at 8 rows
+    at D=128 and 4k queries, 4 at 8k, 2 at 16k, 16 at D=64 and 4k, 4 at 16k -- each that rule -- and up to
+    17% slower at twice as many. It needs two chunks and at least two rows a chunk (at one, a row's
+    light blocks start together again: 6% slower at D=128, 16k), and whole chunks. A KV group walked
+    by one program (GQA) is not interleaved: its rows overflow L2 at any chunk of two rows or more, and
+    it measured 1-32% slower at chunks of 1 to 8 rows than all rows heaviest first."""
+    forced = _forced_chunk_rows(head_rows)
+    if forced is not None:
+        rows = forced
+    else:
+        fit = _l2_bytes(device.index) / (2 * max(1, row_bytes))
+        rows = min(spaced_rows, 1 << max(0, round(math.log2(max(fit, 1.0)))))
+    return rows if 2 <= rows < head_rows and head_rows % rows == 0 else 0
 
 
 def l2_section_rows(head_rows: int, bytes_per_row: int, device: torch.device) -> int:

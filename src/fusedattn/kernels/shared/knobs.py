@@ -16,6 +16,9 @@ from dataclasses import dataclass, replace
 class Knobs:
     # Gluon kernels: head rows per chunk of the launch order (None: the rule, 0: all heads).
     chunk_heads: int | None = None
+    # Gluon dK/dV pass summing dQ in a fixed order under a causal bound: False never interleaves its
+    # chunks (``gluon.common.interleaved_order``).
+    ordered_interleave: bool = True
     # Gluon warp-specialised forward: persistent programs (None: the rule, 0: one program per tile).
     programs: int | None = None
     # Gluon dK/dV pass: persistent programs (None: the rule; 0: one program per tile; n: n programs

@@ -48,6 +48,27 @@ def launch_order_blocks(head_rows: int, blocks: int, chunk_heads: int) -> torch.
     return (tile - chunk * chunk_tiles) // rows
 
 
+def interleaved_order_tiles(head_rows: int, blocks: int, chunk_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head row, block) of every tile, in launch order (``gluon.common.interleaved_order``): each
+    chunk's light half -- blocks [blocks // 2, blocks) -- launched block by block among the next chunk's
+    heavy half, H_0, (T_0 H_1), ..., T_last, each merged segment alternating T, H, T, H, ...
+    ``head_rows`` a multiple of ``chunk_heads``."""
+    pid = torch.arange(head_rows * blocks)
+    half, chunks = blocks // 2, head_rows // chunk_heads
+    first = pid < chunk_heads * half
+    within = (pid - chunk_heads * half).clamp(min=0)
+    segment, within = within // (chunk_heads * blocks), within % (chunk_heads * blocks)
+    group, row = within // chunk_heads, within % chunk_heads
+    last = segment == chunks - 1
+    light = last | (group % 2 == 0)
+    block = torch.where(last, half + group, torch.where(light, half + group // 2, group // 2))
+    chunk = torch.where(light, segment, segment + 1)
+    block = torch.where(first, pid // chunk_heads, block)
+    chunk = torch.where(first, 0, chunk)
+    row = torch.where(first, pid % chunk_heads, row)
+    return chunk * chunk_heads + row, block
+
+
 def snake_programs(tiles: int, programs: int) -> torch.Tensor:
     """The program that walks each tile (``gluon.common.snake_tile``'s rounds)."""
     tile = torch.arange(tiles)
