@@ -462,19 +462,26 @@ def test_ordered_dq_on_tensors_tma_cannot_address_falls_back_to_a_fixed_order(gl
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def deterministic_grads(case: Case):
+    """A function computing dQ, dK, dV of ``case``'s fresh inputs (the same ones each call) with
+    ``deterministic=True``."""
+    q, k, v, dout, _ = make_inputs(case, "cuda")
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fusedattn.attention(*leaves, causal=case.causal, deterministic=True).backward(dout)
+        return [t.grad for t in leaves]
+
+    return grads
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("chunk", ORDERS.values(), ids=ORDERS.keys())
 def test_ordered_dq_gives_the_same_bits_in_every_launch_order(chunk, causal, ordered_launches, monkeypatch):
     """dQ summed by the pass in a fixed order: a second run and every launch order of the programs
     give the same dQ, dK and dV bits."""
     case = Case(2, 6, 6, 1000, 1000, 128, causal=causal, deterministic=True, dtype=torch.bfloat16)
-    q, k, v, dout, _ = make_inputs(case, "cuda")
-
-    def grads():
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        fusedattn.attention(*leaves, causal=causal, deterministic=True).backward(dout)
-        return [t.grad for t in leaves]
-
+    grads = deterministic_grads(case)
     with ordered_configs(case):
         default = grads()
         set_knobs(monkeypatch, chunk_heads=chunk)
@@ -494,13 +501,7 @@ def test_the_interleaved_fixed_order_is_right_and_adds_in_the_heaviest_first_ord
     launches = launcher_constexprs(monkeypatch, hopper_bwd._dkdv_ws_kernel,
                                    lambda c: (c["ORDERED"], c["CHUNKED"], c["WALK"]))
     case = Case(2, 4, 4, 1100, 1100, head_dim, causal=True, deterministic=True, dtype=torch.bfloat16)
-    q, k, v, dout, _ = make_inputs(case, "cuda")
-
-    def grads():
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        fusedattn.attention(*leaves, causal=True, deterministic=True).backward(dout)
-        return [t.grad for t in leaves]
-
+    grads = deterministic_grads(case)
     with ordered_configs(case):
         set_knobs(monkeypatch, chunk_heads=2)
         check_case(case, "triton", "cuda")
