@@ -1557,11 +1557,10 @@ def fixed_order_launch(q_shape: tuple, heads_kv: int, seqlen_k: int, config: Ker
     rows = 0
     if heads_q == heads_kv and knobs().ordered_interleave:
         rows = interleaved_chunk_rows(heads, seqlen_q * head_dim * (2 + 2 + 4), spaced, device)
+    walk = dkdv_walk(True, config, True, interleaved=rows > 0)
     if rows:
-        return int(WALK_DESCENDING), rows, True
-    if ordered_heaviest_first(config):
-        return int(WALK_DESCENDING), spaced, False
-    return int(WALK_MASKED_FIRST), chunk_head_rows(heads, key_blocks, True, device), False
+        return walk, rows, True
+    return walk, spaced if walk == int(WALK_DESCENDING) else chunk_head_rows(heads, key_blocks, True, device), False
 
 
 def persistent_dkdv_fits(head_dim: int, config: KernelConfig, dq: bool, extras: bool) -> bool:
