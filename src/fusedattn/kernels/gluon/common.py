@@ -225,8 +225,7 @@ def ordered_chunk_rows(head_rows: int, blocks: int, device: torch.device) -> int
     forced = _forced_chunk_rows(head_rows)
     if forced is not None:
         return forced
-    rows = max(1.0, (64 * sm_count(device) / blocks) ** 0.5)
-    return min(head_rows, 1 << round(math.log2(rows)))
+    return min(head_rows, _nearest_power_of_two((64 * sm_count(device) / blocks) ** 0.5))
 
 
 def interleaved_chunk_rows(head_rows: int, row_bytes: int, spaced_rows: int, device: torch.device) -> int:
@@ -244,9 +243,13 @@ def interleaved_chunk_rows(head_rows: int, row_bytes: int, spaced_rows: int, dev
     if forced is not None:
         rows = forced
     else:
-        fit = _l2_bytes(device.index) / (2 * max(1, row_bytes))
-        rows = min(spaced_rows, 1 << max(0, round(math.log2(max(fit, 1.0)))))
+        rows = min(spaced_rows, _nearest_power_of_two(_l2_bytes(device.index) / (2 * max(1, row_bytes))))
     return rows if 2 <= rows < head_rows and head_rows % rows == 0 else 0
+
+
+def _nearest_power_of_two(x: float) -> int:
+    """The power of two nearest ``x`` on a log scale, at least 1."""
+    return 1 << round(math.log2(max(x, 1.0)))
 
 
 def l2_section_rows(head_rows: int, bytes_per_row: int, device: torch.device) -> int:
