@@ -11,7 +11,13 @@ atomics differs in its last bits between any two runs: compared within 2e-2 as w
         [--rows 4x16x4096x128xw1024,4x16x4096x128xcausal,packed,alibi] [--forward-only] [--rounds 3]
 
 A module missing from the directory is taken from this tree (only ``fwd.py`` there: the forward's
-change alone).
+change alone). ``--other-ptxas PATH`` compiles the other modules' kernels with that ptxas
+(``TRITON_PTXAS_PATH`` while they compile, at their first call): with a copy of this tree's modules
+as the other revision, the same kernels from two assemblers. The other modules are loaded one line
+down from their files, so that a kernel identical to this tree's still hashes apart from it (Triton's
+cache key takes the source and its place, not the module's name: without the shift the two forms
+share one binary). Triton kernels outside the Gluon modules compile once, at the first call of
+either form, and serve both.
 
 Rows: BxHxSxDxMASK with MASK causal, full or wN (a causal sliding window of N keys), then any of
 +det (``deterministic=True``), +kvN (N key/value heads: GQA), +cap30 (softcap 30), +alibi (random ALiBi slopes), +dropP (dropout
@@ -49,7 +55,9 @@ def load_other(directory: str) -> dict:
         given = os.path.join(directory, f"{name}.py")
         if not os.path.exists(given):
             given = os.path.join(os.path.dirname(package.__file__), f"{name}.py")
-        source = open(given).read().replace("from .common import", "from .common_other import")
+        # the leading line moves every kernel down one: identical kernels hash apart (docstring)
+        source = "# the other revision's module, loaded by gluon_modules_ab\n" + \
+            open(given).read().replace("from .common import", "from .common_other import")
         path = os.path.join(directory, f"{name}_other.py")
         with open(path, "w") as f:
             f.write(source)
@@ -61,7 +69,13 @@ def load_other(directory: str) -> dict:
     return {"fwd": modules["fwd"], "bwd": modules["bwd"]}
 
 
-def route_to(modules: dict) -> None:
+def route_to(modules: dict, ptxas: str | None = None) -> None:
+    """Route the dispatcher's calls to ``modules``; ``ptxas`` (or Triton's own when None) compiles
+    whatever they compile from here on."""
+    if ptxas:
+        os.environ["TRITON_PTXAS_PATH"] = ptxas
+    else:
+        os.environ.pop("TRITON_PTXAS_PATH", None)
     for name, module in modules.items():
         sys.modules[f"fusedattn.kernels.gluon.{name}"] = module
         setattr(package, name, module)
@@ -113,9 +127,11 @@ def main() -> None:
     p.add_argument("--rows", default=ROWS)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--forward-only", action="store_true")
+    p.add_argument("--other-ptxas", default=None, help="ptxas for the other modules' kernels")
     args = p.parse_args()
+    ptxas = {"other": args.other_ptxas, "this": os.environ.get("TRITON_PTXAS_PATH")}
     forms = (("other", load_other(args.other_dir)), ("this", {"fwd": this_fwd, "bwd": this_bwd}))
-    results = {"device": torch.cuda.get_device_name(), "other_dir": args.other_dir, "rows": {}}
+    results = {"device": torch.cuda.get_device_name(), "other_dir": args.other_dir, "ptxas": ptxas, "rows": {}}
     for row in args.rows.split(","):
         call = make_call(row, args.forward_only)
         outputs, rounds = {}, collections.defaultdict(list)
@@ -123,11 +139,11 @@ def main() -> None:
             # each round in the other order than the last: a row's second call runs warmer (on a long
             # row, identical kernels measured 2% apart by their place in the round)
             for name, modules in (forms if r % 2 == 0 else forms[::-1]):
-                route_to(modules)
+                route_to(modules, ptxas[name])
                 if r == 0:
                     outputs[name] = [t.clone() for t in call()]
                 rounds[name].append(kernel_times(call, 10))
-        route_to(forms[1][1])
+        route_to(forms[1][1], ptxas["this"])
         median = {}
         for name, _ in forms:
             per_kernel = collections.defaultdict(list)

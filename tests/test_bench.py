@@ -530,9 +530,11 @@ def test_program_cost_fits_against_the_keys_a_row_sees():
     assert abs(intercept - 100.0) < 1e-9 and abs(slope - 0.25) < 1e-12
 
 
-def test_gluon_modules_ab_routes_to_the_other_revisions_modules(tmp_path):
+def test_gluon_modules_ab_routes_to_the_other_revisions_modules(tmp_path, monkeypatch):
     """benchmarks/gluon_modules_ab.py: the other revision's fwd and bwd import its own common (not this
-    tree's), and routing swaps the modules the dispatcher imports at call time, and back."""
+    tree's), one line down; routing swaps the modules the dispatcher imports at call time and the
+    ptxas that compiles them, and back."""
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)  # restored after the test
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import gluon_modules_ab as ab
     import fusedattn.kernels.gluon as package
@@ -551,11 +553,17 @@ def test_gluon_modules_ab_routes_to_the_other_revisions_modules(tmp_path):
         assert other["fwd"].keep_scores is common_other.keep_scores
         assert other["bwd"].keep_scores is common_other.keep_scores
         assert this["fwd"].keep_scores is not common_other.keep_scores
-        ab.route_to(other)
+        # one line down: a kernel identical to this tree's hashes apart from it
+        kernel = "_attn_fwd_ws_kernel"
+        assert (getattr(other["fwd"], kernel).starting_line_number
+                == getattr(this["fwd"], kernel).starting_line_number + 1)
+        ab.route_to(other, "/opt/other/ptxas")
+        assert os.environ["TRITON_PTXAS_PATH"] == "/opt/other/ptxas"
         from fusedattn.kernels.gluon import bwd, fwd
         assert (fwd, bwd) == (other["fwd"], other["bwd"])
     finally:
         ab.route_to(this)
+    assert "TRITON_PTXAS_PATH" not in os.environ
     from fusedattn.kernels.gluon import bwd, fwd
     assert (fwd, bwd) == (this["fwd"], this["bwd"])
 
