@@ -9,6 +9,7 @@ atomics differs in its last bits between any two runs: compared within 2e-2 as w
         git show REV:src/fusedattn/kernels/gluon/$f.py > /tmp/other/$f.py; done
     PYTHONPATH=src python benchmarks/gluon_modules_ab.py /tmp/other OUT.json \\
         [--rows 4x16x4096x128xw1024,4x16x4096x128xcausal,packed,alibi] [--forward-only] [--rounds 3]
+        [--reference _attn_fwd_ws_kernel] [--other-ptxas PATH]
 
 A module missing from the directory is taken from this tree (only ``fwd.py`` there: the forward's
 change alone). ``--other-ptxas PATH`` compiles the other modules' kernels with that ptxas
@@ -120,6 +121,16 @@ def make_call(row: str, forward_only: bool):
     return call
 
 
+def against_reference(rounds: dict, kernel: str, reference: str) -> float:
+    """The median over rounds of kernel's this/other time ratio divided by the reference kernel's
+    ratio in the same round, less one: a kernel whose code is the same on both sides (the forward,
+    when only ``bwd.py`` differs) moves with the clocks the two sides happened to run at, round by
+    round (measured: identical forwards 2-3% apart in a round at the power cap)."""
+    ratios = [(this[kernel] / other[kernel]) / (this[reference] / other[reference])
+              for other, this in zip(rounds["other"], rounds["this"])]
+    return statistics.median(ratios) - 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("other_dir")
@@ -128,6 +139,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--other-ptxas", default=None, help="ptxas for the other modules' kernels")
+    p.add_argument("--reference", default=None,
+                   help="a kernel with the same code on both sides (e.g. _attn_fwd_ws_kernel when only bwd.py "
+                        "differs): each kernel's change is also printed relative to it, round by round")
     args = p.parse_args()
     ptxas = {"other": args.other_ptxas, "this": os.environ.get("TRITON_PTXAS_PATH")}
     forms = (("other", load_other(args.other_dir)), ("this", {"fwd": this_fwd, "bwd": this_bwd}))
@@ -155,9 +169,17 @@ def main() -> None:
         close = [torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0) for a, b in zip(outputs["other"], outputs["this"])]
         results["rows"][row] = dict(median_us=median, rounds_us={name: rounds[name] for name, _ in forms},
                                     bitwise_equal=equal, close=close)
-        parts = [f"{kernel} {us:.1f} -> {median['this'].get(kernel, float('nan')):.1f} "
-                 f"({median['this'].get(kernel, float('nan')) / us - 1:+.1%})"
-                 for kernel, us in median["other"].items() if us > 20]
+        parts = []
+        for kernel, us in median["other"].items():
+            if us <= 20:
+                continue
+            part = (f"{kernel} {us:.1f} -> {median['this'].get(kernel, float('nan')):.1f} "
+                    f"({median['this'].get(kernel, float('nan')) / us - 1:+.1%}")
+            if args.reference and kernel != args.reference and args.reference in median["other"]:
+                change = against_reference(rounds, kernel, args.reference)
+                results["rows"][row].setdefault("against_reference", {})[kernel] = change
+                part += f"; {change:+.1%} against {args.reference}"
+            parts.append(part + ")")
         print(f"{row}: " + " | ".join(parts) + f" | outputs equal {equal}, close {close}", flush=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -574,6 +574,22 @@ def test_gluon_modules_ab_routes_to_the_other_revisions_modules(tmp_path, monkey
     assert not hasattr(sys.modules["fusedattn.kernels.gluon.common_other"], "OTHER_REVISION")
 
 
+def test_gluon_modules_ab_reads_a_change_against_a_reference_kernel_round_by_round():
+    """benchmarks/gluon_modules_ab.py --reference: a kernel that moves with the reference in every
+    round (the clocks) reads as no change; one 5% slower in each round while the reference is 2% slower
+    reads as 5 / 2 = 2.9%; the median over rounds, so one odd round does not move it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gluon_modules_ab import against_reference
+
+    other = [{"bwd": 100.0, "fwd": 50.0}] * 3
+    clocks = {"other": other, "this": [{"bwd": 102.0, "fwd": 51.0}, {"bwd": 97.0, "fwd": 48.5},
+                                       {"bwd": 100.0, "fwd": 50.0}]}
+    assert abs(against_reference(clocks, "bwd", "fwd")) < 1e-12
+    slower = {"other": other, "this": [{"bwd": 105.0, "fwd": 51.0}, {"bwd": 105.0, "fwd": 51.0},
+                                       {"bwd": 150.0, "fwd": 51.0}]}
+    assert abs(against_reference(slower, "bwd", "fwd") - (1.05 / 1.02 - 1)) < 1e-12
+
+
 def test_ptx_override_drops_only_barriers_that_order_nothing():
     """benchmarks/ptx_override.py's PTX edit: a warpgroup bar.sync right before a try_wait loop goes
     (and before a one-thread arrive only in the "all" form, where a completed wgmma wait precedes it);
