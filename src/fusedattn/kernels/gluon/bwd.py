@@ -1548,9 +1548,8 @@ def fixed_order_launch(q_shape: tuple, heads_kv: int, seqlen_k: int, config: Ker
     fit (``interleaved_chunk_rows``; a head row keeps its queries' Q and dO, 16-bit, and dQ accumulator,
     fp32, in flight; never where a program walks a KV group); else heaviest first in chunks of
     ``ordered_chunk_rows`` with 64-row steps, lightest first in chunks of a wave with 128-row ones
-    (``ordered_heaviest_first``). Measured against those (the dK/dV pass, one H200): D=128 4k -5%,
-    8k -6%, 16k -2 to -3%, softcap -6%; D=64 (against lightest first) 4k -4%, 16k -5 to -9%; level at
-    1k."""
+    (``ordered_heaviest_first``). The interleave measured faster than either at both head sizes from
+    4k queries, level at 1k (docs/PERFORMANCE.md, section 5d)."""
     batch, heads_q, seqlen_q, head_dim = q_shape
     heads, key_blocks = batch * heads_kv, cdiv(seqlen_k, dkdv_key_block(config))
     spaced = ordered_chunk_rows(heads, key_blocks, device)

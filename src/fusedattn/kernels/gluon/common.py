@@ -233,12 +233,12 @@ def interleaved_chunk_rows(head_rows: int, row_bytes: int, spaced_rows: int, dev
     heaviest first, or 0 where it does not run. ``row_bytes``: what one head row's programs keep in
     flight, its queries' Q and dO (16-bit) and dQ accumulator (fp32). Interleaved, two chunks' rows are
     in flight at once: the power of two nearest L2 / (2 row_bytes), at most ``spaced_rows``
-    (``ordered_chunk_rows``). Measured (the dK/dV pass, one H200, chunks of 1 to 32 rows): best at 8 rows
-    at D=128 and 4k queries, 4 at 8k, 2 at 16k, 16 at D=64 and 4k, 4 at 16k -- each that rule -- and up to
-    17% slower at twice as many. It needs two chunks and at least two rows a chunk (at one, a row's
-    light blocks start together again: 6% slower at D=128, 16k), and whole chunks. A KV group walked
-    by one program (GQA) is not interleaved: its rows overflow L2 at any chunk of two rows or more, and
-    it measured 1-32% slower at chunks of 1 to 8 rows than all rows heaviest first."""
+    (``ordered_chunk_rows``): swept from 1 to 32 rows a chunk, the fastest chunk matched this rule at
+    every head size and length measured, and twice as many rows overflowed L2 and ran slower. It needs
+    two chunks and at least two rows a chunk (at one, a row's light blocks start together again:
+    slower), and whole chunks. A KV group walked by one program (GQA) is not interleaved: its rows
+    overflow L2 at any chunk of two rows or more, and it measured slower than all rows heaviest first
+    at every chunk size (docs/PERFORMANCE.md, section 5d)."""
     forced = _forced_chunk_rows(head_rows)
     if forced is not None:
         rows = forced
